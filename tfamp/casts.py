@@ -1,0 +1,155 @@
+"""Applies a Coloring: retypes converted nodes and inserts Casts at region edges.
+
+``insert_casts(graph_def, view, coloring) -> (new_graph_def, casts)``. Owns Cast
+naming and sharing: one Cast per (source tensor, destination dtype), shared by
+every consumer that needs it, and never a Cast of a Cast back to the type it
+started from (the consumer is wired to the original tensor instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorflow.core.framework import graph_pb2
+
+from tfamp.coloring import Coloring
+from tfamp.graph import FLOAT_TYPES, Body, GraphView, TensorRef, dtype_name
+
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CastRecord:
+    """One inserted Cast and the boundary it bridges."""
+
+    name: str
+    function: str
+    source: str  # the tensor it reads, as written in its body
+    src_dtype: str
+    dst_dtype: str
+    consumers: tuple[str, ...]  # nodes (or "<ret NAME>") it feeds
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView,
+                 coloring: Coloring) -> tuple[graph_pb2.GraphDef, list[CastRecord]]:
+    """Returns a retyped copy of `graph_def` with Casts at every dtype boundary.
+
+    Args:
+      graph_def: the graph `view` was built from; not modified.
+      view: its GraphView.
+      coloring: decisions for every node of `view`.
+
+    Returns:
+      (new GraphDef, one CastRecord per inserted Cast).
+    """
+    new_graph_def = graph_pb2.GraphDef()
+    new_graph_def.CopyFrom(graph_def)
+    functions = {f.signature.name: f for f in new_graph_def.library.function}
+    casts: list[CastRecord] = []
+    for body in view.bodies:
+        fdef = functions.get(body.name) if body.is_function else None
+        node_list = fdef.node_def if fdef is not None else new_graph_def.node
+        casts.extend(_BodyEditor(body, node_list, fdef, coloring).run())
+    return new_graph_def, casts
+
+
+class _BodyEditor:
+    def __init__(self, body: Body, node_list, fdef, coloring: Coloring):
+        self.body = body
+        self.node_list = node_list
+        self.fdef = fdef
+        self.coloring = coloring
+        self.target = coloring.target
+        self.node_defs = {n.name: n for n in node_list}
+        self.taken_names = set(self.node_defs) | set(body.arg_dtypes)
+        self.cast_for: dict[tuple[TensorRef, int], str] = {}  # -> consumer text
+        self.records: dict[str, dict] = {}
+
+    def converted(self, node: str) -> tuple[str, ...]:
+        return self.coloring.converted_attrs(self.body.name, node)
+
+    def new_output_dtype(self, ref: TensorRef) -> int:
+        if ref.is_arg:
+            return self.body.arg_dtypes[ref.node]
+        port = self.body.nodes[ref.node].outputs[ref.index]
+        return self.target if port.type_attr in self.converted(ref.node) else port.dtype
+
+    def run(self) -> list[CastRecord]:
+        for name in self.body.nodes:
+            self._retype(name)
+        for name, node in self.body.nodes.items():
+            node_def = self.node_defs[name]
+            for index, (ref, text) in enumerate(node.data_inputs):
+                if index >= len(node.inputs) or self.body.producer_port(ref) is None:
+                    continue  # unknown op: left exactly as it was
+                port = node.inputs[index]
+                wanted = self.target if port.type_attr in self.converted(name) else port.dtype
+                if self.new_output_dtype(ref) != wanted:
+                    node_def.input[index] = self._cast(ref, text, wanted, name)
+        for ret_name, (ref, text, dtype) in self.body.rets.items():
+            if self.body.producer_port(ref) and self.new_output_dtype(ref) != dtype:
+                self.fdef.ret[ret_name] = self._cast(ref, text, dtype, f"<ret {ret_name}>")
+        return [CastRecord(consumers=tuple(r.pop("consumers")), **r)
+                for r in self.records.values()]
+
+    def _retype(self, name: str) -> None:
+        node_def = self.node_defs[name]
+        for attr in self.converted(name):
+            if "[" in attr:
+                base, index = attr[:-1].split("[")
+                node_def.attr[base].list.type[int(index)] = self.target
+            else:
+                node_def.attr[attr].type = self.target
+
+    def _cast(self, ref: TensorRef, text: str, dtype: int, consumer: str) -> str:
+        """The input string a consumer uses to read `ref` as `dtype`."""
+        key = (ref, dtype)
+        if key not in self.cast_for:
+            self.cast_for[key] = self._bypass(ref, dtype) or self._new_cast(ref, text, dtype)
+        result = self.cast_for[key]
+        if result in self.records:
+            self.records[result]["consumers"].append(consumer)
+        return result
+
+    def _bypass(self, ref: TensorRef, dtype: int) -> str | None:
+        """If `ref` is a Cast of a tensor already of `dtype`, that tensor's text."""
+        if ref.is_arg:
+            return None
+        node = self.body.nodes[ref.node]
+        if node.op != "Cast" or any(i.startswith("^") for i in node.node_def.input):
+            return None
+        source, source_text = node.data_inputs[0]
+        if self.body.producer_port(source) and self.new_output_dtype(source) == dtype:
+            return source_text
+        return None
+
+    def _new_cast(self, ref: TensorRef, text: str, dtype: int) -> str:
+        src_dtype = self.new_output_dtype(ref)
+        if src_dtype not in FLOAT_TYPES or dtype not in FLOAT_TYPES:
+            raise AssertionError(
+                f"tfamp bug: would cast {dtype_name(src_dtype)} {text!r} to "
+                f"{dtype_name(dtype)} in {self.body.name or 'the top graph'}; "
+                f"only float types are ever retyped. Please report this graph.")
+        base = f"{ref.node}/tfamp_cast_{ref.index}_to_{_SHORT[dtype_name(dtype)]}"
+        name, suffix = base, 1
+        while name in self.taken_names:
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        self.taken_names.add(name)
+        cast = self.node_list.add()
+        cast.name = name
+        cast.op = "Cast"
+        cast.input.append(text)
+        cast.attr["SrcT"].type = src_dtype
+        cast.attr["DstT"].type = dtype
+        cast.attr["Truncate"].b = False
+        if not ref.is_arg:
+            cast.device = self.node_defs[ref.node].device
+        output = f"{name}:y:0" if self.body.is_function else name
+        self.records[output] = dict(
+            name=name, function=self.body.name, source=text,
+            src_dtype=dtype_name(src_dtype), dst_dtype=dtype_name(dtype),
+            consumers=[])
+        return output

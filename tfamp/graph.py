@@ -1,0 +1,256 @@
+"""Read-only view of a GraphDef and its function library: ports, edges, dtypes.
+
+A ``GraphView`` holds one ``Body`` per place nodes live: the top graph and each
+library function. Every node's inputs and outputs are resolved to ``Port``s
+(dtype and the type attribute that sets it) and every data edge to its producer,
+so later stages never parse input strings or OpDefs themselves.
+
+GraphDef inputs read ``node:3``; FunctionDef inputs read ``node:out_arg:0`` or
+an argument name. Both resolve to a ``TensorRef`` with a flat output index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+from tensorflow.core.framework import graph_pb2, op_def_pb2, types_pb2
+from tensorflow.python.framework import op_def_registry
+
+DT_FLOAT = types_pb2.DT_FLOAT
+DT_HALF = types_pb2.DT_HALF
+DT_BFLOAT16 = types_pb2.DT_BFLOAT16
+FLOAT_TYPES = frozenset({DT_FLOAT, DT_HALF, DT_BFLOAT16})
+
+# Attributes whose value names a function the node calls.
+_FUNC_ATTRS = ("f", "body", "cond", "then_branch", "else_branch", "branches")
+
+
+def dtype_name(dtype: int) -> str:
+    """'float32', 'float16', 'int32', ... for a DataType enum."""
+    names = {DT_FLOAT: "float32", DT_HALF: "float16", DT_BFLOAT16: "bfloat16"}
+    if dtype in names:
+        return names[dtype]
+    return types_pb2.DataType.Name(dtype).removeprefix("DT_").lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class Port:
+    """One input or output of a node.
+
+    Attributes:
+      dtype: the DataType enum it carries now.
+      type_attr: the node attribute that sets it ("T", or "Tin[2]" for element
+        2 of a list attribute), or None when the OpDef or function signature
+        fixes the type.
+    """
+
+    dtype: int
+    type_attr: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """A tensor in a body: output `index` of node `node`, or argument `node`."""
+
+    node: str
+    index: int = 0
+    is_arg: bool = False
+
+
+@dataclasses.dataclass
+class Node:
+    """A node with its ports and resolved data inputs."""
+
+    name: str
+    op: str
+    node_def: object  # the NodeDef proto (read only here)
+    known_op: bool
+    inputs: list[Port]
+    outputs: list[Port]
+    data_inputs: list[tuple[TensorRef, str]]  # (producer, input string as written)
+    called_functions: list[str]
+
+
+@dataclasses.dataclass
+class Body:
+    """The nodes of the top graph (name "") or of one library function."""
+
+    name: str
+    is_function: bool
+    nodes: dict[str, Node]
+    arg_dtypes: dict[str, int]
+    # FunctionDef ret name -> (producer, string as written, signature dtype).
+    rets: dict[str, tuple[TensorRef, str, int]]
+    # producer -> [(consumer node name, flat input index)]
+    consumers: dict[TensorRef, list[tuple[str, int]]]
+
+    def producer_port(self, ref: TensorRef) -> Port | None:
+        """The port that produces `ref`, or None if its producer is unknown."""
+        if ref.is_arg:
+            dtype = self.arg_dtypes.get(ref.node)
+            return None if dtype is None else Port(dtype, None)
+        node = self.nodes.get(ref.node)
+        if node is None or ref.index >= len(node.outputs):
+            return None
+        return node.outputs[ref.index]
+
+    def topological_order(self) -> list[str]:
+        """Node names, producers before consumers (ignoring back edges)."""
+        indegree = {name: 0 for name in self.nodes}
+        for name, node in self.nodes.items():
+            for ref, _ in node.data_inputs:
+                if not ref.is_arg and ref.node in self.nodes:
+                    indegree[name] += 1
+        ready = [name for name, deg in indegree.items() if deg == 0]
+        order = []
+        while ready:
+            name = ready.pop()
+            order.append(name)
+            for ref in self.output_refs(name):
+                for consumer, _ in self.consumers.get(ref, ()):
+                    indegree[consumer] -= 1
+                    if indegree[consumer] == 0:
+                        ready.append(consumer)
+        if len(order) < len(self.nodes):  # cycles (TF1 loops): append the rest
+            placed = set(order)
+            order.extend(n for n in self.nodes if n not in placed)
+        return order
+
+    def output_refs(self, name: str) -> Iterator[TensorRef]:
+        for index in range(len(self.nodes[name].outputs)):
+            yield TensorRef(name, index)
+
+
+@dataclasses.dataclass
+class GraphView:
+    """All bodies of a GraphDef: the top graph first, then library functions."""
+
+    bodies: list[Body]
+    signatures: dict[str, op_def_pb2.OpDef]
+
+    def node_count(self) -> int:
+        return sum(len(body.nodes) for body in self.bodies)
+
+
+def build_view(graph_def: graph_pb2.GraphDef) -> GraphView:
+    """Resolves every node, port and edge of `graph_def` and its library.
+
+    Args:
+      graph_def: the graph to read; it is not modified.
+
+    Returns:
+      A GraphView whose bodies refer to `graph_def`'s own NodeDefs.
+    """
+    signatures = {f.signature.name: f.signature for f in graph_def.library.function}
+    resolver = _PortResolver(signatures)
+    bodies = [_build_body("", graph_def.node, resolver, None)]
+    for fdef in graph_def.library.function:
+        bodies.append(_build_body(fdef.signature.name, fdef.node_def, resolver, fdef))
+    return GraphView(bodies=bodies, signatures=signatures)
+
+
+class _PortResolver:
+    """Computes a node's ports from its OpDef (or function signature) and attrs."""
+
+    def __init__(self, signatures: dict[str, op_def_pb2.OpDef]):
+        self._signatures = signatures
+
+    def op_def(self, op: str) -> op_def_pb2.OpDef | None:
+        return self._signatures.get(op) or op_def_registry.get(op)
+
+    def ports(self, node_def, args: Sequence) -> tuple[list[Port], dict[str, int]]:
+        """Flat ports of `args` (OpDef input or output args) and each arg's offset."""
+        ports: list[Port] = []
+        offsets: dict[str, int] = {}
+        op_def = self.op_def(node_def.op)
+        for arg in args:
+            offsets[arg.name] = len(ports)
+            if arg.type_list_attr:
+                types = _attr(node_def, op_def, arg.type_list_attr).list.type
+                ports.extend(Port(t, f"{arg.type_list_attr}[{k}]")
+                             for k, t in enumerate(types))
+                continue
+            count = _attr(node_def, op_def, arg.number_attr).i if arg.number_attr else 1
+            if arg.type_attr:
+                port = Port(_attr(node_def, op_def, arg.type_attr).type, arg.type_attr)
+            else:
+                port = Port(arg.type, None)
+            ports.extend([port] * count)
+        return ports, offsets
+
+
+def _attr(node_def, op_def, name: str):
+    if name in node_def.attr:
+        return node_def.attr[name]
+    for attr_def in op_def.attr:
+        if attr_def.name == name:
+            return attr_def.default_value
+    raise ValueError(
+        f"node {node_def.name!r} ({node_def.op}) has no attribute {name!r} and "
+        f"its OpDef gives no default; the GraphDef is incomplete or corrupt.")
+
+
+def _build_body(name: str, node_defs, resolver: _PortResolver, fdef) -> Body:
+    is_function = fdef is not None
+    arg_dtypes = {}
+    if is_function:
+        arg_dtypes = {arg.name: arg.type for arg in fdef.signature.input_arg}
+    nodes: dict[str, Node] = {}
+    output_offsets: dict[str, dict[str, int]] = {}
+    for node_def in node_defs:
+        op_def = resolver.op_def(node_def.op)
+        if op_def is None:
+            inputs, outputs, offsets = [], [], {}
+        else:
+            inputs, _ = resolver.ports(node_def, op_def.input_arg)
+            outputs, offsets = resolver.ports(node_def, op_def.output_arg)
+        output_offsets[node_def.name] = offsets
+        nodes[node_def.name] = Node(
+            name=node_def.name, op=node_def.op, node_def=node_def,
+            known_op=op_def is not None, inputs=inputs, outputs=outputs,
+            data_inputs=[], called_functions=_called_functions(node_def, resolver))
+
+    consumers: dict[TensorRef, list[tuple[str, int]]] = {}
+    for node in nodes.values():
+        for text in node.node_def.input:
+            if text.startswith("^"):
+                continue
+            ref = _parse_input(text, is_function, arg_dtypes, output_offsets)
+            consumers.setdefault(ref, []).append((node.name, len(node.data_inputs)))
+            node.data_inputs.append((ref, text))
+
+    rets = {}
+    if is_function:
+        for arg in fdef.signature.output_arg:
+            text = fdef.ret[arg.name]
+            ref = _parse_input(text, True, arg_dtypes, output_offsets)
+            rets[arg.name] = (ref, text, arg.type)
+    return Body(name=name, is_function=is_function, nodes=nodes,
+                arg_dtypes=arg_dtypes, rets=rets, consumers=consumers)
+
+
+def _parse_input(text: str, is_function: bool, arg_dtypes, output_offsets) -> TensorRef:
+    if is_function:
+        parts = text.split(":")
+        if len(parts) == 1:
+            return TensorRef(text, 0, is_arg=text in arg_dtypes)
+        node, out_arg, index = parts[0], parts[1], int(parts[2]) if len(parts) > 2 else 0
+        offset = output_offsets.get(node, {}).get(out_arg, 0)
+        return TensorRef(node, offset + index)
+    node, _, index = text.partition(":")
+    return TensorRef(node, int(index) if index else 0)
+
+
+def _called_functions(node_def, resolver: _PortResolver) -> list[str]:
+    called = []
+    if node_def.op in resolver._signatures:
+        called.append(node_def.op)
+    for attr_name in _FUNC_ATTRS:
+        if attr_name in node_def.attr:
+            value = node_def.attr[attr_name]
+            if value.HasField("func"):
+                called.append(value.func.name)
+            called.extend(f.name for f in value.list.func)
+    return called
+

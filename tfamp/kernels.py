@@ -1,0 +1,50 @@
+"""Can an op compute in a 16-bit type? Asked of its OpDef and registered kernels."""
+
+from __future__ import annotations
+
+import functools
+
+from tensorflow.python.framework import kernels, op_def_registry
+
+
+@functools.cache
+def opdef_allows(op: str, attr: str, dtype: int) -> bool:
+    """True if the OpDef of `op` lets type attribute `attr` take `dtype`."""
+    op_def = op_def_registry.get(op)
+    if op_def is None:
+        return False
+    for attr_def in op_def.attr:
+        if attr_def.name == attr:
+            allowed = attr_def.allowed_values.list.type
+            return not allowed or dtype in allowed
+    return False
+
+
+@functools.cache
+def has_kernel(op: str, attr: str, dtype: int, device_type: str) -> bool:
+    """True if a `device_type` kernel of `op` accepts `dtype` for `attr`.
+
+    A kernel with no constraint on `attr` accepts any type for it.
+    """
+    for kernel in kernels.get_registered_kernels_for_op(op).kernel:
+        if kernel.device_type != device_type:
+            continue
+        allowed = [c.allowed_values.list.type for c in kernel.constraint
+                   if c.name == attr]
+        if not allowed or dtype in allowed[0]:
+            return True
+    return False
+
+
+def resolve_device_type(device_type: str) -> str:
+    """'CPU' or 'GPU' for a config's device_type ('auto' asks TensorFlow)."""
+    if device_type != "auto":
+        return device_type
+    return "GPU" if _visible_gpu() else "CPU"
+
+
+@functools.cache
+def _visible_gpu() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))

@@ -1,0 +1,218 @@
+"""The allow / infer / deny / clear op lists, as data, one set per 16-bit target.
+
+The defaults are the lists TensorFlow 2.21's grappler AMP pass uses: its CUDA
+float16 lists (``AutoMixedPrecisionListsFp16`` in CUDA mode) and its oneDNN
+bfloat16 lists (``AutoMixedPrecisionListsMkl``). Op names are facts taken from
+that public source; the structure here is tfamp's own.
+
+What each list means:
+
+* allow: numerically safe in 16-bit and performance-critical; always converted.
+* infer: safe in 16-bit, but made unsafe by an upstream deny op; converted only
+  when it sits between 16-bit ops (or right after one, where that saves a cast).
+* deny: numerically dangerous in 16-bit, and the danger is visible downstream
+  (in Exp -> Add, the Add is unsafe because of the Exp); always float32.
+* clear: no numerical effect of its own; follows its 16-bit neighbours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+LIST_NAMES = ("allow", "infer", "deny", "clear")
+
+# Both targets share these clear ops (grappler's ``AddTensorListOps``). tfamp
+# never changes a TensorList's element type (see coloring.FIXED_TYPE_ATTRS), so
+# for them "clear" only means "does not make a neighbour unsafe".
+_TENSOR_LIST_OPS = frozenset({
+    "TensorListConcat", "TensorListConcatLists", "TensorListConcatV2",
+    "TensorListGather", "TensorListGetItem", "TensorListPopBack",
+    "TensorListPushBack", "TensorListPushBackBatch", "TensorListFromTensor",
+    "TensorListScatter", "TensorListScatterV2",
+    "TensorListScatterIntoExistingList", "TensorListSetItem",
+    "TensorListSplit", "TensorListStack",
+})
+
+_COMMON_CLEAR = frozenset({
+    "Abs", "ArgMax", "ArgMin", "BatchToSpace", "BatchToSpaceND", "BroadcastTo",
+    "Ceil", "CheckNumerics", "ClipByValue", "Concat", "ConcatV2",
+    "DepthToSpace", "DynamicPartition", "DynamicStitch", "EnsureShape",
+    "Enter", "Equal", "Exit", "ExpandDims", "Fill", "Floor", "Gather",
+    "GatherNd", "GatherV2", "Greater", "GreaterEqual", "Identity",
+    "IdentityN", "IsFinite", "IsInf", "IsNan", "Less", "LessEqual", "Max",
+    "MaxPool", "MaxPool3D", "MaxPool3DGrad", "MaxPool3DGradGrad",
+    "MaxPoolGrad", "MaxPoolGradGrad", "MaxPoolGradGradV2", "MaxPoolGradV2",
+    "MaxPoolV2", "Maximum", "Merge", "Min", "Minimum", "MirrorPad",
+    "MirrorPadGrad", "Neg", "NextIteration", "NotEqual", "OnesLike", "Pack",
+    "Pad", "PadV2", "PreventGradient", "Rank", "Relu", "Relu6", "Relu6Grad",
+    "ReluGrad", "Reshape", "ResizeNearestNeighbor",
+    "ResizeNearestNeighborGrad", "Reverse", "ReverseSequence", "ReverseV2",
+    "Round", "Select", "SelectV2", "Shape", "ShapeN", "Sign", "Slice",
+    "Snapshot", "SpaceToBatch", "SpaceToBatchND", "SpaceToDepth", "Split",
+    "SplitV", "Squeeze", "StopGradient", "StridedSlice", "StridedSliceGrad",
+    "Switch", "Tile", "TopK", "TopKV2", "Transpose", "Unpack", "Where",
+    "ZerosLike",
+}) | _TENSOR_LIST_OPS
+
+_FLOAT16_ALLOW = frozenset({
+    "BatchMatMul", "BatchMatMulV2", "BlockLSTM", "BlockLSTMGrad",
+    "BlockLSTMGradV2", "BlockLSTMV2", "Conv2D", "Conv2DBackpropFilter",
+    "Conv2DBackpropInput", "Conv3D", "Conv3DBackpropFilter",
+    "Conv3DBackpropFilterV2", "Conv3DBackpropInput", "Conv3DBackpropInputV2",
+    "CudnnRNN", "CudnnRNNBackprop", "CudnnRNNBackpropV2", "CudnnRNNBackpropV3",
+    "CudnnRNNV2", "CudnnRNNV3", "DepthwiseConv2dNative",
+    "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput",
+    "Einsum", "FastUnsortedSegmentMax", "FusedConv2DBiasActivation",
+    "FusedSparseConvGpuV2", "GRUBlockCell", "GRUBlockCellGrad", "LSTMBlockCell",
+    "LSTMBlockCellGrad", "MatMul", "Mha", "MhaV2", "Pmlp", "Tmlp", "TmlpV2",
+    "TmlpV3",
+})
+
+_FLOAT16_INFER = frozenset({
+    "Add", "AddN", "AddV2", "AvgPool", "AvgPool3D", "AvgPool3DGrad",
+    "AvgPoolGrad", "BiasAdd", "BiasAddGrad", "BiasAddV1", "Elu", "EluGrad",
+    "Erf", "Erfc", "FloorDiv", "FusedBatchNormGradV2", "FusedBatchNormGradV3",
+    "FusedBatchNormV2", "FusedBatchNormV3", "Inv", "LeakyRelu",
+    "LeakyReluGrad", "Log", "Log1p", "LogSoftmax", "Mul", "Prod", "RealDiv",
+    "Reciprocal", "Selu", "SeluGrad", "Sigmoid", "SigmoidGrad", "Softmax",
+    "Softplus", "SoftplusGrad", "Softsign", "SoftsignGrad", "Sqrt", "Sub",
+    "Tanh", "TanhGrad", "_FusedBatchNormEx",
+})
+
+_FLOAT16_DENY = frozenset({
+    "Exp", "Expm1", "L2Loss", "Mean", "Pow", "SaveV2",
+    "SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits",
+    "Sum",
+})
+
+_BFLOAT16_ALLOW = frozenset({
+    "BatchMatMul", "BatchMatMulV2", "Conv2D", "Conv2DBackpropFilter",
+    "Conv2DBackpropInput", "Conv3D", "Conv3DBackpropFilterV2",
+    "Conv3DBackpropInputV2", "DepthwiseConv2dNative",
+    "DepthwiseConv2dNativeBackpropFilter", "DepthwiseConv2dNativeBackpropInput",
+    "Einsum", "FusedPadConv2D", "MatMul",
+})
+
+# bfloat16 has float32's exponent range, so Mean and Sum move from deny to
+# infer and a few more elementwise ops join.
+_BFLOAT16_INFER = _FLOAT16_INFER | {
+    "Mean", "Rsqrt", "Square", "SquaredDifference", "Sum",
+}
+
+_BFLOAT16_DENY = _FLOAT16_DENY - {"Mean", "Sum"}
+
+# grappler's oneDNN list also has While and StatelessWhile here; tfamp leaves
+# them out because changing a loop's carried dtype without its body is exactly
+# how grappler's bf16 pass produced an invalid GRU graph. Loop bodies are
+# rewritten as functions in their own right instead.
+_BFLOAT16_CLEAR = _COMMON_CLEAR | {
+    "ResizeBilinear", "ScatterNd",
+}
+
+_FLOAT16_CLEAR = _COMMON_CLEAR | {"OneHot", "Size"}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpLists:
+    """The four op lists for one 16-bit target.
+
+    Build changed copies with ``with_changes``; a user's names are added to or
+    removed from the defaults, never replace them.
+    """
+
+    allow: frozenset[str]
+    infer: frozenset[str]
+    deny: frozenset[str]
+    clear: frozenset[str]
+
+    def __post_init__(self) -> None:
+        seen: dict[str, str] = {}
+        for list_name in LIST_NAMES:
+            for op in getattr(self, list_name):
+                if op in seen:
+                    raise ValueError(
+                        f"op {op!r} is on both the {seen[op]!r} and the "
+                        f"{list_name!r} list; an op belongs to one list at "
+                        f"most. Remove it from one of them, e.g. "
+                        f"{seen[op]}_remove=[{op!r}].")
+                seen[op] = list_name
+
+    def list_of(self, op: str) -> str:
+        """Returns 'allow', 'infer', 'deny', 'clear' or 'unlisted' for `op`."""
+        for list_name in LIST_NAMES:
+            if op in getattr(self, list_name):
+                return list_name
+        return "unlisted"
+
+    def with_changes(self, **changes: Iterable[str]) -> OpLists:
+        """Returns a copy with ops added to or removed from lists.
+
+        Args:
+          **changes: keyword arguments named ``<list>_add`` or ``<list>_remove``
+            (e.g. ``allow_add=["Conv2D"]``, ``deny_remove=["Sum"]``), each an
+            iterable of op names. An op added to one list is taken off the
+            list it was on before, so moving an op is a single change.
+
+        Example:
+          >>> lists = DEFAULT_OP_LISTS["float16"].with_changes(deny_add=["Tanh"])
+          >>> lists.list_of("Tanh")
+          'deny'
+        """
+        valid = {f"{n}_{verb}" for n in LIST_NAMES for verb in ("add", "remove")}
+        unknown = sorted(set(changes) - valid)
+        if unknown:
+            raise TypeError(
+                f"with_changes() got unexpected argument(s) {unknown}; "
+                f"expected names of the form <list>_add or <list>_remove, "
+                f"one of {sorted(valid)}.")
+        lists = {n: set(getattr(self, n)) for n in LIST_NAMES}
+        for list_name in LIST_NAMES:
+            for op in _as_names(changes.get(f"{list_name}_remove", ()),
+                                f"{list_name}_remove"):
+                lists[list_name].discard(op)
+        for list_name in LIST_NAMES:
+            added = _as_names(changes.get(f"{list_name}_add", ()),
+                              f"{list_name}_add")
+            for op in added:
+                for other in LIST_NAMES:
+                    lists[other].discard(op)
+            lists[list_name].update(added)
+        # Two lists adding the same op is ambiguous: reject it.
+        adds = {n: set(_as_names(changes.get(f"{n}_add", ()), f"{n}_add"))
+                for n in LIST_NAMES}
+        for i, first in enumerate(LIST_NAMES):
+            for second in LIST_NAMES[i + 1:]:
+                both = sorted(adds[first] & adds[second])
+                if both:
+                    raise ValueError(
+                        f"op(s) {both} are added to both the {first!r} and "
+                        f"the {second!r} list; an op belongs to one list at "
+                        f"most. Add each op to one list only.")
+        return OpLists(**{n: frozenset(v) for n, v in lists.items()})
+
+    def all_ops(self) -> frozenset[str]:
+        return self.allow | self.infer | self.deny | self.clear
+
+
+def _as_names(value: Iterable[str], argument: str) -> list[str]:
+    if isinstance(value, str):
+        raise TypeError(
+            f"{argument} expects a list of op names, received the string "
+            f"{value!r}; pass [{value!r}] (or split a comma-separated string "
+            f"first).")
+    names = list(value)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"{argument} expects non-empty op name strings, received "
+                f"{name!r}.")
+    return names
+
+
+DEFAULT_OP_LISTS: Mapping[str, OpLists] = {
+    "float16": OpLists(allow=_FLOAT16_ALLOW, infer=_FLOAT16_INFER,
+                       deny=_FLOAT16_DENY, clear=_FLOAT16_CLEAR),
+    "bfloat16": OpLists(allow=_BFLOAT16_ALLOW, infer=_BFLOAT16_INFER,
+                        deny=_BFLOAT16_DENY, clear=_BFLOAT16_CLEAR),
+}

@@ -1,0 +1,243 @@
+"""Runs rewritten tf.functions against the same live variables.
+
+``rewrite_concrete_function(cf, config)`` rewrites one traced graph and returns a
+ConcreteFunction that computes on the original captures (variables, optimizer
+state), so a training step updates the real model. ``function`` /
+``rewrite_function`` wrap a tf.function (or Python function): trace as usual,
+rewrite each new concrete function once, call the rewritten one.
+
+How the rewritten graph is rebuilt: import the rewritten GraphDef into a fresh
+FuncGraph, bind each captured placeholder to the original capture's live
+tensor, carry over the original control outputs (without them variable updates
+race inside Keras's multi-step loops), and register every library function
+under a new name (an original name is already taken by the original body).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.eager import context
+from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
+from tensorflow.python.framework import func_graph as func_graph_lib
+from tensorflow.python.framework import importer
+from tensorflow.python.util import nest
+
+from tfamp.check import assert_valid_graph_def
+from tfamp.config import AmpConfig
+from tfamp.report import RewriteReport
+from tfamp.rewrite import rewrite_graph_def
+
+log = logging.getLogger("tfamp")
+
+_FUNC_ATTRS = ("f", "body", "cond", "then_branch", "else_branch", "branches")
+# String attributes that hold the name of a forward or backward function.
+_FUNC_NAME_STRING_ATTRS = frozenset({
+    "forward_function_name", "backward_function_name",
+    "_forward_function_name", "_backward_function_name",
+})
+_rename_counter = itertools.count()
+
+
+def rewrite_concrete_function(
+    concrete: Any, config: AmpConfig | None = None, *, check: bool = False,
+) -> tuple[Any, RewriteReport]:
+    """Rewrites a traced ConcreteFunction; the result runs on its live captures.
+
+    Args:
+      concrete: a ``ConcreteFunction`` (``fn.get_concrete_function(...)``).
+      config: the rewrite settings; ``AmpConfig()`` if None.
+      check: run ``check_graph_def`` on the rewritten graph first (slower).
+
+    Returns:
+      (a ConcreteFunction with the same signature, the RewriteReport).
+    """
+    config = config or AmpConfig()
+    old = concrete.graph
+    graph_def = old.as_graph_def()
+    outputs = [t.name for t in old.outputs]
+    new_graph_def, report = rewrite_graph_def(
+        graph_def, config, outputs=outputs, function_name=_display_name(old.name))
+    if check:
+        assert_valid_graph_def(new_graph_def)
+    _register_renamed_library(new_graph_def, f"_tfamp{next(_rename_counter)}")
+    new_graph = _import_as_func_graph(new_graph_def, old)
+    attrs = dict(getattr(concrete, "_attrs", {}) or {})
+    rewritten = concrete_lib.ConcreteFunction.from_func_graph(
+        new_graph, concrete.function_type, attrs)
+    log.info("%s", report.summary_line())
+    return rewritten, report
+
+
+def _display_name(graph_name: str) -> str:
+    # FuncGraph names look like "train_function" or "__inference_step_123".
+    return graph_name.removeprefix("__inference_")
+
+
+def _register_renamed_library(graph_def: graph_pb2.GraphDef, suffix: str) -> None:
+    """Renames every library function (and all references), then registers them.
+
+    Moves the library out of `graph_def`: the functions live in the eager
+    context, where the rewritten graph's calls find them.
+    """
+    names = {f.signature.name: f.signature.name + suffix for f in graph_def.library.function}
+    _rename_references(graph_def.node, names)
+    for fdef in graph_def.library.function:
+        fdef.signature.name = names[fdef.signature.name]
+        _rename_references(fdef.node_def, names)
+        for key, value in fdef.attr.items():
+            _rename_attr(key, value, names)
+    ctx = context.context()
+    for fdef in graph_def.library.function:
+        ctx.add_function_def(fdef)
+    del graph_def.library.function[:]
+    del graph_def.library.gradient[:]
+
+
+def _rename_references(node_defs, names: dict[str, str]) -> None:
+    for node_def in node_defs:
+        if node_def.op in names:
+            node_def.op = names[node_def.op]
+        for key, value in node_def.attr.items():
+            _rename_attr(key, value, names)
+
+
+def _rename_attr(key: str, value, names: dict[str, str]) -> None:
+    if value.HasField("func") and value.func.name in names:
+        value.func.name = names[value.func.name]
+    for func in value.list.func:
+        if func.name in names:
+            func.name = names[func.name]
+    if key in _FUNC_NAME_STRING_ATTRS and value.s.decode() in names:
+        value.s = names[value.s.decode()].encode()
+
+
+def _import_as_func_graph(graph_def: graph_pb2.GraphDef, old) -> func_graph_lib.FuncGraph:
+    new = func_graph_lib.FuncGraph(old.name + "_tfamp")
+    with new.as_default():
+        importer.import_graph_def(graph_def, name="")
+    external_of = {id(internal): external for external, internal in old.captures}
+    new.inputs = []
+    for placeholder in old.inputs:  # same order: arguments, then captures
+        mirror = new.get_tensor_by_name(placeholder.name)
+        if id(placeholder) in external_of:
+            new.add_capture(external_of[id(placeholder)], mirror)
+        else:
+            new.inputs.append(mirror)
+    new.outputs = [new.get_tensor_by_name(t.name) for t in old.outputs]
+    new.control_outputs = [new.get_operation_by_name(op.name) for op in old.control_outputs]
+
+    def mirror_output(value):
+        if isinstance(value, tf.Tensor):
+            return new.get_tensor_by_name(value.name)
+        if isinstance(value, tf.Operation):
+            return new.get_operation_by_name(value.name)
+        return value
+
+    new.structured_outputs = nest.map_structure(
+        mirror_output, old.structured_outputs, expand_composites=True)
+    new.structured_input_signature = old.structured_input_signature
+    new.variables = old.variables
+    return new
+
+
+class RewrittenFunction:
+    """A tf.function whose every concrete function runs tfamp-rewritten.
+
+    Call it like the original. Each new input signature traces the original,
+    rewrites that graph once, and caches the result. ``reports`` holds one
+    RewriteReport per rewritten concrete function.
+    """
+
+    def __init__(self, fn: Callable, config: AmpConfig | None = None, *,
+                 check: bool = False, **tf_function_kwargs):
+        if not callable(fn):
+            raise TypeError(
+                f"tfamp.function expects a Python function or a tf.function, "
+                f"received {type(fn).__name__}.")
+        if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+            if tf_function_kwargs:
+                raise TypeError(
+                    f"tf.function options {sorted(tf_function_kwargs)} were given "
+                    f"for an existing tf.function; set them where it is created.")
+            self._tf_function = fn
+        else:
+            self._tf_function = tf.function(fn, **tf_function_kwargs)
+        self._config = config or AmpConfig()
+        self._check = check
+        self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
+        functools.update_wrapper(self, fn)
+
+    @property
+    def config(self) -> AmpConfig:
+        return self._config
+
+    @property
+    def reports(self) -> list[RewriteReport]:
+        return [report for _, _, report in self._rewritten.values()]
+
+    @property
+    def python_function(self) -> Callable:
+        return self._tf_function.python_function
+
+    def get_concrete_function(self, *args, **kwargs):
+        """The rewritten ConcreteFunction for these arguments (traced if new)."""
+        concrete = self._tf_function.get_concrete_function(*args, **kwargs)
+        entry = self._rewritten.get(id(concrete))
+        if entry is None or entry[0] is not concrete:
+            rewritten, report = rewrite_concrete_function(
+                concrete, self._config, check=self._check)
+            entry = (concrete, rewritten, report)
+            self._rewritten[id(concrete)] = entry
+        return entry[1]
+
+    def __call__(self, *args, **kwargs):
+        return self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
+
+    def __get__(self, instance, owner):
+        # As a method decorator: bind like a tf.function does, one per instance.
+        if instance is None:
+            return self
+        cache_name = f"_tfamp_bound_{id(self)}"
+        bound = instance.__dict__.get(cache_name)
+        if bound is None:
+            bound = RewrittenFunction(
+                self._tf_function.__get__(instance, owner), self._config,
+                check=self._check)
+            instance.__dict__[cache_name] = bound
+        return bound
+
+
+def rewrite_function(fn: Callable, config: AmpConfig | None = None, *,
+                     check: bool = False, **tf_function_kwargs) -> RewrittenFunction:
+    """Returns `fn` (a tf.function or Python function) running in mixed precision.
+
+    Args:
+      fn: the function to trace and rewrite.
+      config: the rewrite settings; ``AmpConfig()`` if None.
+      check: validate every rewritten graph with ``check_graph_def`` (slower).
+      **tf_function_kwargs: passed to ``tf.function`` when `fn` is plain Python.
+
+    Example:
+      >>> step = tfamp.rewrite_function(train_step)   # a tf.function
+      >>> loss = step(x, y)                           # runs rewritten
+      >>> print(step.reports[0].summary_line())
+    """
+    return RewrittenFunction(fn, config, check=check, **tf_function_kwargs)
+
+
+def function(fn: Callable | None = None, *, config: AmpConfig | None = None,
+             check: bool = False, **tf_function_kwargs):
+    """Decorator form of ``rewrite_function``.
+
+    Use as ``@tfamp.function`` or ``@tfamp.function(config=AmpConfig(...))``.
+    """
+    if fn is None:
+        return functools.partial(function, config=config, check=check, **tf_function_kwargs)
+    return RewrittenFunction(fn, config, check=check, **tf_function_kwargs)
