@@ -1,0 +1,228 @@
+"""Colouring and cast placement on tiny graphs: a table of expected decisions."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.graphs import decision, node_dtypes, rewrite, run_graph_def
+
+M = tf.TensorSpec([4, 4], tf.float32)
+V = tf.TensorSpec([4], tf.float32)
+
+
+def deny_chain(x, w):
+    y = tf.matmul(x, w, name="mm")
+    e = tf.exp(y, name="exp")
+    return tf.add(e, 1.0, name="after_exp")
+
+
+def infer_between(x, w, b):
+    h = tf.nn.bias_add(tf.matmul(x, w, name="mm1"), b, name="bias")
+    return tf.matmul(h, w, name="mm2")
+
+
+def clear_next_to_allow(x, w):
+    h = tf.nn.relu(tf.matmul(x, w, name="mm"), name="relu")
+    return tf.exp(h, name="exp")
+
+
+def fan_out(x, w):
+    y = tf.matmul(x, w, name="mm")
+    return tf.exp(y, name="exp"), tf.math.log(y, name="log"), tf.sqrt(y, name="sqrt")
+
+
+def infer_after_allow(x, w):
+    y = tf.add(tf.matmul(x, w, name="mm1"), tf.matmul(w, x, name="mm2"), name="add")
+    return tf.reduce_sum(y, name="sum")
+
+
+def existing_cast(i, w):
+    x = tf.cast(i, tf.float32, name="to_float")
+    return tf.matmul(x, w, name="mm")
+
+
+def integer_and_bool(x, w):
+    y = tf.matmul(x, w, name="mm")
+    positive = tf.greater(y, 0.0, name="positive")
+    count = tf.reduce_sum(tf.cast(positive, tf.int32, name="as_int"), name="count")
+    return count, tf.argmax(y, axis=1, name="argmax")
+
+
+def unlisted_op(x, w):
+    return tf.atan(tf.matmul(x, w, name="mm"), name="atan")
+
+
+def softmax_after_deny(x, w):
+    y = tf.exp(tf.matmul(x, w, name="mm"), name="exp")
+    r = tf.reshape(y, [4, 4], name="reshape")
+    return tf.nn.softmax(r, name="softmax")
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    fn: object
+    specs: tuple
+    # node name -> (converted, list, substring of reason)
+    expect: dict
+    casts: int
+    config: dict = dataclasses.field(default_factory=dict)
+
+
+CASES = [
+    Case("deny_propagates_through_infer", deny_chain, (M, M), {
+        "mm": (True, "allow", "compute-heavy"),
+        "exp": (False, "deny", "numerically risky"),
+        "after_exp": (False, "infer", "deny: downstream of Exp 'exp'"),
+    }, casts=3),  # x, w -> f16; mm -> f32 for exp
+    Case("infer_between_allow_ops", infer_between, (M, M, V), {
+        "mm1": (True, "allow", ""), "bias": (True, "infer", "between float16 ops"),
+        "mm2": (True, "allow", ""),
+    }, casts=4),  # x, w, b in; mm2 out (graph output keeps float32)
+    Case("clear_follows_allow", clear_next_to_allow, (M, M), {
+        "relu": (True, "clear", "next to float16 op 'mm'"),
+        "exp": (False, "deny", ""),
+    }, casts=3),
+    Case("fan_out_shares_one_cast", fan_out, (M, M), {
+        "mm": (True, "allow", ""), "exp": (False, "deny", ""),
+        "log": (False, "infer", "not between"), "sqrt": (False, "infer", "not between"),
+    }, casts=3),  # x, w in; ONE cast of mm shared by exp, log, sqrt
+    Case("infer_after_allow_saves_a_cast", infer_after_allow, (M, M), {
+        "add": (True, "infer", "follows float16 op"), "sum": (False, "deny", ""),
+    }, casts=3),  # x, w in; add -> f32 for sum (instead of mm1 and mm2 -> f32)
+    Case("existing_cast_is_retargeted", existing_cast, (tf.TensorSpec([4, 4], tf.int32), M), {
+        "to_float": (True, "unlisted", "casts straight to float16"), "mm": (True, "allow", ""),
+    }, casts=2),  # w in, mm out; no cast after to_float
+    Case("integer_and_bool_edges_untouched", integer_and_bool, (M, M), {
+        "positive": (True, "clear", "next to float16 op 'mm'"),
+        "as_int": (False, "unlisted", "no float32 tensors"),
+        "count": (False, "deny", "no float32 tensors"),
+        "argmax": (True, "clear", "next to float16 op"),
+    }, casts=3),  # x, w and the constant 0.0 compared with mm (constants stay float32)
+    Case("unlisted_stays_float32", unlisted_op, (M, M), {
+        "atan": (False, "unlisted", "unlisted: stays float32"),
+    }, casts=3),
+    Case("softmax_downstream_of_deny_through_clear", softmax_after_deny, (M, M), {
+        "reshape": (False, "clear", "deny: downstream of Exp 'exp'"),
+        "softmax": (False, "infer", "deny: downstream of Exp 'exp'"),
+    }, casts=3),
+    Case("keep_fp32_override", infer_between, (M, M, V), {
+        "mm2": (False, "allow", "keep_fp32 pattern 'mm2'"),
+        "bias": (False, "infer", "not between"),
+    }, casts=3, config={"keep_fp32": ("mm2",)}),
+    Case("allow_remove", infer_between, (M, M, V), {
+        "mm1": (False, "unlisted", ""), "mm2": (False, "unlisted", ""),
+    }, casts=0, config={"allow_remove": ("MatMul",)}),
+    Case("deny_add_moves_op", infer_between, (M, M, V), {
+        "bias": (False, "deny", "numerically risky"),
+    }, casts=5, config={"deny_add": ("BiasAdd",)}),  # x, w, mm1->32, bias->16, mm2->32
+    Case("opdef_does_not_allow_16bit", lambda x, a: tf.math.betainc(a, a, x, name="bi"),
+         (M, M), {"bi": (False, "allow", "OpDef does not allow float16")},
+         casts=0, config={"allow_add": ("Betainc",)}),
+    Case("no_16bit_kernel", lambda x, a: tf.math.igamma(a, x, name="ig"), (M, M), {
+        "ig": (False, "allow", "no float16 CPU kernel for Igamma"),
+    }, casts=0, config={"allow_add": ("Igamma",), "device_type": "CPU"}),
+    Case("bfloat16_mean_is_infer", lambda x, w: tf.reduce_mean(
+        tf.matmul(tf.matmul(x, w, name="mm1"), w, name="mm2"), name="mean"), (M, M), {
+        "mean": (False, "infer", "not between bfloat16 ops"),
+    }, casts=3, config={"dtype": "bfloat16"}),
+    Case("float16_sum_is_deny", lambda x, w: tf.reduce_sum(
+        tf.matmul(x, w, name="mm"), name="sum"), (M, M), {
+        "sum": (False, "deny", "numerically risky"),
+    }, casts=3),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_decisions_and_cast_count(case):
+    _, new_graph_def, report = rewrite(case.fn, *case.specs, **case.config)
+    for name, (converted, list_name, reason) in case.expect.items():
+        node = decision(report, name)
+        assert (node.converted, node.list) == (converted, list_name), node
+        assert reason in node.reason, node
+    assert report.casts_inserted == case.casts, [c.name for c in report.casts]
+    assert report.nodes_after == report.nodes_before + report.casts_inserted
+    assert sum(n.op == "Cast" for n in new_graph_def.node) >= report.casts_inserted
+
+
+def test_fan_out_uses_a_single_shared_cast():
+    _, _, report = rewrite(fan_out, M, M)
+    from_mm = [c for c in report.casts if c.source in ("mm", "mm:0")]
+    assert len(from_mm) == 1
+    assert from_mm[0].dst_dtype == "float32"
+    assert len(from_mm[0].consumers) == 3
+
+
+def test_graph_outputs_keep_their_dtype():
+    graph_def, new_graph_def, _ = rewrite(infer_between, M, M, V)
+    assert node_dtypes(new_graph_def)["Identity"] == node_dtypes(graph_def)["Identity"]
+
+
+def test_fused_batch_norm_computes_16bit_with_float32_statistics():
+    def conv_bn(x, f, scale, offset):
+        y = tf.nn.conv2d(x, f, 1, "SAME", name="conv")
+        out = tf.raw_ops.FusedBatchNormV3(
+            x=y, scale=scale, offset=offset, mean=tf.zeros([4]), variance=tf.ones([4]),
+            is_training=True, name="bn")
+        return tf.nn.conv2d(tf.nn.relu(out[0]), f, 1, "SAME", name="conv2"), out[1]
+
+    specs = (tf.TensorSpec([2, 6, 6, 4]), tf.TensorSpec([3, 3, 4, 4]), V, V)
+    _, new_graph_def, report = rewrite(conv_bn, *specs)
+    bn = decision(report, "bn")
+    assert bn.converted and "U stays float32" in bn.reason
+    dtypes = node_dtypes(new_graph_def)["bn"]
+    assert dtypes == {"T": "float16", "U": "float32"}
+
+
+def test_while_loop_body_is_rewritten_and_loop_types_kept():
+    def loop(x, w):
+        def body(i, h):
+            return i + 1, tf.nn.relu(tf.matmul(h, w, name="body_mm"))
+        return tf.while_loop(lambda i, h: i < 3, body, (tf.constant(0), x))[1]
+
+    graph_def, new_graph_def, report = rewrite(loop, M, M)
+    body_mm = decision(report, "body_mm", function=True)
+    assert body_mm.converted
+    while_node = next(n for n in report.nodes if n.op in ("While", "StatelessWhile"))
+    assert not while_node.converted and "signature is kept" in while_node.reason
+    old_types = [n.attr["T"] for n in graph_def.node if n.name == while_node.name]
+    new_types = [n.attr["T"] for n in new_graph_def.node if n.name == while_node.name]
+    assert old_types == new_types
+    x = np.random.default_rng(0).normal(size=(4, 4)).astype("float32") * 0.3
+    w = np.random.default_rng(1).normal(size=(4, 4)).astype("float32") * 0.3
+    want = run_graph_def(graph_def, {"x": x, "w": w}, ["Identity:0"])[0]
+    got = run_graph_def(new_graph_def, {"x": x, "w": w}, ["Identity:0"])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_nested_function_call_and_cond_bodies_are_rewritten():
+    @tf.function
+    def inner(x, w):
+        return tf.matmul(x, w, name="inner_mm")
+
+    def outer(x, w, flag):
+        y = inner(x, w)
+        return tf.cond(flag, lambda: tf.matmul(y, w, name="then_mm"), lambda: y * 2.0)
+
+    _, _, report = rewrite(outer, M, M, tf.TensorSpec([], tf.bool))
+    assert decision(report, "inner_mm", function=True).converted
+    assert decision(report, "then_mm", function=True).converted
+    calls = [n for n in report.nodes if n.op.endswith("PartitionedCall") or "If" in n.op]
+    assert calls and not any(n.converted for n in calls)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rewritten_outputs_match_float32_within_16bit_tolerance(dtype):
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(4, 4)).astype("float32"),
+             "w": rng.normal(size=(4, 4)).astype("float32"),
+             "b": rng.normal(size=(4,)).astype("float32")}
+    graph_def, new_graph_def, _ = rewrite(infer_between, M, M, V, dtype=dtype)
+    want = run_graph_def(graph_def, feeds, ["Identity:0"])[0]
+    got = run_graph_def(new_graph_def, feeds, ["Identity:0"])[0]
+    assert got.dtype == np.float32
+    tolerance = {"float16": 1e-2, "bfloat16": 4e-2}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
+    assert not np.array_equal(got, want), "16-bit math should round differently"
