@@ -1,16 +1,30 @@
 """tfamp: automatic mixed precision for TensorFlow and Keras by graph rewrite.
 
-The public API; everything else is an implementation module.
+The public API. Names resolve lazily (PEP 562) so that ``import tfamp`` alone,
+the command line's start-up and the interpreter start-up hook do not import
+TensorFlow until something actually needs it.
 """
 
-from tfamp.check import GraphCheckError, check_graph_def
-from tfamp.config import AmpConfig
-from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
-from tfamp.report import RewriteReport
-from tfamp.rewrite import rewrite_graph_def
-from tfamp.runner import function, rewrite_concrete_function, rewrite_function
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "AmpConfig": "tfamp.config",
+    "DEFAULT_OP_LISTS": "tfamp.oplists",
+    "GraphCheckError": "tfamp.check",
+    "OpLists": "tfamp.oplists",
+    "RewriteReport": "tfamp.report",
+    "check_graph_def": "tfamp.check",
+    "function": "tfamp.runner",
+    "rewrite_concrete_function": "tfamp.runner",
+    "rewrite_function": "tfamp.runner",
+    "rewrite_graph_def": "tfamp.rewrite",
+}
 
 __all__ = [
     "AmpConfig",
@@ -24,3 +38,24 @@ __all__ = [
     "rewrite_function",
     "rewrite_graph_def",
 ]
+
+if TYPE_CHECKING:
+    from tfamp.check import GraphCheckError, check_graph_def
+    from tfamp.config import AmpConfig
+    from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
+    from tfamp.report import RewriteReport
+    from tfamp.rewrite import rewrite_graph_def
+    from tfamp.runner import function, rewrite_concrete_function, rewrite_function
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfamp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

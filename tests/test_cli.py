@@ -1,0 +1,117 @@
+"""The tfamp command line: inspect output and every user error as one clean line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from tfamp import cli
+
+
+@pytest.fixture(scope="module")
+def graph_files(tmp_path_factory):
+    def model(x, w):
+        return tf.exp(tf.nn.relu(tf.matmul(x, w, name="mm"), name="relu"), name="exp")
+
+    concrete = tf.function(model).get_concrete_function(
+        tf.TensorSpec([2, 2]), tf.TensorSpec([2, 2]))
+    graph_def = concrete.graph.as_graph_def()
+    folder = tmp_path_factory.mktemp("graphs")
+    binary = folder / "model.pb"
+    binary.write_bytes(graph_def.SerializeToString())
+    text = folder / "model.pbtxt"
+    text.write_text(str(graph_def))
+    return folder, binary, text
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_inspect_binary_and_text_agree(capsys, graph_files):
+    _, binary, text = graph_files
+    code, out_binary, _ = run(capsys, "inspect", str(binary), "--format", "json")
+    assert code == 0
+    code, out_text, _ = run(capsys, "inspect", str(text), "--format", "json")
+    assert code == 0
+    a, b = json.loads(out_binary), json.loads(out_text)
+    assert a["converted"] == b["converted"] == {"MatMul": 1, "Relu": 1}
+    assert {n["name"]: n["converted"] for n in a["nodes"]}["exp"] is False
+
+
+def test_inspect_nodes_filter_and_reasons(capsys, graph_files):
+    _, binary, _ = graph_files
+    code, out, _ = run(capsys, "inspect", str(binary), "--nodes", "--op", "Exp")
+    assert code == 0
+    assert "exp  [Exp, deny] -> float32: deny: numerically risky in float16" in out
+    assert "mm  [MatMul" not in out
+
+
+def test_inspect_renders_a_saved_report(capsys, graph_files, tmp_path):
+    _, binary, _ = graph_files
+    _, out, _ = run(capsys, "inspect", str(binary), "--format", "json")
+    saved = tmp_path / "report.json"
+    saved.write_text(out)
+    code, again, _ = run(capsys, "inspect", str(saved), "--format", "json")
+    assert code == 0 and json.loads(again) == json.loads(out)
+
+
+def test_list_changes_reach_the_rewrite(capsys, graph_files):
+    _, binary, _ = graph_files
+    _, out, _ = run(capsys, "inspect", str(binary), "--format", "json", "--deny-add", "Relu")
+    assert json.loads(out)["converted"] == {"MatMul": 1}
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda d: d / "missing.pb", "no such file"),
+    (lambda d: _write(d / "empty.pb", b""), "is empty"),
+    (lambda d: _write(d / "junk.pb", b"\xff\xff\xff\xff\x0f garbage"), "not a binary GraphDef"),
+    (lambda d: _write(d / "junk.pbtxt", b"node { name: "), "not a text GraphDef"),
+    (lambda d: _write(d / "model.onnx", b"x"), "unknown kind of file '.onnx'"),
+    (lambda d: _write(d / "bad.json", b"{not json"), "not valid JSON"),
+    (lambda d: _write(d / "other.json", b'{"a": 1}'), "not a tfamp report"),
+])
+def test_bad_files_give_one_line_and_exit_2(capsys, tmp_path, make, expected):
+    code, out, err = run(capsys, "inspect", str(make(tmp_path)))
+    assert code == 2 and out == ""
+    assert err.startswith("tfamp: error: ") and expected in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_truncated_binary_graph_def(capsys, graph_files, tmp_path):
+    _, binary, _ = graph_files
+    data = binary.read_bytes()
+    cut = _write(tmp_path / "cut.pb", data[: len(data) - 7])
+    code, _, err = run(capsys, "inspect", str(cut))
+    assert code == 2 and "tfamp: error:" in err and "truncated" in err
+
+
+def test_unknown_op_in_list_option(capsys, graph_files):
+    _, binary, _ = graph_files
+    code, _, err = run(capsys, "inspect", str(binary), "--allow-add", "Matmul")
+    assert code == 2
+    assert "'Matmul' is not a registered TensorFlow op; did you mean 'MatMul'?" in err
+
+
+def test_bad_option_is_a_usage_error(capsys, graph_files):
+    _, binary, _ = graph_files
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["inspect", str(binary), "--dtype", "float8"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'float8'" in capsys.readouterr().err
+
+
+def test_console_entry_point_runs_as_module():
+    result = subprocess.run([sys.executable, "-m", "tfamp", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    assert "tfamp inspect graph.pb" in result.stdout
+
+
+def _write(path, data):
+    path.write_bytes(data)
+    return path

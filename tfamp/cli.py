@@ -1,0 +1,161 @@
+"""The ``tfamp`` command line: argument parsing and rendering only.
+
+Every user mistake ends as one ``tfamp: error: ...`` line on stderr and exit
+status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+_EPILOG = """examples:
+  tfamp demo                          train a small CNN in fp32, float16 and bfloat16
+  tfamp inspect graph.pb              what the rewrite does to a GraphDef
+  tfamp inspect graph.pbtxt --dtype bfloat16 --format json
+  tfamp inspect report.json           render a saved tfamp report again
+"""
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfamp", description="Automatic mixed precision for TensorFlow by graph rewrite.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    demo = commands.add_parser(
+        "demo", help="train a small model in float32, float16 and bfloat16 and compare",
+        epilog="example:\n  tfamp demo --steps 30",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo.add_argument("--steps", type=_positive_int, default=60, help="training steps (60)")
+    demo.add_argument("--batch", type=_positive_int, default=32, help="batch size (32)")
+
+    inspect = commands.add_parser(
+        "inspect", help="show what the mixed-precision rewrite does to a graph",
+        epilog="examples:\n  tfamp inspect graph.pb --nodes --op MatMul\n"
+               "  tfamp inspect report.json --format json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    inspect.add_argument("path", help="a GraphDef (.pb binary, .pbtxt text) or a tfamp "
+                                      "JSON report")
+    inspect.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    inspect.add_argument("--keep-fp32", action="append", default=[], metavar="REGEX",
+                         help="node names matching REGEX stay float32 (repeatable)")
+    for list_name in ("allow", "infer", "deny", "clear"):
+        for verb in ("add", "remove"):
+            inspect.add_argument(f"--{list_name}-{verb}", default="", metavar="OPS",
+                                 help=f"comma-separated op names to {verb} "
+                                      f"{'to' if verb == 'add' else 'from'} the "
+                                      f"{list_name} list")
+    inspect.add_argument("--nodes", action="store_true", help="list every node")
+    inspect.add_argument("--op", default="", help="with --nodes: only this op type")
+    inspect.add_argument("--name", default="", help="with --nodes: names containing this")
+    inspect.add_argument("--format", choices=["text", "json"], default="text")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a usage line on bad options
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from tfamp._quiet import import_tensorflow_quietly
+
+    import_tensorflow_quietly()
+    from tfamp.graph_files import GraphFileError
+    try:
+        if args.command == "demo":
+            from tfamp import demo
+
+            return demo.main(steps=args.steps, batch=args.batch)
+        if args.command == "inspect":
+            return _inspect(args)
+    except (UserError, GraphFileError) as err:
+        print(f"tfamp: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+def _config_from_args(args):
+    from tfamp.config import AmpConfig
+
+    changes = {}
+    for list_name in ("allow", "infer", "deny", "clear"):
+        for verb in ("add", "remove"):
+            text = getattr(args, f"{list_name}_{verb}")
+            changes[f"{list_name}_{verb}"] = tuple(
+                op.strip() for op in text.split(",") if op.strip())
+    try:
+        return AmpConfig(dtype=args.dtype, keep_fp32=tuple(args.keep_fp32), **changes)
+    except (ValueError, TypeError) as err:
+        raise UserError(str(err)) from err
+
+
+def _inspect(args) -> int:
+    from tfamp.graph_files import load_inspectable
+    from tfamp.rewrite import rewrite_graph_def
+
+    config = _config_from_args(args)
+    loaded = load_inspectable(Path(args.path))
+    if loaded.report is not None:
+        report = loaded.report
+    else:
+        _, report = rewrite_graph_def(loaded.graph_def, config, function_name=loaded.name)
+    if args.format == "json":
+        print(report.to_json())
+        return 0
+    print(render_summary(report))
+    if args.nodes:
+        print(render_nodes(report, op=args.op, name=args.name))
+    return 0
+
+
+def render_summary(report) -> str:
+    lines = [report.summary_line(),
+             f"  nodes: {report.nodes_before} before, {report.nodes_after} after",
+             f"  casts inserted: {report.casts_inserted}"]
+    if report.converted:
+        lines.append("  converted to " + report.dtype + ": " + ", ".join(
+            f"{op} x{n}" for op, n in report.converted.items()))
+    if report.kept_fp32:
+        lines.append("  listed ops kept float32: " + ", ".join(
+            f"{kind} x{n}" for kind, n in report.kept_fp32.items()))
+    return "\n".join(lines)
+
+
+def render_nodes(report, *, op: str = "", name: str = "") -> str:
+    rows = [n for n in report.nodes
+            if (not op or n.op == op) and (not name or name in n.name)]
+    if not rows:
+        raise UserError(
+            f"no node matches op={op!r} name={name!r}; drop the filter or check "
+            f"the spelling (the report has {len(report.nodes)} nodes)")
+    lines = []
+    for n in rows:
+        where = f"{n.function}/" if n.function else ""
+        state = report.dtype if n.converted else "float32"
+        lines.append(f"  {where}{n.name}  [{n.op}, {n.list}] -> {state}: {n.reason}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
