@@ -19,7 +19,10 @@ _EXPORTS = {
     "GraphCheckError": "tfamp.check",
     "OpLists": "tfamp.oplists",
     "RewriteReport": "tfamp.report",
+    "LossScaleOptimizer": "tfamp.loss_scale",
     "check_graph_def": "tfamp.check",
+    "disable": "tfamp.activation",
+    "enable": "tfamp.activation",
     "function": "tfamp.runner",
     "rewrite_concrete_function": "tfamp.runner",
     "rewrite_function": "tfamp.runner",
@@ -30,9 +33,12 @@ __all__ = [
     "AmpConfig",
     "DEFAULT_OP_LISTS",
     "GraphCheckError",
+    "LossScaleOptimizer",
     "OpLists",
     "RewriteReport",
     "check_graph_def",
+    "disable",
+    "enable",
     "function",
     "rewrite_concrete_function",
     "rewrite_function",
@@ -40,8 +46,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from tfamp.activation import disable, enable
     from tfamp.check import GraphCheckError, check_graph_def
     from tfamp.config import AmpConfig
+    from tfamp.loss_scale import LossScaleOptimizer
     from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
     from tfamp.report import RewriteReport
     from tfamp.rewrite import rewrite_graph_def

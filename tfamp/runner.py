@@ -156,7 +156,8 @@ class RewrittenFunction:
     """
 
     def __init__(self, fn: Callable, config: AmpConfig | None = None, *,
-                 check: bool = False, **tf_function_kwargs):
+                 check: bool = False, after_call: Callable[[Any], None] | None = None,
+                 **tf_function_kwargs):
         if not callable(fn):
             raise TypeError(
                 f"tfamp.function expects a Python function or a tf.function, "
@@ -171,6 +172,7 @@ class RewrittenFunction:
             self._tf_function = tf.function(fn, **tf_function_kwargs)
         self._config = config or AmpConfig()
         self._check = check
+        self._after_call = after_call
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
         functools.update_wrapper(self, fn)
 
@@ -198,7 +200,10 @@ class RewrittenFunction:
         return entry[1]
 
     def __call__(self, *args, **kwargs):
-        return self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
+        outputs = self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
+        if self._after_call is not None:
+            self._after_call(outputs)
+        return outputs
 
     def __get__(self, instance, owner):
         # As a method decorator: bind like a tf.function does, one per instance.
@@ -209,7 +214,7 @@ class RewrittenFunction:
         if bound is None:
             bound = RewrittenFunction(
                 self._tf_function.__get__(instance, owner), self._config,
-                check=self._check)
+                check=self._check, after_call=self._after_call)
             instance.__dict__[cache_name] = bound
         return bound
 

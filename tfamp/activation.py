@@ -1,0 +1,224 @@
+"""``tfamp.enable(model)`` / ``tfamp.disable(model)`` for tf_keras models.
+
+Enabling installs per-instance hooks (nothing on the class, so other models and
+saved files are unaffected): ``make_train_function``, ``make_test_function`` and
+``make_predict_function`` wrap the tf.functions Keras builds in tfamp's
+``RewrittenFunction``; ``train_step`` adds ``loss_scale`` and ``skipped_steps``
+to the logs (so they reach History and TensorBoard); ``compile`` wraps the
+optimizer it is given. Disabling removes the hooks and unwraps the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import tensorflow as tf
+import tf_keras as keras
+
+from tfamp.config import AmpConfig
+from tfamp.loss_scale import (
+    DEFAULT_GROWTH_INTERVAL,
+    DEFAULT_INITIAL_SCALE,
+    DEFAULT_MIN_SCALE,
+    LossScaleOptimizer,
+)
+from tfamp.runner import RewrittenFunction
+
+log = logging.getLogger("tfamp")
+
+_HOOKED_METHODS = ("compile", "make_train_function", "make_test_function",
+                   "make_predict_function", "train_step")
+_FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
+
+
+@dataclasses.dataclass
+class _EnabledState:
+    config: AmpConfig
+    loss_scale: object  # "dynamic", a number, or None
+    initial_scale: float
+    growth_interval: int
+    min_scale: float
+    check: bool
+
+    def wrap_optimizer(self, optimizer):
+        if self.loss_scale is None or optimizer is None:
+            return optimizer
+        if isinstance(optimizer, LossScaleOptimizer):
+            return optimizer
+        if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+            raise ValueError(
+                "the model's optimizer is already a Keras LossScaleOptimizer; tfamp wraps "
+                "the optimizer itself. Compile with the inner optimizer "
+                "(optimizer.inner_optimizer), or pass loss_scale=None to tfamp.enable.")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"tfamp loss scaling needs a tf_keras optimizer (keras.optimizers.*), the "
+                f"model has {type(optimizer).__name__}; compile with e.g. "
+                f"keras.optimizers.Adam(), or pass loss_scale=None.")
+        return LossScaleOptimizer(
+            optimizer, self.loss_scale, initial_scale=self.initial_scale,
+            growth_interval=self.growth_interval, min_scale=self.min_scale)
+
+
+def enable(model, *, dtype: str = "float16", loss_scale="default",
+           initial_scale: float = DEFAULT_INITIAL_SCALE,
+           growth_interval: int = DEFAULT_GROWTH_INTERVAL,
+           min_scale: float = DEFAULT_MIN_SCALE,
+           config: AmpConfig | None = None, check: bool = False):
+    """Turns a tf_keras model's training and inference into mixed precision.
+
+    Works before or after ``model.compile``. From then on ``fit``, ``evaluate``,
+    ``predict``, ``train_on_batch`` and ``predict_on_batch`` run tfamp-rewritten
+    graphs, and the optimizer is wrapped in a loss-scale optimizer. Calling it
+    again is harmless; ``tfamp.disable(model)`` restores float32.
+
+    Args:
+      model: a ``tf_keras.Model``.
+      dtype: "float16" or "bfloat16" (ignored when `config` is given).
+      loss_scale: "dynamic", a positive number (fixed scale) or None. The
+        default is "dynamic" for float16 and None for bfloat16.
+      initial_scale, growth_interval, min_scale: dynamic loss-scale settings
+        (2**15, 2000 good steps, floor 1).
+      config: a full AmpConfig (op-list changes, keep_fp32, ...).
+      check: validate every rewritten graph (slower; for debugging).
+
+    Returns:
+      `model` itself.
+
+    Example:
+      >>> model.compile(optimizer="adam", loss="mse")
+      >>> tfamp.enable(model)            # float16 with dynamic loss scaling
+      >>> model.fit(x, y, epochs=3)      # history has loss_scale, skipped_steps
+    """
+    _check_model(model)
+    _check_no_other_mixed_precision(model)
+    config = config or AmpConfig(dtype=dtype)
+    if loss_scale == "default":
+        loss_scale = "dynamic" if config.dtype == "float16" else None
+    state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check)
+    # Validate loss-scale settings now, not at the first fit.
+    if loss_scale is not None:
+        LossScaleOptimizer(keras.optimizers.SGD(), loss_scale, initial_scale=initial_scale,
+                           growth_interval=growth_interval, min_scale=min_scale)
+    if getattr(model, "_tfamp_state", None) is not None:
+        disable(model)
+    _install_hooks(model, state)
+    if getattr(model, "optimizer", None) is not None:
+        model.optimizer = state.wrap_optimizer(model.optimizer)
+    _reset_functions(model)
+    log.info("tfamp: enabled %s on model %r (loss scale: %s)", config.dtype, model.name,
+             loss_scale)
+    return model
+
+
+def disable(model):
+    """Restores float32 training for a model `enable` was called on.
+
+    Returns:
+      `model` itself. A model tfamp never enabled is returned unchanged.
+    """
+    _check_model(model)
+    if getattr(model, "_tfamp_state", None) is None:
+        return model
+    for name in _HOOKED_METHODS:
+        model.__dict__.pop(name, None)
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, LossScaleOptimizer):
+        inner = optimizer.inner_optimizer
+        inner._is_wrapped_by_loss_scale_optimizer = False
+        model.optimizer = inner
+    object.__setattr__(model, "_tfamp_state", None)
+    _reset_functions(model)
+    return model
+
+
+def is_enabled(model) -> bool:
+    """True if `tfamp.enable` is in force on `model`."""
+    return getattr(model, "_tfamp_state", None) is not None
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, keras.Model):
+        kind = f"{type(model).__module__}.{type(model).__name__}"
+        hint = ("; this looks like a Keras 3 model (tf.keras in TensorFlow 2.21): build it "
+                "with `import tf_keras as keras`" if "keras.src" in kind
+                and not kind.startswith("tf_keras") else "")
+        raise TypeError(f"tfamp.enable expects a tf_keras.Model, received {kind}{hint}.")
+
+
+def _check_no_other_mixed_precision(model) -> None:
+    policy = keras.mixed_precision.global_policy().name
+    layer_policies = {getattr(layer, "dtype_policy", None) for layer in model.submodules
+                      if isinstance(layer, keras.layers.Layer)}
+    mixed = [p.name for p in layer_policies if p is not None and p.name.startswith("mixed_")]
+    if policy.startswith("mixed_") or mixed:
+        name = policy if policy.startswith("mixed_") else mixed[0]
+        raise ValueError(
+            f"a Keras {name!r} policy is in force and so is tfamp: they would both "
+            f"convert the model. Use one: for tfamp, call "
+            f"keras.mixed_precision.set_global_policy('float32') before building the "
+            f"model; or keep the Keras policy and do not call tfamp.enable.")
+    if tf.config.optimizer.get_experimental_options().get("auto_mixed_precision"):
+        raise ValueError(
+            "TensorFlow's own auto_mixed_precision graph rewrite is on "
+            "(tf.config.optimizer.set_experimental_options) and so is tfamp: they would "
+            "both convert the graph. Turn TensorFlow's off with "
+            "tf.config.optimizer.set_experimental_options({'auto_mixed_precision': "
+            "False}), or do not call tfamp.enable.")
+
+
+def _install_hooks(model, state: _EnabledState) -> None:
+    cls = type(model)
+    object.__setattr__(model, "_tfamp_state", state)
+
+    def compile(*args, **kwargs):  # noqa: A001  (mirrors Model.compile)
+        result = cls.compile(model, *args, **kwargs)
+        model.optimizer = state.wrap_optimizer(model.optimizer)
+        return result
+
+    def train_step(data):
+        logs = cls.train_step(model, data)
+        optimizer = model.optimizer
+        if isinstance(optimizer, LossScaleOptimizer) and isinstance(logs, dict):
+            logs = dict(logs)
+            logs["loss_scale"] = tf.identity(optimizer.loss_scale)
+            logs["skipped_steps"] = tf.identity(optimizer.skipped_steps)
+        return logs
+
+    def hooked_maker(attr: str, maker_name: str, after_call=None):
+        def make(force=False):
+            made = getattr(cls, maker_name)(model, force)
+            current = model.__dict__.get(attr, made)
+            if isinstance(current, tf.types.experimental.PolymorphicFunction):
+                wrapped = RewrittenFunction(current, state.config, check=state.check,
+                                            after_call=after_call)
+                object.__setattr__(model, attr, wrapped)
+                return wrapped
+            if current is not None and not isinstance(current, RewrittenFunction):
+                log.warning("tfamp: %s runs eagerly (run_eagerly=True), so there is no "
+                            "graph to rewrite; it stays float32.", attr)
+            return current
+        return make
+
+    def after_train_call(_outputs):
+        optimizer = model.optimizer
+        if isinstance(optimizer, LossScaleOptimizer):
+            optimizer.check_stuck()
+
+    hooks = {
+        "compile": compile,
+        "train_step": train_step,
+        "make_train_function": hooked_maker("train_function", "make_train_function",
+                                            after_train_call),
+        "make_test_function": hooked_maker("test_function", "make_test_function"),
+        "make_predict_function": hooked_maker("predict_function", "make_predict_function"),
+    }
+    for name, hook in hooks.items():
+        object.__setattr__(model, name, hook)
+
+
+def _reset_functions(model) -> None:
+    for attr in _FUNCTION_ATTRS:
+        if hasattr(model, attr):
+            object.__setattr__(model, attr, None)

@@ -1,0 +1,241 @@
+"""Loss scaling: the scale state and the optimizer wrapper that applies it.
+
+Algorithm (dynamic, the float16 default)::
+
+    scale = initial_scale                      # 2**15
+    each step:
+        grads = grad(loss * scale) / scale     # unscaled in float32
+        if all grads finite:
+            apply grads; good_steps += 1
+            if good_steps == growth_interval:  # 2000
+                scale *= 2; good_steps = 0
+        else:                                  # skip: weights and slots untouched
+            skipped_steps += 1; good_steps = 0
+            scale = max(scale / 2, min_scale)  # min_scale default 1
+
+A fixed scale skips non-finite steps the same way but never changes.
+
+``LossScaleOptimizer`` builds on tf_keras's ``LossScaleOptimizerV3``: it keeps
+that class's gradient all-reduce before the finiteness check (so every replica
+makes the same decision), its checkpoint layout, and its behaviour of advancing
+``iterations`` on a skipped step (learning-rate schedules keep counting
+batches). It replaces the scale state to add what tf_keras lacks: a floor other
+than 1, a count of skipped steps, skipping for fixed scales, and the names of
+the first variables whose gradients were non-finite, for the stuck-at-floor
+warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import tensorflow as tf
+from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso
+from tf_keras.src.saving import object_registration
+
+log = logging.getLogger("tfamp")
+
+DEFAULT_INITIAL_SCALE = 2.0**15
+DEFAULT_GROWTH_INTERVAL = 2000
+DEFAULT_MIN_SCALE = 1.0
+# Consecutive skipped steps at the floor before the stuck warning.
+STUCK_PATIENCE = 2
+_BAD_NAMES_KEPT = 3
+
+
+class _ScaleState(keras_lso._DynamicLossScaleState):
+    """tf_keras's dynamic state plus floor, skip counter and first bad gradients.
+
+    Same checkpoint names as tf_keras ("current_loss_scale", "good_steps") plus
+    "skipped_steps", "floor_skips" and "first_nonfinite".
+    """
+
+    def __init__(self, initial_scale: float, growth_interval: int | None, min_scale: float):
+        super().__init__(initial_scale, growth_interval or 1, multiplier=2)
+        self.is_dynamic = growth_interval is not None
+        self.min_scale = float(min_scale)
+        self.skipped_steps = self._add_weight("skipped_steps", 0, dtype=tf.int64)
+        self.floor_skips = self._add_weight("floor_skips", 0, dtype=tf.int64)
+        self.first_nonfinite = self._add_weight(
+            "first_nonfinite", [-1] * _BAD_NAMES_KEPT, dtype=tf.int32)
+
+    def update(self, grads):
+        """Updates the scale for this step; returns (update op, apply grads?)."""
+        grads = [g for g in tf.nest.flatten(grads) if g is not None]
+        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+            strategy = tf.distribute.get_strategy()
+            flags = strategy.experimental_local_results(
+                strategy.extended.call_for_each_replica(_finite_flags, args=(grads,)))[0]
+        else:
+            flags = _finite_flags(grads)
+        is_finite = tf.reduce_all(flags)
+        scale = self.current_loss_scale
+
+        def on_finite():
+            if not self.is_dynamic:
+                return tf.group(self.floor_skips.assign(0))
+
+            def grow():
+                return tf.group(keras_lso._assign_if_finite(scale, scale * self.multiplier),
+                                self.counter.assign(0))
+
+            return tf.group(
+                self.floor_skips.assign(0),
+                tf.cond(self.counter + 1 >= self.growth_steps, grow,
+                        lambda: tf.group(self.counter.assign_add(1))))
+
+        def on_nonfinite():
+            bad = tf.cast(tf.reshape(tf.where(tf.logical_not(flags)), [-1]), tf.int32)
+            padded = tf.concat([bad, tf.fill([_BAD_NAMES_KEPT], -1)], 0)[:_BAD_NAMES_KEPT]
+            at_floor = scale <= self.min_scale
+            updates = [
+                self.skipped_steps.assign_add(1),
+                self.first_nonfinite.assign(padded),
+                self.floor_skips.assign(tf.where(at_floor, self.floor_skips + 1, 0)),
+                self.counter.assign(0),
+            ]
+            if self.is_dynamic:
+                updates.append(scale.assign(tf.maximum(scale / self.multiplier, self.min_scale)))
+            return tf.group(*updates)
+
+        return tf.cond(is_finite, on_finite, on_nonfinite), is_finite
+
+
+def _finite_flags(grads):
+    def values(g):
+        return g.values if isinstance(g, tf.IndexedSlices) else g
+
+    if not grads:
+        return tf.ones([0], tf.bool)
+    return tf.stack([tf.reduce_all(tf.math.is_finite(values(g))) for g in grads])
+
+
+class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
+    """Wraps a tf_keras optimizer with loss scaling (see the module docstring).
+
+    Args:
+      inner_optimizer: a tf_keras ``Optimizer`` (e.g. ``keras.optimizers.Adam()``).
+      loss_scale: "dynamic" (default) or a positive number for a fixed scale.
+      initial_scale: the starting dynamic scale (2**15).
+      growth_interval: good steps before the dynamic scale doubles (2000).
+      min_scale: the floor of the dynamic scale (1).
+
+    Saved models record it as tf_keras's ``LossScaleOptimizer`` (same config
+    keys), so a process without tfamp loads them.
+
+    Example:
+      >>> opt = LossScaleOptimizer(keras.optimizers.Adam(), growth_interval=100)
+      >>> model.compile(optimizer=opt, loss="mse")
+    """
+
+    # Serialize under tf_keras's public name: a .keras file must load without tfamp.
+    _keras_api_names = ("keras.mixed_precision.LossScaleOptimizer",)
+    _keras_api_names_v1 = ("keras.mixed_precision.LossScaleOptimizer",)
+
+    def __init__(self, inner_optimizer, loss_scale="dynamic", *,
+                 initial_scale: float = DEFAULT_INITIAL_SCALE,
+                 growth_interval: int = DEFAULT_GROWTH_INTERVAL,
+                 min_scale: float = DEFAULT_MIN_SCALE):
+        dynamic, start = _parse_loss_scale(loss_scale, initial_scale)
+        _check_positive(growth_interval=growth_interval, min_scale=min_scale)
+        if dynamic and start < min_scale:
+            raise ValueError(
+                f"initial_scale ({start}) is below min_scale ({min_scale}); pass an "
+                f"initial_scale >= min_scale.")
+        super().__init__(inner_optimizer, dynamic=True, initial_scale=start,
+                         dynamic_growth_steps=int(growth_interval))
+        self._loss_scale = _ScaleState(
+            start, int(growth_interval) if dynamic else None, min_scale)
+        self._track_trackable(self._loss_scale, "loss_scale", overwrite=True)
+        self._variable_names: list[str] = []
+        self._warned_stuck = False
+
+    # -- what users and logs read --------------------------------------------
+
+    @property
+    def dynamic(self) -> bool:
+        return self._loss_scale.is_dynamic
+
+    @property
+    def dynamic_growth_steps(self):
+        return self._loss_scale.growth_steps if self.dynamic else None
+
+    @property
+    def dynamic_counter(self):
+        return self._loss_scale.counter if self.dynamic else None
+
+    @property
+    def min_scale(self) -> float:
+        return self._loss_scale.min_scale
+
+    @property
+    def skipped_steps(self) -> tf.Variable:
+        """Steps skipped because a gradient was inf or nan (int64 variable)."""
+        return self._loss_scale.skipped_steps
+
+    def get_config(self):
+        config = super().get_config()
+        if not self.dynamic:
+            config["dynamic_growth_steps"] = None
+        return config
+
+    # -- applying ------------------------------------------------------------
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        grads_and_vars = list(grads_and_vars)
+        # Same filter the parent applies before the finiteness check, so index i
+        # of the recorded flags names variable i here.
+        self._variable_names = [v.name for g, v in grads_and_vars if g is not None]
+        return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
+    def check_stuck(self) -> bool:
+        """Warns once if steps keep being skipped with the scale at its floor.
+
+        Called by tfamp after each training step (a few scalar reads). Returns
+        True if the warning was issued now.
+        """
+        if self._warned_stuck or int(self._loss_scale.floor_skips.numpy()) < STUCK_PATIENCE:
+            return False
+        self._warned_stuck = True
+        indices = [int(i) for i in self._loss_scale.first_nonfinite.numpy() if i >= 0]
+        names = [self._variable_names[i] for i in indices if i < len(self._variable_names)]
+        message = (
+            f"tfamp: loss scale is stuck at its floor ({self.min_scale:g}) and steps keep "
+            f"being skipped ({int(self.skipped_steps.numpy())} skipped so far): the "
+            f"gradients are inf/nan even unscaled, so no weights are being updated. "
+            f"First non-finite gradients: {', '.join(names) or 'unknown'}. Check the "
+            f"data and learning rate, keep the op producing them float32 "
+            f"(keep_fp32=...), or try dtype='bfloat16'.")
+        log.error("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return True
+
+
+def _parse_loss_scale(loss_scale, initial_scale: float) -> tuple[bool, float]:
+    if isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise ValueError(
+                f"loss_scale must be 'dynamic', a positive number or None, received "
+                f"{loss_scale!r}.")
+        _check_positive(initial_scale=initial_scale)
+        return True, float(initial_scale)
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
+        raise TypeError(
+            f"loss_scale must be 'dynamic', a positive number or None, received "
+            f"{loss_scale!r} ({type(loss_scale).__name__}).")
+    _check_positive(loss_scale=loss_scale)
+    return False, float(loss_scale)
+
+
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and value > 0 and value == value and value != float("inf")):
+            raise ValueError(f"{name} must be a positive finite number, received {value!r}.")
+
+
+# Legacy SavedModel metadata names an optimizer by get_registered_name(its class).
+# Give tfamp's class tf_keras's own name so such a file loads without tfamp, as
+# tf_keras's LossScaleOptimizerV3 (same config keys, same checkpoint layout).
+object_registration._GLOBAL_CUSTOM_NAMES[LossScaleOptimizer] = "LossScaleOptimizerV3"
