@@ -151,6 +151,13 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         self._variable_names: list[str] = []
         self._warned_stuck = False
 
+    def _track_trackable(self, trackable, name, overwrite=False):
+        # tf_keras's wrapper tracks its state on the *inner* optimizer. After
+        # tfamp.disable the same inner optimizer can be wrapped again; its
+        # "loss_scale" dependency is then replaced rather than duplicated.
+        return super()._track_trackable(
+            trackable, name, overwrite=overwrite or name == "loss_scale")
+
     # -- what users and logs read --------------------------------------------
 
     @property
