@@ -43,6 +43,11 @@ def existing_cast(i, w):
     return tf.matmul(x, w, name="mm")
 
 
+def user_cast_of_16bit(x, w):
+    h = tf.nn.relu(tf.matmul(x, w, name="mm"), name="relu")
+    return tf.cast(h, tf.float16, name="to_half"), tf.cast(h, tf.int32, name="to_int")
+
+
 def integer_and_bool(x, w):
     y = tf.matmul(x, w, name="mm")
     positive = tf.greater(y, 0.0, name="positive")
@@ -95,6 +100,10 @@ CASES = [
     Case("existing_cast_is_retargeted", existing_cast, (tf.TensorSpec([4, 4], tf.int32), M), {
         "to_float": (True, "unlisted", "casts straight to float16"), "mm": (True, "allow", ""),
     }, casts=2),  # w in, mm out; no cast after to_float
+    Case("existing_cast_reads_16bit_directly", user_cast_of_16bit, (M, M), {
+        "to_half": (True, "unlisted", "reads the float16 value of 'relu' directly"),
+        "to_int": (True, "unlisted", "reads the float16 value of 'relu' directly"),
+    }, casts=2),  # x, w in; no float16 -> float32 -> float16 round trip
     Case("integer_and_bool_edges_untouched", integer_and_bool, (M, M), {
         "positive": (True, "clear", "next to float16 op 'mm'"),
         "as_int": (False, "unlisted", "no float32 tensors"),

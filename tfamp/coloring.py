@@ -304,9 +304,22 @@ class _BodyColoring:
                         f"clear: next to {self.target_name} op {cause!r}", cause)
 
     def _retarget_casts(self) -> None:
+        """Existing Casts meet 16-bit neighbours directly instead of via another Cast.
+
+        SrcT: a Cast reading a 16-bit value reads it as it is (the value is
+        unchanged, so the result is too). DstT: a Cast to float32 whose consumers
+        are all 16-bit casts straight to the 16-bit type.
+        """
         for slot, name in enumerate(self.slot_node):
             node = self.body.nodes[name]
-            if node.op != "Cast" or self.slot_attr[slot] != "DstT" or not self._candidate(slot):
+            if node.op != "Cast" or not self._candidate(slot) or slot in self.allow:
+                continue
+            if self.slot_attr[slot] == "SrcT":
+                ref = node.data_inputs[0][0]
+                if self._ref_is_16bit(ref):
+                    self.allow[slot] = (
+                        f"Cast: reads the {self.target_name} value of {ref.node!r} "
+                        f"directly", ref.node)
                 continue
             consumers = self.body.consumers.get(TensorRef(name, 0), [])
             if not consumers or any(
