@@ -13,4 +13,5 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+# Not editable: the start-up hook (tfamp_startup.pth) must sit in site-packages.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check ".[test]"

@@ -195,7 +195,11 @@ def _install_hooks(model, state: _EnabledState) -> None:
                                             after_call=after_call)
                 object.__setattr__(model, attr, wrapped)
                 return wrapped
-            if current is not None and not isinstance(current, RewrittenFunction):
+            if isinstance(current, RewrittenFunction):
+                if after_call is not None:  # built by TFAMP_ENABLE's tf.function
+                    current.set_after_call(after_call)
+                return current
+            if current is not None:
                 log.warning("tfamp: %s runs eagerly (run_eagerly=True), so there is no "
                             "graph to rewrite; it stays float32.", attr)
             return current

@@ -18,6 +18,7 @@ _EPILOG = """examples:
   tfamp inspect graph.pb              what the rewrite does to a GraphDef
   tfamp inspect graph.pbtxt --dtype bfloat16 --format json
   tfamp inspect report.json           render a saved tfamp report again
+  tfamp run train.py --epochs 3       run a script with mixed precision on
 """
 
 
@@ -59,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--op", default="", help="with --nodes: only this op type")
     inspect.add_argument("--name", default="", help="with --nodes: names containing this")
     inspect.add_argument("--format", choices=["text", "json"], default="text")
+
+    run = commands.add_parser(
+        "run", help="run a Python script with mixed precision on (as TFAMP_ENABLE=1)",
+        epilog="examples:\n  tfamp run train.py --epochs 3\n"
+               "  TFAMP_DTYPE=bfloat16 tfamp run train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
 
 
@@ -87,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(steps=args.steps, batch=args.batch)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "run":
+            return _run(args)
     except (UserError, GraphFileError) as err:
         print(f"tfamp: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -126,6 +137,23 @@ def _inspect(args) -> int:
     print(render_summary(report))
     if args.nodes:
         print(render_nodes(report, op=args.op, name=args.name))
+    return 0
+
+
+def _run(args) -> int:
+    import os
+    import runpy
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise UserError(f"{script}: no such file; expected a Python script to run")
+    os.environ["TFAMP_ENABLE"] = "1"
+    from tfamp import startup
+
+    startup.activate()  # exits 2 with one line on an invalid TFAMP_* setting
+    sys.argv = [str(script), *args.args]
+    sys.path.insert(0, str(script.resolve().parent))
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 

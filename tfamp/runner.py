@@ -157,6 +157,7 @@ class RewrittenFunction:
 
     def __init__(self, fn: Callable, config: AmpConfig | None = None, *,
                  check: bool = False, after_call: Callable[[Any], None] | None = None,
+                 on_report: Callable[[RewriteReport], None] | None = None,
                  **tf_function_kwargs):
         if not callable(fn):
             raise TypeError(
@@ -173,8 +174,9 @@ class RewrittenFunction:
         self._config = config or AmpConfig()
         self._check = check
         self._after_call = after_call
+        self._on_report = on_report
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn, updated=())  # name and docstring only
 
     @property
     def config(self) -> AmpConfig:
@@ -188,6 +190,17 @@ class RewrittenFunction:
     def python_function(self) -> Callable:
         return self._tf_function.python_function
 
+    def set_after_call(self, after_call: Callable[[Any], None] | None) -> None:
+        """Sets the hook run with the outputs after every call (e.g. a monitor)."""
+        self._after_call = after_call
+
+    def __getattr__(self, name: str):
+        # Anything else a tf.function offers (experimental_get_tracing_count,
+        # function_spec, ...) answers for the original.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._tf_function, name)
+
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten ConcreteFunction for these arguments (traced if new)."""
         concrete = self._tf_function.get_concrete_function(*args, **kwargs)
@@ -195,8 +208,12 @@ class RewrittenFunction:
         if entry is None or entry[0] is not concrete:
             rewritten, report = rewrite_concrete_function(
                 concrete, self._config, check=self._check)
+            if not report.converted:
+                rewritten = concrete  # nothing to gain: run the original as traced
             entry = (concrete, rewritten, report)
             self._rewritten[id(concrete)] = entry
+            if self._on_report is not None:
+                self._on_report(report)
         return entry[1]
 
     def __call__(self, *args, **kwargs):
@@ -214,7 +231,7 @@ class RewrittenFunction:
         if bound is None:
             bound = RewrittenFunction(
                 self._tf_function.__get__(instance, owner), self._config,
-                check=self._check, after_call=self._after_call)
+                check=self._check, after_call=self._after_call, on_report=self._on_report)
             instance.__dict__[cache_name] = bound
         return bound
 

@@ -1,0 +1,185 @@
+"""TFAMP_ENABLE=1 on unmodified scripts, run in subprocesses as a user would.
+
+These need tfamp *installed* (the start-up hook lives in site-packages), as
+``bash scripts/setup.sh`` does.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tfamp
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed_hook():
+    hook = Path(sysconfig.get_paths()["purelib"]) / "tfamp_startup.pth"
+    assert hook.is_file(), (
+        f"tfamp's start-up hook is not installed at {hook}; run `bash scripts/setup.sh` "
+        f"(these tests exercise the installed package)")
+
+
+def run(script_or_args, tmp_path, **env):
+    args = script_or_args if isinstance(script_or_args, list) else [str(script_or_args)]
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    environment.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": "", **env})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=600, env=environment, cwd=str(tmp_path))
+
+
+def last_json(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+FIT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    flavour = sys.argv[1]
+    if flavour == "tf_keras":
+        import tf_keras as keras
+    else:
+        import tensorflow as tf
+        keras = tf.keras
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(512, 16)).astype("float32")
+    y = x[:, :4].sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(x, y, epochs=6, batch_size=64, verbose=0)
+    print(json.dumps({"loss": history.history["loss"],
+                      "optimizer": type(model.optimizer).__name__,
+                      "pred": model.predict(x[:8], verbose=0).ravel().tolist(),
+                      "tfamp_imported": "tfamp" in sys.modules}))
+""")
+
+
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
+def test_unmodified_keras_fit_runs_mixed_precision(tmp_path, flavour):
+    script = tmp_path / "fit.py"
+    script.write_text(FIT_SCRIPT)
+    plain = last_json(run([str(script), flavour], tmp_path))
+    reports = tmp_path / "reports"
+    amp_result = run([str(script), flavour], tmp_path, TFAMP_ENABLE="1",
+                     TFAMP_REPORT_DIR=str(reports))
+    amp = last_json(amp_result)
+    assert plain["tfamp_imported"] is False and plain["optimizer"] == "Adam"
+    assert amp["tfamp_imported"] is True and amp["optimizer"] == "LossScaleOptimizer"
+    assert "ops -> float16 (MatMul" in amp_result.stderr
+    saved = [tfamp.RewriteReport.from_dict(json.loads(p.read_text()))
+             for p in sorted(reports.glob("*.json"))]
+    assert any(r.converted.get("MatMul", 0) >= 2 for r in saved), [r.function for r in saved]
+    # Predictions differ by 16-bit rounding (plus any skipped overflow step) only.
+    want, got = np.array(plain["pred"]), np.array(amp["pred"])
+    assert not np.array_equal(want, got)
+    np.testing.assert_allclose(got, want, atol=0.1 * np.abs(want).max())
+    assert amp["loss"][-1] == pytest.approx(plain["loss"][-1], rel=0.15)
+
+
+def test_custom_loop_overflow_step_is_skipped_only_with_tfamp(tmp_path):
+    script = EXAMPLES / "plain_custom_loop.py"
+    plain = run(script, tmp_path)
+    amp = run(script, tmp_path, TFAMP_ENABLE="1")
+    assert plain.returncode == 0 and amp.returncode == 0, amp.stderr[-3000:]
+    assert "weights unchanged: False, finite: False" in plain.stdout
+    assert "step 40: loss nan" in plain.stdout
+    assert "weights unchanged: True, finite: True" in amp.stdout
+    final = float(amp.stdout.strip().splitlines()[-1].split()[-1])
+    assert final < 0.1
+    assert "train_step: " in amp.stderr and "-> float16 (MatMul" in amp.stderr
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("TFAMP_ENABLE", "maybe", "TFAMP_ENABLE='maybe' is not valid; accepted values: 1/true"),
+    ("TFAMP_DTYPE", "float8", "TFAMP_DTYPE='float8' is not valid; accepted values: float16, "
+                              "bfloat16"),
+    ("TFAMP_LOSS_SCALE", "-3", "TFAMP_LOSS_SCALE='-3' is not valid; accepted values: dynamic"),
+    ("TFAMP_ALLOWLIST_ADD", "Matmul", "TFAMP_ALLOWLIST_ADD: 'Matmul' is not a registered "
+                                      "TensorFlow op; did you mean 'MatMul'?"),
+    ("TFAMP_DENYLIST_ADD", "BiasAdd|Softmax", "op names separated by commas"),
+    ("TFAMP_KEEP_FP32", "dense[", "'dense[' is not a regular expression"),
+    ("TFAMP_VERBOSITY", "loud", "accepted values: 0/quiet, 1/info, 2/debug"),
+    ("TFAMP_ENABEL", "1", "TFAMP_ENABEL is not a tfamp setting; did you mean TFAMP_ENABLE?"),
+])
+def test_invalid_setting_stops_before_the_script_with_one_line(tmp_path, variable, value,
+                                                               expected):
+    env = {variable: value}
+    if variable != "TFAMP_ENABLE":
+        env["TFAMP_ENABLE"] = "1"
+    result = run(["-c", "print('script ran')"], tmp_path, **env)
+    assert result.returncode == 2
+    assert "script ran" not in result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tfamp:")]
+    assert len(errors) == 1 and errors[0].startswith("tfamp: error: ")
+    assert expected in errors[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_hook_does_nothing_when_unset(tmp_path):
+    code = "import sys; print('tfamp' in sys.modules, 'tensorflow' in sys.modules)"
+    for value in (None, "0", "off"):
+        env = {} if value is None else {"TFAMP_ENABLE": value}
+        result = run(["-X", "importtime", "-c", code], tmp_path, **env)
+        assert result.returncode == 0
+        assert result.stdout.strip() == "False False"
+        assert "tfamp" not in result.stderr  # -X importtime lists every import
+
+
+def test_eager_only_script_is_told_nothing_was_rewritten(tmp_path):
+    script = tmp_path / "eager.py"
+    script.write_text("import tensorflow as tf\nprint(float(tf.reduce_sum(tf.ones([2, 2]))))\n")
+    result = run(script, tmp_path, TFAMP_ENABLE="1")
+    assert result.returncode == 0 and result.stdout.strip() == "4.0"
+    assert "traced no tf.function, so nothing was rewritten" in result.stderr
+
+
+def test_tfamp_run_passes_arguments_and_enables(tmp_path):
+    script = tmp_path / "args.py"
+    script.write_text(textwrap.dedent("""
+        import sys, tensorflow as tf
+        f = tf.function(lambda x: tf.matmul(x, x))
+        print(sys.argv[1:], f(tf.ones([4, 4])).dtype.name)
+    """))
+    tfamp_command = Path(sys.executable).parent / "tfamp"
+    result = subprocess.run([str(tfamp_command), "run", str(script), "--epochs", "3"],
+                            capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "['--epochs', '3'] float32"
+    assert "-> float16 (MatMul x1)" in result.stderr
+
+
+def test_hook_line_knows_every_off_word():
+    from tfamp.env import FALSE_WORDS
+
+    line = (REPO / "tfamp_startup.pth").read_text()
+    assert line.startswith("import os;") and line.count("\n") == 1
+    assert all(f'"{word}"' in line for word in FALSE_WORDS)
+
+
+def test_full_valid_environment_is_parsed():
+    from tfamp.env import settings_from_env
+
+    settings = settings_from_env({
+        "TFAMP_ENABLE": "Yes", "TFAMP_DTYPE": "bfloat16", "TFAMP_LOSS_SCALE": "1024",
+        "TFAMP_ALLOWLIST_REMOVE": "Einsum", "TFAMP_DENYLIST_ADD": "Tanh, Softmax",
+        "TFAMP_KEEP_FP32": r"^head/,logits", "TFAMP_VERBOSITY": "debug",
+        "TFAMP_REPORT_DIR": "/tmp/reports"})
+    assert settings.enabled and settings.verbosity == 2 and settings.loss_scale == 1024.0
+    config = settings.config
+    assert config.dtype == "bfloat16" and config.keep_fp32 == (r"^head/", "logits")
+    assert config.op_lists.list_of("Tanh") == "deny" and config.op_lists.list_of("Einsum") \
+        == "unlisted"
+    assert settings.report_dir == "/tmp/reports"
+    assert settings_from_env({"TFAMP_DTYPE": "bfloat16"}).loss_scale is None

@@ -1,0 +1,167 @@
+"""What the TFAMP_* environment variables ask for: the only reader of os.environ.
+
+``settings_from_env()`` parses and validates every variable at once and returns
+an ``EnvSettings`` value; a bad value raises ``EnvError`` whose message is one
+line naming the variable, the value received and the values accepted.
+
+Variables:
+  TFAMP_ENABLE        1/true/yes/on or 0/false/no/off (unset or empty: off)
+  TFAMP_DTYPE         float16 | bfloat16                      (float16)
+  TFAMP_LOSS_SCALE    dynamic | a positive number | none      (dynamic for float16,
+                                                               none for bfloat16)
+  TFAMP_{ALLOW,INFER,DENY,CLEAR}LIST_{ADD,REMOVE}   comma-separated op names
+  TFAMP_KEEP_FP32     comma-separated regular expressions on node names
+  TFAMP_REPORT_DIR    write each rewritten function's JSON report there
+  TFAMP_VERBOSITY     0/quiet | 1/info | 2/debug                  (1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Mapping
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+# tfamp_startup.pth repeats these words so that "off" imports nothing at all.
+FALSE_WORDS = ("0", "false", "no", "off")
+VERBOSITY_WORDS = {"0": 0, "quiet": 0, "1": 1, "info": 1, "2": 2, "debug": 2}
+LIST_VARIABLES = {
+    f"TFAMP_{name.upper()}LIST_{verb.upper()}": f"{name}_{verb}"
+    for name in ("allow", "infer", "deny", "clear") for verb in ("add", "remove")
+}
+KNOWN_VARIABLES = frozenset({
+    "TFAMP_ENABLE", "TFAMP_DTYPE", "TFAMP_LOSS_SCALE", "TFAMP_KEEP_FP32",
+    "TFAMP_REPORT_DIR", "TFAMP_VERBOSITY", *LIST_VARIABLES,
+})
+
+
+class EnvError(ValueError):
+    """A TFAMP_* variable has a value tfamp cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSettings:
+    """Everything the environment asks of tfamp."""
+
+    enabled: bool
+    config: object  # tfamp.AmpConfig (imported lazily: it imports TensorFlow)
+    loss_scale: object  # "dynamic", a float, or None
+    report_dir: str | None
+    verbosity: int
+
+
+def is_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Cheap check of TFAMP_ENABLE alone (no TensorFlow import); validates it."""
+    environ = os.environ if environ is None else environ
+    return _parse_enable(environ.get("TFAMP_ENABLE", ""))
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    """Reads and validates every TFAMP_* variable.
+
+    Args:
+      environ: the environment to read; ``os.environ`` if None.
+
+    Raises:
+      EnvError: naming the variable, its value and the accepted values.
+    """
+    environ = os.environ if environ is None else environ
+    _check_unknown_variables(environ)
+    enabled = _parse_enable(environ.get("TFAMP_ENABLE", ""))
+    dtype = environ.get("TFAMP_DTYPE", "").strip().lower() or "float16"
+    if dtype not in ("float16", "bfloat16"):
+        raise EnvError(f"TFAMP_DTYPE={environ['TFAMP_DTYPE']!r} is not valid; "
+                       f"accepted values: float16, bfloat16")
+    loss_scale = _parse_loss_scale(environ.get("TFAMP_LOSS_SCALE", ""), dtype)
+    changes = {field: _parse_op_names(variable, environ.get(variable, ""))
+               for variable, field in LIST_VARIABLES.items()}
+    keep = _parse_patterns(environ.get("TFAMP_KEEP_FP32", ""))
+    verbosity_text = environ.get("TFAMP_VERBOSITY", "").strip().lower() or "1"
+    if verbosity_text not in VERBOSITY_WORDS:
+        raise EnvError(f"TFAMP_VERBOSITY={environ['TFAMP_VERBOSITY']!r} is not valid; "
+                       f"accepted values: 0/quiet, 1/info, 2/debug")
+    report_dir = environ.get("TFAMP_REPORT_DIR", "").strip() or None
+    if report_dir is not None and os.path.exists(report_dir) and not os.path.isdir(report_dir):
+        raise EnvError(f"TFAMP_REPORT_DIR={report_dir!r} is a file; accepted values: a "
+                       f"directory path (created if missing)")
+
+    from tfamp.config import AmpConfig
+
+    try:
+        config = AmpConfig(dtype=dtype, keep_fp32=keep, **changes)
+    except (ValueError, TypeError) as err:
+        raise EnvError(_env_message(str(err))) from err
+    return EnvSettings(enabled=enabled, config=config, loss_scale=loss_scale,
+                       report_dir=report_dir, verbosity=VERBOSITY_WORDS[verbosity_text])
+
+
+def _parse_enable(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS or word == "":
+        return False
+    raise EnvError(f"TFAMP_ENABLE={text!r} is not valid; accepted values: "
+                   f"{'/'.join(TRUE_WORDS)} to enable, {'/'.join(FALSE_WORDS)} to disable")
+
+
+def _parse_loss_scale(text: str, dtype: str):
+    word = text.strip().lower()
+    if word == "":
+        return "dynamic" if dtype == "float16" else None
+    if word == "dynamic":
+        return "dynamic"
+    if word == "none":
+        return None
+    try:
+        value = float(word)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value != float("inf")):
+        raise EnvError(f"TFAMP_LOSS_SCALE={text!r} is not valid; accepted values: dynamic, "
+                       f"a positive number (fixed scale, e.g. 1024), none")
+    return value
+
+
+def _parse_op_names(variable: str, text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(",") if part.strip())
+    for name in names:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise EnvError(f"{variable}={text!r} is not valid: {name!r} is not an op name; "
+                           f"accepted values: op names separated by commas, e.g. "
+                           f"'BiasAdd,Softmax'")
+    return names
+
+
+def _parse_patterns(text: str) -> tuple[str, ...]:
+    patterns = tuple(part.strip() for part in text.split(",") if part.strip())
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise EnvError(f"TFAMP_KEEP_FP32={text!r} is not valid: {pattern!r} is not a "
+                           f"regular expression ({err}); accepted values: regular "
+                           f"expressions separated by commas") from err
+    return patterns
+
+
+def _env_message(config_message: str) -> str:
+    """Rewords an AmpConfig error in terms of the variable that caused it."""
+    for variable, field in LIST_VARIABLES.items():
+        if config_message.startswith(f"{field}:"):
+            return (f"{variable}: {config_message.split(':', 1)[1].strip()} "
+                    f"(accepted values: registered TensorFlow op names)")
+    for variable, field in LIST_VARIABLES.items():
+        config_message = config_message.replace(f"{field}=", f"{variable}=")
+    return config_message
+
+
+def _check_unknown_variables(environ: Mapping[str, str]) -> None:
+    for name in environ:
+        if name.startswith("TFAMP_") and name not in KNOWN_VARIABLES:
+            import difflib
+
+            hint = difflib.get_close_matches(name, sorted(KNOWN_VARIABLES), n=1)
+            fix = f"did you mean {hint[0]}?" if hint else "see tfamp's README for the list"
+            raise EnvError(f"{name} is not a tfamp setting; {fix}")
