@@ -42,8 +42,8 @@ def main() -> None:
 
     history = model.fit(x, y, epochs=args.epochs, batch_size=64, validation_split=0.2,
                         verbose=2)
-    print("final loss %.4f, val accuracy %.3f" % (history.history["loss"][-1],
-                                                   history.history["val_accuracy"][-1]))
+    print(f"final loss {history.history['loss'][-1]:.4f}, "
+          f"val accuracy {history.history['val_accuracy'][-1]:.3f}")
     if "loss_scale" in history.history:
         print("loss scale per epoch:", history.history["loss_scale"],
               "skipped steps:", history.history["skipped_steps"][-1])

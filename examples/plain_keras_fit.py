@@ -21,5 +21,5 @@ model = keras.Sequential([
 ])
 model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
 history = model.fit(x, y, epochs=5, batch_size=64, validation_split=0.1, verbose=2)
-print("final loss %.4f" % history.history["loss"][-1])
+print(f"final loss {history.history['loss'][-1]:.4f}")
 print("predictions:", model.predict(x[:3], verbose=0).ravel())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 # tfamp_startup.pth repeats these words so that "off" imports nothing at all.

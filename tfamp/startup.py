@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import logging
 import os
 import re
