@@ -93,6 +93,12 @@ def _register_renamed_library(graph_def: graph_pb2.GraphDef, suffix: str) -> Non
         _rename_references(fdef.node_def, names)
         for key, value in fdef.attr.items():
             _rename_attr(key, value, names)
+        # Grappler's implementation selector swaps a call for any registered
+        # function with the same "api_implements" tag (Keras LSTM/GRU: CPU and
+        # cuDNN variants). Left as is, it may pick the original float32 body;
+        # a per-rewrite tag keeps the choice among the rewritten variants.
+        if "api_implements" in fdef.attr:
+            fdef.attr["api_implements"].s += suffix.encode()
     ctx = context.context()
     for fdef in graph_def.library.function:
         ctx.add_function_def(fdef)
