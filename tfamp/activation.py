@@ -28,7 +28,8 @@ from tfamp.runner import RewrittenFunction
 log = logging.getLogger("tfamp")
 
 _HOOKED_METHODS = ("compile", "make_train_function", "make_test_function",
-                   "make_predict_function", "train_step")
+                   "make_predict_function", "train_step", "_validate_and_get_metrics_result")
+_LOG_KEYS = ("loss_scale", "skipped_steps")
 _FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
 
 
@@ -182,9 +183,24 @@ def _install_hooks(model, state: _EnabledState) -> None:
         optimizer = model.optimizer
         if isinstance(optimizer, LossScaleOptimizer) and isinstance(logs, dict):
             logs = dict(logs)
-            logs["loss_scale"] = tf.identity(optimizer.loss_scale)
-            logs["skipped_steps"] = tf.identity(optimizer.skipped_steps)
+            logs["loss_scale"] = _replicated(lambda: tf.identity(optimizer.loss_scale))
+            logs["skipped_steps"] = _replicated(lambda: tf.identity(optimizer.skipped_steps))
         return logs
+
+    def validate_and_get_metrics_result(logs):
+        # At epoch end Keras re-reads its metrics (correct under tf.distribute)
+        # only when the log keys are exactly its metric names: set tfamp's keys
+        # aside, let it, then read tfamp's values from the optimizer itself.
+        if not (isinstance(logs, dict) and any(k in logs for k in _LOG_KEYS)):
+            return cls._validate_and_get_metrics_result(model, logs)
+        base = {k: v for k, v in logs.items() if k not in _LOG_KEYS}
+        result = cls._validate_and_get_metrics_result(model, base)
+        optimizer = model.optimizer
+        if isinstance(result, dict) and isinstance(optimizer, LossScaleOptimizer):
+            result = dict(result)
+            result["loss_scale"] = float(optimizer.loss_scale.numpy())
+            result["skipped_steps"] = int(optimizer.skipped_steps.numpy())
+        return result
 
     def hooked_maker(attr: str, maker_name: str, after_call=None):
         def make(force=False):
@@ -213,6 +229,7 @@ def _install_hooks(model, state: _EnabledState) -> None:
     hooks = {
         "compile": compile,
         "train_step": train_step,
+        "_validate_and_get_metrics_result": validate_and_get_metrics_result,
         "make_train_function": hooked_maker("train_function", "make_train_function",
                                             after_train_call),
         "make_test_function": hooked_maker("test_function", "make_test_function"),
@@ -220,6 +237,13 @@ def _install_hooks(model, state: _EnabledState) -> None:
     }
     for name, hook in hooks.items():
         object.__setattr__(model, name, hook)
+
+
+def _replicated(read):
+    """`read()` once for all replicas, so Keras's per-replica sum does not multiply it."""
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return read()
+    return tf.distribute.get_replica_context().merge_call(lambda _: read())
 
 
 def _reset_functions(model) -> None:

@@ -134,8 +134,16 @@ def _import_as_func_graph(graph_def: graph_pb2.GraphDef, old) -> func_graph_lib.
         mirror = new.get_tensor_by_name(placeholder.name)
         if id(placeholder) in external_of:
             new.add_capture(external_of[id(placeholder)], mirror)
-        else:
+        else:  # an argument, or a call-time capture registered below
             new.inputs.append(mirror)
+    # Call-time ("by reference") captures, e.g. tf.distribute's collective keys:
+    # their closures are evaluated at every call and fed to these placeholders.
+    captures = old.function_captures
+    for key, internal in captures.by_ref_internal.items():
+        mirrored = nest.map_structure(lambda t: new.get_tensor_by_name(t.name), internal)
+        new.function_captures.add_or_replace(
+            key=key, external=captures.by_ref_external[key], internal=mirrored,
+            tracetype=captures.by_ref_tracetype[key], is_by_ref=True)
     new.outputs = [new.get_tensor_by_name(t.name) for t in old.outputs]
     new.control_outputs = [new.get_operation_by_name(op.name) for op in old.control_outputs]
 
