@@ -115,3 +115,69 @@ def test_console_entry_point_runs_as_module():
 def _write(path, data):
     path.write_bytes(data)
     return path
+
+
+def test_diff_of_a_graph_and_its_rewrite(capsys, graph_files, tmp_path):
+    import tensorflow as tf
+
+    import tfamp
+
+    _, binary, _ = graph_files
+    graph_def = tf.compat.v1.GraphDef.FromString(binary.read_bytes())
+    rewritten, report = tfamp.rewrite_graph_def(graph_def)
+    after = _write(tmp_path / "after.pb", rewritten.SerializeToString())
+    code, out, _ = run(capsys, "diff", str(binary), str(after), "--format", "json")
+    assert code == 0
+    diff = json.loads(out)
+    assert diff["op_counts"] == {"Cast": {"before": 0, "after": report.casts_inserted}}
+    assert sorted(d["node"] for d in diff["dtype_changes"]) == ["mm", "relu"]
+    assert sorted(diff["casts_added"]) == sorted(c.name for c in report.casts)
+    assert diff["casts_removed"] == []
+    code, out, _ = run(capsys, "diff", str(binary), str(binary))
+    assert code == 0 and "no change" in out and "nodes whose dtype changed: 0" in out
+
+
+def test_why_explains_a_deny_chain(capsys, graph_files):
+    _, binary, _ = graph_files
+    code, out, _ = run(capsys, "inspect", str(binary), "--why", "relu", "--deny-add", "MatMul")
+    assert code == 0
+    assert "Relu 'relu': list clear; runs in float32" in out
+    assert "because: deny: downstream of MatMul 'mm'" in out
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    class Module(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable(tf.ones([4, 4]))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4])])
+        def __call__(self, x):
+            return tf.matmul(x, self.w)
+
+    folder = tmp_path_factory.mktemp("sm") / "model"
+    tf.saved_model.save(Module(), str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--signature", "nope"], "has no signature 'nope'; available signatures: serving_default"),
+    (["--graph", "train"], "--graph applies to Keras model files"),
+    (["--why", "no_such_node"], "no node named 'no_such_node'"),
+    (["--format", "html"], "--format html writes a page: give its path with -o FILE"),
+])
+def test_saved_model_errors(capsys, saved_model, argv, expected):
+    code, _, err = run(capsys, "inspect", str(saved_model), *argv)
+    assert code == 2 and err.startswith("tfamp: error: ") and expected in err
+
+
+def test_saved_model_summary(capsys, saved_model):
+    code, out, _ = run(capsys, "inspect", str(saved_model), "--format", "json")
+    assert code == 0 and json.loads(out)["converted"]["MatMul"] == 1
+
+
+def test_zip_named_pb_and_directory_without_model(capsys, tmp_path):
+    code, _, err = run(capsys, "inspect", str(_write(tmp_path / "m.pb", b"PK\x03\x04rest")))
+    assert code == 2 and "is a zip archive, not a binary GraphDef" in err
+    code, _, err = run(capsys, "inspect", str(tmp_path))
+    assert code == 2 and "is a directory without saved_model.pb" in err

@@ -45,8 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  tfamp inspect graph.pb --nodes --op MatMul\n"
                "  tfamp inspect report.json --format json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("path", help="a GraphDef (.pb binary, .pbtxt text) or a tfamp "
-                                      "JSON report")
+    inspect.add_argument("path", help="a SavedModel directory, a Keras model file (.keras, "
+                                      ".h5), a GraphDef (.pb, .pbtxt) or a tfamp JSON report")
+    inspect.add_argument("--signature", help="SavedModel signature (serving_default)")
+    inspect.add_argument("--graph", choices=["train", "predict"],
+                         help="Keras file: training step (default when saved compiled) or "
+                              "forward pass")
     inspect.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     inspect.add_argument("--keep-fp32", action="append", default=[], metavar="REGEX",
                          help="node names matching REGEX stay float32 (repeatable)")
@@ -59,7 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--nodes", action="store_true", help="list every node")
     inspect.add_argument("--op", default="", help="with --nodes: only this op type")
     inspect.add_argument("--name", default="", help="with --nodes: names containing this")
-    inspect.add_argument("--format", choices=["text", "json"], default="text")
+    inspect.add_argument("--why", metavar="NODE",
+                         help="explain the decision chain for one node (FUNCTION/NODE for "
+                              "library functions)")
+    inspect.add_argument("--format", choices=["text", "json", "html"], default="text")
+    inspect.add_argument("-o", "--output", help="file to write (required with --format html)")
+
+    diff = commands.add_parser(
+        "diff", help="compare two GraphDefs: op counts, dtype changes, casts",
+        epilog="examples:\n  tfamp diff before.pb after.pb\n"
+               "  tfamp diff model.pbtxt model_amp.pbtxt --format json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    diff.add_argument("before", help="a GraphDef file (.pb or .pbtxt)")
+    diff.add_argument("after", help="a GraphDef file (.pb or .pbtxt)")
+    diff.add_argument("--format", choices=["text", "json"], default="text")
 
     run = commands.add_parser(
         "run", help="run a Python script with mixed precision on (as TFAMP_ENABLE=1)",
@@ -98,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "diff":
+            return _diff(args)
     except (UserError, GraphFileError) as err:
         print(f"tfamp: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -126,17 +145,65 @@ def _inspect(args) -> int:
     from tfamp.rewrite import rewrite_graph_def
 
     config = _config_from_args(args)
-    loaded = load_inspectable(Path(args.path))
+    if args.format == "html" and not args.output:
+        raise UserError("--format html writes a page: give its path with -o FILE")
+    loaded = load_inspectable(Path(args.path), signature=args.signature, graph=args.graph)
     if loaded.report is not None:
         report = loaded.report
     else:
-        _, report = rewrite_graph_def(loaded.graph_def, config, function_name=loaded.name)
-    if args.format == "json":
-        print(report.to_json())
+        _, report = rewrite_graph_def(loaded.graph_def, config, outputs=loaded.outputs,
+                                      function_name=loaded.name)
+    if args.why:
+        from tfamp.explain import UnknownNodeError, explain
+        from tfamp.graph import build_view
+
+        view = build_view(loaded.graph_def) if loaded.graph_def is not None else None
+        try:
+            print("\n".join(explain(report, args.why, view)))
+        except UnknownNodeError as err:
+            raise UserError(str(err)) from None
         return 0
-    print(render_summary(report))
+    if args.format == "json":
+        _emit(report.to_json(), args.output)
+        return 0
+    if args.format == "html":
+        from tfamp.html_report import render_html
+
+        Path(args.output).write_text(render_html(report, loaded.graph_def))
+        print(f"wrote {args.output} ({report.nodes_before} nodes); open it in a browser")
+        return 0
+    text = render_summary(report, loaded)
     if args.nodes:
-        print(render_nodes(report, op=args.op, name=args.name))
+        text += "\n" + render_nodes(report, op=args.op, name=args.name)
+    _emit(text, args.output)
+    return 0
+
+
+def _emit(text: str, output: str | None) -> None:
+    if output:
+        Path(output).write_text(text + "\n")
+    else:
+        print(text)
+
+
+def _diff(args) -> int:
+    from tfamp.graph_diff import diff_graph_defs
+    from tfamp.graph_files import GraphFileError, load_inspectable
+
+    graphs = []
+    for path in (args.before, args.after):
+        loaded = load_inspectable(Path(path))
+        if loaded.graph_def is None:
+            raise GraphFileError(f"{path} is a tfamp report; tfamp diff compares two "
+                                 f"GraphDefs (.pb, .pbtxt)")
+        graphs.append(loaded.graph_def)
+    result = diff_graph_defs(*graphs)
+    if args.format == "json":
+        import json
+
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        print(result.render_text())
     return 0
 
 
@@ -157,7 +224,7 @@ def _run(args) -> int:
     return 0
 
 
-def render_summary(report) -> str:
+def render_summary(report, loaded=None) -> str:
     lines = [report.summary_line(),
              f"  nodes: {report.nodes_before} before, {report.nodes_after} after",
              f"  casts inserted: {report.casts_inserted}"]
@@ -165,12 +232,36 @@ def render_summary(report) -> str:
         lines.append("  converted to " + report.dtype + ": " + ", ".join(
             f"{op} x{n}" for op, n in report.converted.items()))
     if report.kept_fp32:
-        lines.append("  listed ops kept float32: " + ", ".join(
+        lines.append("  ops kept float32, by reason: " + ", ".join(
             f"{kind} x{n}" for kind, n in report.kept_fp32.items()))
+    lines.append("  " + _flops_line(report, loaded))
     return "\n".join(lines)
 
 
+def _flops_line(report, loaded) -> str:
+    from tfamp.flops import MATRIX_OPS, share_in_16bit
+
+    flops = getattr(loaded, "flops", None) or {}
+    in_functions = sum(1 for n in report.nodes if n.function and n.op in MATRIX_OPS)
+    not_counted = []
+    if getattr(loaded, "flops_unknown", 0):
+        not_counted.append(f"{loaded.flops_unknown} with unknown shapes")
+    if in_functions:
+        not_counted.append(f"{in_functions} inside library functions")
+    converted = {n.name for n in report.nodes if n.converted and not n.function}
+    share = share_in_16bit(flops, converted)
+    head = f"matrix/convolution FLOPs in {report.dtype}:"
+    if share is None:
+        if loaded is None or loaded.flops is None:
+            return f"{head} unknown (shapes are read from SavedModels and Keras files only)"
+        return f"{head} unknown; matrix ops not counted: {', '.join(not_counted) or 'none'}"
+    tail = f"; matrix ops not counted: {', '.join(not_counted)}" if not_counted else ""
+    return f"{head} {100 * share:.1f}% of {sum(flops.values()):,} counted{tail}"
+
+
 def render_nodes(report, *, op: str = "", name: str = "") -> str:
+    from tfamp.report import NO_FLOAT_MATH
+
     rows = [n for n in report.nodes
             if (not op or n.op == op) and (not name or name in n.name)]
     if not rows:
@@ -180,7 +271,8 @@ def render_nodes(report, *, op: str = "", name: str = "") -> str:
     lines = []
     for n in rows:
         where = f"{n.function}/" if n.function else ""
-        state = report.dtype if n.converted else "float32"
+        state = report.dtype if n.converted else (
+            "-" if n.reason == NO_FLOAT_MATH else "float32")
         lines.append(f"  {where}{n.name}  [{n.op}, {n.list}] -> {state}: {n.reason}")
     return "\n".join(lines)
 

@@ -366,7 +366,8 @@ class _BodyColoring:
         if primary in self.deny:
             return self.deny[primary]
         if primary in self.blocked:
-            return f"{list_name}: {self.blocked[primary]}", ""
+            prefix = "" if list_name == "unlisted" else f"{list_name}: "
+            return f"{prefix}{self.blocked[primary]}", ""
         if list_name == "infer":
             return f"infer: stays float32, not between {self.target_name} ops", ""
         if list_name == "clear":

@@ -1,4 +1,8 @@
-"""Reads what ``tfamp inspect`` can be pointed at: GraphDef files and tfamp reports.
+"""Reads what ``tfamp inspect`` can be pointed at.
+
+SavedModel directories (a serving signature), Keras model files (.keras, .h5:
+the training step when saved compiled, else the forward pass), GraphDef files
+(.pb, .pbtxt) and tfamp JSON reports.
 
 Each reader checks what it was given and raises ``GraphFileError`` saying what
 was expected, what was found and what to do, never a bare protobuf error.
@@ -22,22 +26,50 @@ class GraphFileError(ValueError):
 
 @dataclasses.dataclass
 class Inspectable:
-    """A graph to rewrite, or a report to render again."""
+    """A graph to rewrite (with what is known about it), or a report to render again.
+
+    Attributes:
+      outputs: tensor names whose dtype callers rely on (None: unconsumed ones).
+      flops: matrix/convolution FLOPs per top-graph node, where shapes are known.
+      flops_unknown: how many such ops had unknown shapes.
+    """
 
     name: str
     graph_def: graph_pb2.GraphDef | None = None
     report: RewriteReport | None = None
+    outputs: list[str] | None = None
+    flops: dict[str, int] | None = None
+    flops_unknown: int = 0
 
 
-def load_inspectable(path: Path) -> Inspectable:
-    """Reads `path` by its kind: .pb / .pbtxt GraphDef, or a .json tfamp report."""
+def load_inspectable(path: Path, *, signature: str | None = None,
+                     graph: str | None = None) -> Inspectable:
+    """Reads `path` by its kind.
+
+    Args:
+      path: a SavedModel directory, .keras/.h5 file, .pb/.pbtxt GraphDef or a
+        .json report.
+      signature: for a SavedModel, the signature to show ("serving_default").
+      graph: for a Keras file, "train" or "predict" (default: train if the
+        model was saved compiled).
+    """
     if not path.exists():
         raise GraphFileError(f"{path}: no such file or directory")
+    if signature is not None and not _is_saved_model(path):
+        raise GraphFileError(f"--signature applies to SavedModel directories; {path} is not one")
+    if graph is not None and path.suffix.lower() not in (".keras", ".h5"):
+        raise GraphFileError(f"--graph applies to Keras model files (.keras, .h5); {path} "
+                             f"is not one")
+    if _is_saved_model(path):
+        return read_saved_model(path if path.is_dir() else path.parent, signature)
     if path.is_dir():
         raise GraphFileError(
-            f"{path} is a directory; expected a GraphDef file (.pb, .pbtxt) or a "
+            f"{path} is a directory without saved_model.pb; expected a SavedModel "
+            f"directory, a Keras file (.keras, .h5), a GraphDef (.pb, .pbtxt) or a "
             f"tfamp JSON report")
     suffix = path.suffix.lower()
+    if suffix in (".keras", ".h5"):
+        return read_keras_model(path, graph)
     if suffix == ".json":
         return Inspectable(name=path.stem, report=read_report(path))
     if suffix == ".pbtxt":
@@ -45,12 +77,90 @@ def load_inspectable(path: Path) -> Inspectable:
     if suffix == ".pb":
         return Inspectable(name=path.stem, graph_def=read_graph_def_binary(path))
     raise GraphFileError(
-        f"{path}: unknown kind of file {suffix or '(no extension)'!r}; expected .pb "
-        f"(binary GraphDef), .pbtxt (text GraphDef) or .json (tfamp report)")
+        f"{path}: unknown kind of file {suffix or '(no extension)'!r}; expected a "
+        f"SavedModel directory, .keras/.h5 (Keras model), .pb (binary GraphDef), "
+        f".pbtxt (text GraphDef) or .json (tfamp report)")
+
+
+def _is_saved_model(path: Path) -> bool:
+    if path.is_dir():
+        return (path / "saved_model.pb").is_file() or (path / "saved_model.pbtxt").is_file()
+    return path.name in ("saved_model.pb", "saved_model.pbtxt")
+
+
+def _from_concrete(name: str, concrete) -> Inspectable:
+    from tfamp.flops import matrix_flops
+
+    flops, unknown = matrix_flops(concrete.graph)
+    return Inspectable(name=name, graph_def=concrete.graph.as_graph_def(),
+                       outputs=[t.name for t in concrete.graph.outputs],
+                       flops=flops, flops_unknown=unknown)
+
+
+def read_saved_model(folder: Path, signature: str | None) -> Inspectable:
+    import tensorflow as tf
+
+    try:
+        loaded = tf.saved_model.load(str(folder))
+    except (OSError, ValueError, tf.errors.OpError) as err:
+        raise GraphFileError(f"{folder} could not be loaded as a SavedModel: "
+                             f"{_first_line(err)}") from err
+    available = sorted(loaded.signatures.keys())
+    wanted = signature or "serving_default"
+    if wanted not in loaded.signatures:
+        listed = ", ".join(available) or "none"
+        raise GraphFileError(
+            f"{folder} has no signature {wanted!r}; available signatures: {listed} "
+            f"(choose one with --signature NAME)")
+    return _from_concrete(f"{folder.name}:{wanted}", loaded.signatures[wanted])
+
+
+def read_keras_model(path: Path, graph: str | None) -> Inspectable:
+    import tensorflow as tf
+    import tf_keras as keras
+
+    try:
+        model = keras.models.load_model(str(path))
+    except Exception as err:  # Keras raises many types for a bad file
+        raise GraphFileError(f"{path} is not a loadable Keras model file "
+                             f"({type(err).__name__}: {_first_line(err)})") from err
+    compiled = getattr(model, "optimizer", None) is not None and bool(
+        getattr(model, "compiled_loss", None))
+    graph = graph or ("train" if compiled else "predict")
+    if graph == "train" and not compiled:
+        raise GraphFileError(f"{path} was saved without compile(), so it has no training "
+                             f"step; use --graph predict")
+    specs = [tf.TensorSpec([8, *t.shape[1:]], t.dtype) for t in model.inputs]
+    inputs = specs[0] if len(specs) == 1 else specs
+    if graph == "predict":
+        concrete = tf.function(lambda x: model(x, training=False)).get_concrete_function(inputs)
+        return _from_concrete(f"{path.stem}:predict", concrete)
+    loss_name = str(getattr(model.loss, "name", getattr(model.loss, "__name__", model.loss)))
+    if "sparse" in loss_name.lower():  # integer class labels, one per output row
+        targets = [tf.TensorSpec([8, *t.shape[1:-1]], tf.int64) for t in model.outputs]
+    else:
+        targets = [tf.TensorSpec([8, *t.shape[1:]], tf.float32) for t in model.outputs]
+    target = targets[0] if len(targets) == 1 else targets
+    try:
+        concrete = tf.function(lambda x, y: model.train_step((x, y))).get_concrete_function(
+            inputs, target)
+    except (ValueError, TypeError, tf.errors.OpError) as err:
+        raise GraphFileError(
+            f"could not trace the training step of {path} with float32 targets shaped like "
+            f"the model's outputs ({_first_line(err)}); use --graph predict") from err
+    return _from_concrete(f"{path.stem}:train", concrete)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
 
 
 def read_graph_def_binary(path: Path) -> graph_pb2.GraphDef:
     data = path.read_bytes()
+    if data[:2] == b"PK":
+        raise GraphFileError(f"{path} is a zip archive, not a binary GraphDef; a Keras "
+                             f"model file should be named .keras")
     if not data:
         raise GraphFileError(f"{path} is empty; expected a binary GraphDef")
     graph_def = graph_pb2.GraphDef()

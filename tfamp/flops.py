@@ -1,0 +1,116 @@
+"""How many FLOPs do the matrix-multiply and convolution ops of a graph do?
+
+Counted from static shapes on a live ``tf.Graph`` (a traced FuncGraph keeps the
+shapes of variable reads; a re-imported GraphDef does not). An op whose shapes
+are not fully known is left out and counted as unknown.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+MATRIX_OPS = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
+    "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
+    "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter",
+})
+
+
+def matrix_flops(graph) -> tuple[dict[str, int], int]:
+    """FLOPs of each matrix/convolution op of `graph` with known shapes.
+
+    Args:
+      graph: a live ``tf.Graph`` (e.g. ``concrete_function.graph``).
+
+    Returns:
+      ({node name: FLOPs}, number of matrix ops whose shapes were unknown).
+    """
+    flops: dict[str, int] = {}
+    unknown = 0
+    for op in graph.get_operations():
+        if op.type not in MATRIX_OPS:
+            continue
+        value = _op_flops(op)
+        if value is None:
+            unknown += 1
+        else:
+            flops[op.name] = value
+    return flops, unknown
+
+
+def _dims(tensor) -> list[int] | None:
+    shape = tensor.shape
+    if shape.rank is None or any(d is None for d in shape.as_list()):
+        return None
+    return shape.as_list()
+
+
+def _op_flops(op) -> int | None:
+    shapes = [_dims(t) for t in op.inputs] + [_dims(t) for t in op.outputs]
+    kind = op.type
+    out = _dims(op.outputs[0])
+    if kind == "Einsum":
+        return _einsum_flops(op)
+    if out is None:
+        return None
+    if kind == "MatMul":
+        a = shapes[0]
+        if a is None:
+            return None
+        k = a[0] if op.get_attr("transpose_a") else a[1]
+        return 2 * math.prod(out) * k
+    if kind.startswith("BatchMatMul"):
+        a = shapes[0]
+        if a is None:
+            return None
+        k = a[-2] if op.get_attr("adj_x") else a[-1]
+        return 2 * math.prod(out) * k
+    if kind in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
+        kernel = shapes[1]
+        if kernel is None:
+            return None
+        per_output = math.prod(kernel[:-2]) * (1 if kind.startswith("Depthwise") else kernel[-2])
+        return 2 * math.prod(out) * per_output
+    # Backprop ops: as many multiply-adds as the forward convolution they mirror.
+    grad = _dims(op.inputs[2])
+    filter_shape = out if "Filter" in kind else _const_shape(op.inputs[1]) or shapes[1]
+    if grad is None or filter_shape is None:
+        return None
+    per_output = math.prod(filter_shape[:-2]) * (1 if "Depthwise" in kind else filter_shape[-2])
+    return 2 * math.prod(grad) * per_output
+
+
+def _const_shape(tensor) -> list[int] | None:
+    """The value of a constant shape tensor (Conv2DBackpropInput's input_sizes)."""
+    from tensorflow.python.framework import tensor_util
+
+    if tensor.op.type != "Const":
+        return _dims(tensor)
+    value = tensor_util.MakeNdarray(tensor.op.get_attr("value"))
+    return [int(v) for v in value.ravel()] if value.ndim == 1 else None
+
+
+def _einsum_flops(op) -> int | None:
+    equation = op.get_attr("equation").decode()
+    inputs, _, _ = equation.partition("->")
+    sizes: dict[str, int] = {}
+    for spec, tensor in zip(inputs.split(","), op.inputs, strict=False):
+        dims = _dims(tensor)
+        spec = spec.strip()
+        if dims is None or "." in spec or len(spec) != len(dims):
+            return None
+        for letter, size in zip(spec, dims, strict=True):
+            sizes[letter] = size
+    if not sizes or not re.fullmatch(r"[a-zA-Z,\s]*", inputs):
+        return None
+    return 2 * math.prod(sizes.values())
+
+
+def share_in_16bit(flops: dict[str, int], converted: set[str]) -> float | None:
+    """Fraction of the counted FLOPs whose op is in `converted` (None if none counted)."""
+    total = sum(flops.values())
+    if total == 0:
+        return None
+    return sum(v for name, v in flops.items() if name in converted) / total
