@@ -4,5 +4,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The HTML report is tested in a real headless browser (Debian's Chromium).
+if ! command -v chromium >/dev/null 2>&1 && [ -z "${TFAMP_CHROMIUM:-}" ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing chromium for the HTML report test (apt-get)..."
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq chromium >/dev/null
+  else
+    echo "note: chromium not found; the HTML browser test will fail until you" \
+         "install it (apt-get install chromium) or set TFAMP_CHROMIUM." >&2
+  fi
+fi
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 exec .venv/bin/python -m pytest -q --durations=10 "$@"
