@@ -48,6 +48,12 @@ def user_cast_of_16bit(x, w):
     return tf.cast(h, tf.float16, name="to_half"), tf.cast(h, tf.int32, name="to_int")
 
 
+def identity_n(x, w):
+    a, b = tf.identity_n([tf.matmul(x, w, name="mm1"), tf.matmul(w, x, name="mm2")],
+                         name="pair")
+    return tf.matmul(a, b, name="mm3")
+
+
 def integer_and_bool(x, w):
     y = tf.matmul(x, w, name="mm")
     positive = tf.greater(y, 0.0, name="positive")
@@ -104,6 +110,9 @@ CASES = [
         "to_half": (True, "unlisted", "reads the float16 value of 'relu' directly"),
         "to_int": (True, "unlisted", "reads the float16 value of 'relu' directly"),
     }, casts=2),  # x, w in; no float16 -> float32 -> float16 round trip
+    Case("default_device_kernel_counts", identity_n, (M, M), {
+        "pair": (True, "clear", "between float16 ops"),
+    }, casts=3, config={"device_type": "CPU"}),  # x, w in; mm3 out
     Case("integer_and_bool_edges_untouched", integer_and_bool, (M, M), {
         "positive": (True, "clear", "next to float16 op 'mm'"),
         "as_int": (False, "unlisted", "no float32 tensors"),

@@ -31,6 +31,7 @@ def check_graph_def(graph_def: graph_pb2.GraphDef, *, import_check: bool = True)
     for body in view.bodies:
         problems.extend(_edge_problems(body))
         problems.extend(_round_trip_problems(body))
+        problems.extend(_call_problems(body, view.signatures))
     if import_check and not problems:
         problems.extend(_import_problems(graph_def))
     return problems
@@ -68,6 +69,52 @@ def _edge_problems(body: Body) -> list[str]:
                 f"{_where(body)}: result {ret_name!r} is declared "
                 f"{dtype_name(dtype)} but {text!r} is {dtype_name(port.dtype)}")
     return problems
+
+
+# Control-flow and call ops: which type-list attribute must match which side of
+# each function they call ("in": the function's arguments, "out": its results).
+_CALL_TYPES = {
+    "While": {"cond": [("T", "in")], "body": [("T", "in"), ("T", "out")]},
+    "StatelessWhile": {"cond": [("T", "in")], "body": [("T", "in"), ("T", "out")]},
+    "If": {"then_branch": [("Tin", "in"), ("Tout", "out")],
+           "else_branch": [("Tin", "in"), ("Tout", "out")]},
+    "StatelessIf": {"then_branch": [("Tin", "in"), ("Tout", "out")],
+                    "else_branch": [("Tin", "in"), ("Tout", "out")]},
+    "Case": {"branches": [("Tin", "in"), ("Tout", "out")]},
+    "StatelessCase": {"branches": [("Tin", "in"), ("Tout", "out")]},
+    "PartitionedCall": {"f": [("Tin", "in"), ("Tout", "out")]},
+    "StatefulPartitionedCall": {"f": [("Tin", "in"), ("Tout", "out")]},
+}
+
+
+def _call_problems(body: Body, signatures) -> list[str]:
+    """A call's declared types must equal its functions' signatures."""
+    problems = []
+    for name, node in body.nodes.items():
+        for func_attr, pairs in _CALL_TYPES.get(node.op, {}).items():
+            value = node.node_def.attr.get(func_attr)
+            if value is None:
+                continue
+            called = [value.func.name] if value.HasField("func") else [
+                f.name for f in value.list.func]
+            for function in called:
+                signature = signatures.get(function)
+                if signature is None:
+                    continue
+                for type_attr, side in pairs:
+                    declared = list(node.node_def.attr[type_attr].list.type)
+                    args = signature.input_arg if side == "in" else signature.output_arg
+                    expected = [arg.type for arg in args]
+                    if declared != expected:
+                        problems.append(
+                            f"{_where(body)}: {node.op} {name!r} declares {type_attr} "
+                            f"{_types(declared)} but {function!r} "
+                            f"{'takes' if side == 'in' else 'returns'} {_types(expected)}")
+    return problems
+
+
+def _types(dtypes) -> str:
+    return "[" + ", ".join(dtype_name(t) for t in dtypes) + "]"
 
 
 def _round_trip_problems(body: Body) -> list[str]:

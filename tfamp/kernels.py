@@ -21,13 +21,19 @@ def opdef_allows(op: str, attr: str, dtype: int) -> bool:
 
 
 @functools.cache
+def _kernels(op: str) -> tuple:
+    return tuple(kernels.get_registered_kernels_for_op(op).kernel)
+
+
+@functools.cache
 def has_kernel(op: str, attr: str, dtype: int, device_type: str) -> bool:
     """True if a `device_type` kernel of `op` accepts `dtype` for `attr`.
 
-    A kernel with no constraint on `attr` accepts any type for it.
+    A kernel with no constraint on `attr` accepts any type for it; a kernel
+    registered for the "DEFAULT" device type (IdentityN, ...) serves every device.
     """
-    for kernel in kernels.get_registered_kernels_for_op(op).kernel:
-        if kernel.device_type != device_type:
+    for kernel in _kernels(op):
+        if kernel.device_type not in (device_type, "DEFAULT"):
             continue
         allowed = [c.allowed_values.list.type for c in kernel.constraint
                    if c.name == attr]

@@ -1,0 +1,54 @@
+"""check_graph_def finds each kind of defect it claims to (planted by hand)."""
+
+import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+
+import tfamp
+from tests.graphs import trace
+
+M = tf.TensorSpec([4, 4])
+
+
+def matmul_relu(x, w):
+    return tf.nn.relu(tf.matmul(x, w, name="mm"), name="relu")
+
+
+def test_sound_graph_has_no_problems():
+    graph_def, _, _ = trace(matmul_relu, M, M)
+    assert tfamp.check_graph_def(graph_def) == []
+
+
+def test_edge_dtype_mismatch_is_found():
+    graph_def, _, _ = trace(matmul_relu, M, M)
+    mm = next(n for n in graph_def.node if n.name == "mm")
+    mm.attr["T"].type = types_pb2.DT_HALF  # retyped without casts on its edges
+    problems = tfamp.check_graph_def(graph_def, import_check=False)
+    assert any("MatMul 'mm' input 0 expects float16 but 'x' is float32" in p for p in problems)
+    assert any("Relu 'relu' input 0 expects float32 but 'mm' is float16" in p for p in problems)
+
+
+def test_cast_round_trip_is_found():
+    graph_def, _, _ = trace(lambda x: tf.cast(tf.cast(x, tf.float16), tf.float32), M)
+    problems = tfamp.check_graph_def(graph_def)
+    assert len(problems) == 1 and "Cast round trip float32 -> float16 -> float32" in problems[0]
+
+
+def test_loop_retyped_at_the_call_site_only_is_found():
+    def loop(x):
+        return tf.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 2.0), [0, x])[1]
+
+    graph_def, _, _ = trace(loop, tf.TensorSpec([2]))
+    node = next(n for n in graph_def.node if n.op in ("While", "StatelessWhile"))
+    node.attr["T"].list.type[-1] = types_pb2.DT_BFLOAT16
+    problems = tfamp.check_graph_def(graph_def, import_check=False)
+    calls = [p for p in problems if "declares T" in p]
+    assert len(calls) == 3, problems  # cond arguments, body arguments, body results
+    assert "but 'while_cond" in calls[0] and "takes [int32, int32, int32, float32]" in calls[0]
+
+
+def test_tensorflow_import_failure_is_reported():
+    graph_def, _, _ = trace(matmul_relu, M, M)
+    graph_def.node.add(name="dangling", op="Identity", input=["no_such_node"]).attr[
+        "T"].type = types_pb2.DT_FLOAT
+    problems = tfamp.check_graph_def(graph_def)
+    assert problems and "cannot import" in problems[0]
