@@ -553,24 +553,6 @@ function fail(message) {
   var box = $('error');
   box.hidden = false;
   box.textContent = 'tfamp report: the page failed to render: ' + message;
-  if ('fit' in opts) bodies.forEach(function (b) { if (b.rendered) b.fit(); });
-  if (opts.find) {
-    search.value = opts.find;
-    runSearch();
-    $('results').style.display = 'none';
-    var exact = null;
-    bodies.some(function (b) {
-      if (b.byName[opts.find] !== undefined) exact = [b, b.byName[opts.find]];
-      return exact;
-    });
-    matchPos = -1;
-    matchList.forEach(function (m, q) {
-      if (exact && m[0] === exact[0] && m[1] === exact[1]) matchPos = q - 1;
-    });
-    nextMatch(1);
-  }
-  drawn = 0; open = 0;
-  bodies.forEach(function (b) { if (b.rendered) { drawn += b.drawn; open++; } });
   var status = $('status');
   status.textContent = 'Error: ' + message;
   status.setAttribute('data-state', 'error');
