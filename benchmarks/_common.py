@@ -10,9 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
-import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,34 +21,12 @@ if REPO_ROOT not in sys.path:  # so `python benchmarks/X.py` finds tfamp without
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-# TensorFlow's C++ start-up notices go to fd 2 before TF_CPP_MIN_LOG_LEVEL applies.
-_TF_CHATTER = re.compile(
-    r"absl::InitializeLog|cudart_stub|cuda_(platform|dnn|fft|blas)|cuInit"
-    r"|Unable to register cu|oneDNN custom operations|computation placer"
-    r"|optimized to use available CPU instructions|To enable the following instructions"
-    r"|TF-TRT Warning")
+# TensorFlow's C++ start-up notices go to fd 2 before TF_CPP_MIN_LOG_LEVEL applies;
+# tfamp's command line filters them the same way.
+from tfamp._quiet import import_tensorflow_quietly  # noqa: E402
 
-
-def _import_tensorflow_quietly():
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            import tensorflow as tf
-
-            tf.config.list_physical_devices()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            for line in capture.read().decode(errors="replace").splitlines():
-                if line.strip() and not _TF_CHATTER.search(line):
-                    print(line, file=sys.stderr)
-    return tf
-
-
-tf = _import_tensorflow_quietly()
+import_tensorflow_quietly()
+import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
 import tfamp  # noqa: E402

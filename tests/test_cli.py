@@ -102,7 +102,9 @@ def test_bad_option_is_a_usage_error(capsys, graph_files):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["inspect", str(binary), "--dtype", "float8"])
     assert exit_info.value.code == 2
-    assert "invalid choice: 'float8'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("tfamp: error: argument --dtype: invalid choice: 'float8'")
+    assert err.count("\n") == 1 and "see 'tfamp inspect --help'" in err
 
 
 def test_console_entry_point_runs_as_module():

@@ -183,3 +183,41 @@ def test_full_valid_environment_is_parsed():
         == "unlisted"
     assert settings.report_dir == "/tmp/reports"
     assert settings_from_env({"TFAMP_DTYPE": "bfloat16"}).loss_scale is None
+
+
+def test_tf_data_functions_are_left_alone(tmp_path):
+    script = tmp_path / "pipeline.py"
+    script.write_text(textwrap.dedent("""
+        import tensorflow as tf
+        w = tf.ones([4, 4])
+        data = tf.data.Dataset.from_tensors(tf.ones([2, 4])).map(
+            lambda x: tf.matmul(x, w, name="pipeline_matmul"))
+
+        @tf.function
+        def model_step(x):
+            return tf.matmul(x, w, name="model_matmul")
+
+        for x in data:
+            print(x.dtype.name, model_step(x).dtype.name)
+    """))
+    reports = tmp_path / "reports"
+    result = run(script, tmp_path, TFAMP_ENABLE="1", TFAMP_REPORT_DIR=str(reports))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "float32 float32"
+    saved = [tfamp.RewriteReport.from_dict(json.loads(p.read_text()))
+             for p in sorted(reports.glob("*.json"))]
+    names = {n.name for r in saved for n in r.nodes}
+    assert "model_matmul" in names and "pipeline_matmul" not in names
+    assert [r.function.split("_")[0] for r in saved] == ["model"]
+
+
+def test_notice_when_nothing_could_be_converted(tmp_path):
+    script = tmp_path / "no_matmul.py"
+    script.write_text("import tensorflow as tf\n"
+                      "f = tf.function(lambda x: tf.reduce_sum(tf.exp(x)))\n"
+                      "print(float(f(tf.ones([3]))))\n")
+    result = run(script, tmp_path, TFAMP_ENABLE="1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("none of the 1 rewritten functions had an op that could run in float16"
+            in result.stderr)
+    assert "deny list" in result.stderr

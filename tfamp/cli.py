@@ -26,11 +26,18 @@ class UserError(Exception):
     """A mistake the user can fix; printed as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad option is one ``tfamp: error:`` line, not a usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"tfamp: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tfamp", description="Automatic mixed precision for TensorFlow by graph rewrite.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
     demo = commands.add_parser(
@@ -42,8 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser(
         "inspect", help="show what the mixed-precision rewrite does to a graph",
-        epilog="examples:\n  tfamp inspect graph.pb --nodes --op MatMul\n"
-               "  tfamp inspect report.json --format json",
+        epilog="examples:\n  tfamp inspect model.keras                  # training step summary\n"
+               "  tfamp inspect model.keras --graph predict --nodes --op MatMul\n"
+               "  tfamp inspect saved_model_dir --signature serving_default\n"
+               "  tfamp inspect graph.pbtxt --why 'attn/Softmax'\n"
+               "  tfamp inspect graph.pb --format html -o graph.html\n"
+               "  tfamp inspect graph.pb --dtype bfloat16 --deny-add Tanh --format json\n"
+               "  tfamp inspect report.json              # a TFAMP_REPORT_DIR report",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     inspect.add_argument("path", help="a SavedModel directory, a Keras model file (.keras, "
                                       ".h5), a GraphDef (.pb, .pbtxt) or a tfamp JSON report")
