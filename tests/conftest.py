@@ -3,3 +3,21 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def check_calls(monkeypatch):
+    """Records every graph tfamp validated (check=True) before running it."""
+    import tfamp.runner
+
+    calls = []
+    real = tfamp.runner.assert_valid_graph_def
+
+    def spy(graph_def):
+        calls.append(graph_def)
+        return real(graph_def)
+
+    monkeypatch.setattr(tfamp.runner, "assert_valid_graph_def", spy)
+    return calls

@@ -257,20 +257,6 @@ CASES = [pytest.param(c, id=str(c)) for c in FAST_CASES] + [
     pytest.param(c, id=str(c), marks=pytest.mark.slow) for c in SLOW_CASES]
 
 
-@pytest.fixture
-def check_calls(monkeypatch):
-    """Records every graph tfamp validated (check=True) before running it."""
-    calls = []
-    real = tfamp.runner.assert_valid_graph_def
-
-    def spy(graph_def):
-        calls.append(graph_def)
-        return real(graph_def)
-
-    monkeypatch.setattr(tfamp.runner, "assert_valid_graph_def", spy)
-    return calls
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_zoo_mixed_precision_training_matches_float32(case: Case, check_calls):
     ref_losses, ref_initial, ref_final = _float32_run(dataclasses.replace(case, dtype="float32"))
