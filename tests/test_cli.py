@@ -183,3 +183,16 @@ def test_zip_named_pb_and_directory_without_model(capsys, tmp_path):
     assert code == 2 and "is a zip archive, not a binary GraphDef" in err
     code, _, err = run(capsys, "inspect", str(tmp_path))
     assert code == 2 and "is a directory without saved_model.pb" in err
+
+
+def test_demo_runs_and_reports_rewrite_and_losses(capsys):
+    code, out, _ = run(capsys, "demo", "--steps", "12", "--batch", "8")
+    assert code == 0
+    assert "What tfamp did to the training step (float16):" in out
+    assert "Conv2D " in out and "allow: compute-heavy, runs in float16" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("12 ")]
+    assert len(rows) == 1 and len(rows[0]) == 4  # step, float32, float16, bfloat16
+    losses = [float(v) for v in rows[0][1:]]
+    assert max(losses) - min(losses) < 0.1 * losses[0]
+    assert "loss scaling in the float16 run: dynamic" in out
+    assert "All model variables stayed float32" in out
