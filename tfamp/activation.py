@@ -22,6 +22,7 @@ from tfamp.loss_scale import (
     DEFAULT_INITIAL_SCALE,
     DEFAULT_MIN_SCALE,
     LossScaleOptimizer,
+    validate_settings,
 )
 from tfamp.runner import RewrittenFunction
 
@@ -98,10 +99,8 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
     if loss_scale == "default":
         loss_scale = "dynamic" if config.dtype == "float16" else None
     state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check)
-    # Validate loss-scale settings now, not at the first fit.
-    if loss_scale is not None:
-        LossScaleOptimizer(keras.optimizers.SGD(), loss_scale, initial_scale=initial_scale,
-                           growth_interval=growth_interval, min_scale=min_scale)
+    if loss_scale is not None:  # fail now, not at the first fit
+        validate_settings(loss_scale, initial_scale, growth_interval, min_scale)
     if getattr(model, "_tfamp_state", None) is not None:
         disable(model)
     _install_hooks(model, state)

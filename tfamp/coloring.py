@@ -121,6 +121,7 @@ class _BodyColoring:
         self.slot_list: list[str] = []
         self.slot_index: dict[tuple[str, str], int] = {}
         self.blocked: dict[int, str] = {}  # slot -> why it cannot be 16-bit
+        self.node_blocks: dict[str, str] = {}  # node -> why none of it can be 16-bit
         self._make_slots(pinned)
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
         self.fanout: list[list[int]] = [[] for _ in self.slot_node]
@@ -137,7 +138,7 @@ class _BodyColoring:
             for port in node.inputs + node.outputs:
                 if port.dtype == DT_FLOAT and port.type_attr and port.type_attr not in attrs:
                     attrs.append(port.type_attr)
-            node_block = self._node_block(name, node)
+            node_block = self.node_blocks[name] = self._node_block(name, node)
             for attr in attrs:
                 slot = len(self.slot_node)
                 self.slot_node.append(name)
@@ -280,18 +281,14 @@ class _BodyColoring:
     def _casts_if_16bit(self, slot: int) -> int:
         casts = sum(not self._ref_is_16bit(ref) for ref in self._input_refs(slot))
         name, attr = self.slot_node[slot], self.slot_attr[slot]
-        node = self.body.nodes[name]
-        for index, port in enumerate(node.outputs):
-            if port.type_attr != attr:
-                continue
-            for consumer, in_index in self.body.consumers.get(TensorRef(name, index), ()):
-                consumer_attr = self.body.nodes[consumer].inputs[in_index].type_attr
-                if self.slot_index.get((consumer, consumer_attr)) not in self.allow:
-                    casts += 1  # one shared cast back to float32 covers them all
-                    break
-            else:
-                continue
-            break
+        consumers = (
+            (consumer, in_index)
+            for index, port in enumerate(self.body.nodes[name].outputs) if port.type_attr == attr
+            for consumer, in_index in self.body.consumers.get(TensorRef(name, index), ()))
+        # One shared cast back to float32 covers every float32 consumer.
+        casts += any(
+            self.slot_index.get((c, self.body.nodes[c].inputs[i].type_attr)) not in self.allow
+            for c, i in consumers)
         return casts
 
     def _propagate_through_clear(self) -> None:
@@ -358,7 +355,7 @@ class _BodyColoring:
 
     def _fp32_reason(self, node, list_name: str, slots: list[int]) -> tuple[str, str]:
         if not slots:
-            block = self._node_block(node.name, node)
+            block = self.node_blocks[node.name]
             if block and not block.startswith("input "):
                 return block, ""
             return "no float32 tensors to convert", ""

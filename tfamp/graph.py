@@ -23,7 +23,7 @@ DT_BFLOAT16 = types_pb2.DT_BFLOAT16
 FLOAT_TYPES = frozenset({DT_FLOAT, DT_HALF, DT_BFLOAT16})
 
 # Attributes whose value names a function the node calls.
-_FUNC_ATTRS = ("f", "body", "cond", "then_branch", "else_branch", "branches")
+FUNC_ATTRS = ("f", "body", "cond", "then_branch", "else_branch", "branches")
 
 
 def dtype_name(dtype: int) -> str:
@@ -159,11 +159,10 @@ class _PortResolver:
     def op_def(self, op: str) -> op_def_pb2.OpDef | None:
         return self._signatures.get(op) or op_def_registry.get(op)
 
-    def ports(self, node_def, args: Sequence) -> tuple[list[Port], dict[str, int]]:
+    def ports(self, node_def, op_def, args: Sequence) -> tuple[list[Port], dict[str, int]]:
         """Flat ports of `args` (OpDef input or output args) and each arg's offset."""
         ports: list[Port] = []
         offsets: dict[str, int] = {}
-        op_def = self.op_def(node_def.op)
         for arg in args:
             offsets[arg.name] = len(ports)
             if arg.type_list_attr:
@@ -203,8 +202,8 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef) -> Body:
         if op_def is None:
             inputs, outputs, offsets = [], [], {}
         else:
-            inputs, _ = resolver.ports(node_def, op_def.input_arg)
-            outputs, offsets = resolver.ports(node_def, op_def.output_arg)
+            inputs, _ = resolver.ports(node_def, op_def, op_def.input_arg)
+            outputs, offsets = resolver.ports(node_def, op_def, op_def.output_arg)
         output_offsets[node_def.name] = offsets
         nodes[node_def.name] = Node(
             name=node_def.name, op=node_def.op, node_def=node_def,
@@ -246,7 +245,7 @@ def _called_functions(node_def, resolver: _PortResolver) -> list[str]:
     called = []
     if node_def.op in resolver._signatures:
         called.append(node_def.op)
-    for attr_name in _FUNC_ATTRS:
+    for attr_name in FUNC_ATTRS:
         if attr_name in node_def.attr:
             value = node_def.attr[attr_name]
             if value.HasField("func"):

@@ -137,14 +137,10 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
                  initial_scale: float = DEFAULT_INITIAL_SCALE,
                  growth_interval: int = DEFAULT_GROWTH_INTERVAL,
                  min_scale: float = DEFAULT_MIN_SCALE):
-        dynamic, start = _parse_loss_scale(loss_scale, initial_scale)
-        _check_positive(growth_interval=growth_interval, min_scale=min_scale)
-        if dynamic and start < min_scale:
-            raise ValueError(
-                f"initial_scale ({start}) is below min_scale ({min_scale}); pass an "
-                f"initial_scale >= min_scale.")
-        super().__init__(inner_optimizer, dynamic=True, initial_scale=start,
-                         dynamic_growth_steps=int(growth_interval))
+        dynamic, start = validate_settings(loss_scale, initial_scale, growth_interval,
+                                           min_scale)
+        # The parent's fixed mode creates no state; tfamp's own state replaces it.
+        super().__init__(inner_optimizer, dynamic=False, initial_scale=start)
         self._loss_scale = _ScaleState(
             start, int(growth_interval) if dynamic else None, min_scale)
         self._track_trackable(self._loss_scale, "loss_scale", overwrite=True)
@@ -217,6 +213,22 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         log.error("%s", message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return True
+
+
+def validate_settings(loss_scale, initial_scale: float, growth_interval: int,
+                      min_scale: float) -> tuple[bool, float]:
+    """Checks loss-scale settings; returns (dynamic?, starting scale).
+
+    Raises:
+      ValueError / TypeError: naming the argument, the value and what is accepted.
+    """
+    dynamic, start = _parse_loss_scale(loss_scale, initial_scale)
+    _check_positive(growth_interval=growth_interval, min_scale=min_scale)
+    if dynamic and start < min_scale:
+        raise ValueError(
+            f"initial_scale ({start}) is below min_scale ({min_scale}); pass an "
+            f"initial_scale >= min_scale.")
+    return dynamic, start
 
 
 def _parse_loss_scale(loss_scale, initial_scale: float) -> tuple[bool, float]:

@@ -36,7 +36,6 @@ from tfamp.rewrite import rewrite_graph_def
 
 log = logging.getLogger("tfamp")
 
-_FUNC_ATTRS = ("f", "body", "cond", "then_branch", "else_branch", "branches")
 # String attributes that hold the name of a forward or backward function.
 _FUNC_NAME_STRING_ATTRS = frozenset({
     "forward_function_name", "backward_function_name",
