@@ -10,14 +10,14 @@ import pytest  # noqa: E402
 @pytest.fixture
 def check_calls(monkeypatch):
     """Records every graph tfamp validated (check=True) before running it."""
-    import tfamp.runner
+    import tfamp.runtime.runner
 
     calls = []
-    real = tfamp.runner.assert_valid_graph_def
+    real = tfamp.runtime.runner.assert_valid_graph_def
 
     def spy(graph_def):
         calls.append(graph_def)
         return real(graph_def)
 
-    monkeypatch.setattr(tfamp.runner, "assert_valid_graph_def", spy)
+    monkeypatch.setattr(tfamp.runtime.runner, "assert_valid_graph_def", spy)
     return calls

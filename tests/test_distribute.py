@@ -97,7 +97,7 @@ else:
 
 import tf_keras as keras
 import tfamp
-import tfamp.runner
+import tfamp.runtime.runner
 
 FEATURES, HIDDEN, N, BATCH = 16, 32, 256, 32
 EPOCHS = 3
@@ -195,7 +195,7 @@ def reports_info(model):
     names = [n.name for r in reports for n in r.nodes if n.converted and n.op == "MatMul"]
     return {
         "train_function_type": type(fn).__module__ + "." + type(fn).__name__,
-        "is_rewritten": isinstance(fn, tfamp.runner.RewrittenFunction),
+        "is_rewritten": isinstance(fn, tfamp.runtime.runner.RewrittenFunction),
         "report_types": [type(r).__module__ + "." + type(r).__name__ for r in reports],
         "all_reports_are_rewrite_reports": all(
             isinstance(r, tfamp.RewriteReport) for r in reports),
@@ -290,7 +290,7 @@ def run_growth():
         model.train_on_batch(xb, yb)
         states.append(replica_state(model))
     return {"states": states,
-            "is_rewritten": isinstance(model.train_function, tfamp.runner.RewrittenFunction)}
+            "is_rewritten": isinstance(model.train_function, tfamp.runtime.runner.RewrittenFunction)}
 
 
 def run_scale():
@@ -484,7 +484,7 @@ def test_mirrored_fit_runs_rewritten_graphs(cross_device):
     mirrored = _run("mirrored", cross_device)
     for r in (single, mirrored):
         assert r["is_rewritten"], r["train_function_type"]
-        assert r["train_function_type"] == "tfamp.runner.RewrittenFunction"
+        assert r["train_function_type"] == "tfamp.runtime.runner.RewrittenFunction"
         assert r["report_types"] and r["all_reports_are_rewrite_reports"], r["report_types"]
         assert any("MatMul" in c for c in r["converted"]), r["converted"]
     single_mm = sum(c.get("MatMul", 0) for c in single["converted"])

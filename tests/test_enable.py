@@ -13,8 +13,8 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tfamp
-from tfamp.loss_scale import LossScaleOptimizer
-from tfamp.runner import RewrittenFunction
+from tfamp.keras.loss_scale import LossScaleOptimizer
+from tfamp.runtime.runner import RewrittenFunction
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,7 +94,7 @@ def test_enable_twice_is_harmless_and_disable_restores_float32():
     assert model.optimizer.inner_optimizer is inner
     fit(model, epochs=1)
     tfamp.disable(model)
-    assert model.optimizer is inner and not tfamp.activation.is_enabled(model)
+    assert model.optimizer is inner and not tfamp.keras.activation.is_enabled(model)
     history = fit(model, epochs=1)
     assert "loss_scale" not in history
     assert not isinstance(model.train_function, RewrittenFunction)

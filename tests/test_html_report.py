@@ -24,9 +24,9 @@ import tf_keras as keras
 from tensorflow.core.framework import graph_pb2, types_pb2
 
 import tfamp
-from tfamp import html_report
-from tfamp.html_report import node_category, render_html
-from tfamp.report import NodeReport, RewriteReport
+from tfamp.inspect import html_report
+from tfamp.inspect.html_report import node_category, render_html
+from tfamp.rewrite.report import NodeReport, RewriteReport
 
 CHROMIUM = os.environ.get("TFAMP_CHROMIUM", "/usr/bin/chromium")
 

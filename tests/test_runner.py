@@ -26,7 +26,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tfamp
-import tfamp.runner
+import tfamp.runtime.runner
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -331,7 +331,7 @@ def test_bare_decorator():
 
     out = double_matmul(tf.eye(3))
     np.testing.assert_allclose(out.numpy(), 2.0 * np.eye(3))
-    assert isinstance(double_matmul, tfamp.runner.RewrittenFunction)
+    assert isinstance(double_matmul, tfamp.runtime.runner.RewrittenFunction)
     assert double_matmul.__name__ == "double_matmul"
     assert double_matmul.config == tfamp.AmpConfig()
     assert [r.dtype for r in double_matmul.reports] == ["float16"]

@@ -42,7 +42,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tfamp
-import tfamp.runner
+import tfamp.runtime.runner
 
 L = keras.layers
 

@@ -16,17 +16,17 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "AmpConfig": "tfamp.config",
     "DEFAULT_OP_LISTS": "tfamp.oplists",
-    "GraphCheckError": "tfamp.check",
+    "GraphCheckError": "tfamp.rewrite.check",
     "OpLists": "tfamp.oplists",
-    "RewriteReport": "tfamp.report",
-    "LossScaleOptimizer": "tfamp.loss_scale",
-    "check_graph_def": "tfamp.check",
-    "disable": "tfamp.activation",
-    "enable": "tfamp.activation",
-    "function": "tfamp.runner",
-    "rewrite_concrete_function": "tfamp.runner",
-    "rewrite_function": "tfamp.runner",
-    "rewrite_graph_def": "tfamp.rewrite",
+    "RewriteReport": "tfamp.rewrite.report",
+    "LossScaleOptimizer": "tfamp.keras.loss_scale",
+    "check_graph_def": "tfamp.rewrite.check",
+    "disable": "tfamp.keras.activation",
+    "enable": "tfamp.keras.activation",
+    "function": "tfamp.runtime.runner",
+    "rewrite_concrete_function": "tfamp.runtime.runner",
+    "rewrite_function": "tfamp.runtime.runner",
+    "rewrite_graph_def": "tfamp.rewrite.pipeline",
 }
 
 __all__ = [
@@ -46,14 +46,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from tfamp.activation import disable, enable
-    from tfamp.check import GraphCheckError, check_graph_def
+    from tfamp.keras.activation import disable, enable
+    from tfamp.rewrite.check import GraphCheckError, check_graph_def
     from tfamp.config import AmpConfig
-    from tfamp.loss_scale import LossScaleOptimizer
+    from tfamp.keras.loss_scale import LossScaleOptimizer
     from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
-    from tfamp.report import RewriteReport
-    from tfamp.rewrite import rewrite_graph_def
-    from tfamp.runner import function, rewrite_concrete_function, rewrite_function
+    from tfamp.rewrite.report import RewriteReport
+    from tfamp.rewrite.pipeline import rewrite_graph_def
+    from tfamp.runtime.runner import function, rewrite_concrete_function, rewrite_function
 
 
 def __getattr__(name: str):

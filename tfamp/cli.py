@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from tfamp._quiet import import_tensorflow_quietly
 
     import_tensorflow_quietly()
-    from tfamp.graph_files import GraphFileError
+    from tfamp.inspect.graph_files import GraphFileError
     try:
         if args.command == "demo":
             from tfamp import demo
@@ -153,7 +153,7 @@ def _config_from_args(args):
 
 
 def _inspect(args) -> int:
-    from tfamp.graph_files import load_inspectable
+    from tfamp.inspect.graph_files import load_inspectable
     from tfamp.rewrite import rewrite_graph_def
 
     config = _config_from_args(args)
@@ -166,8 +166,8 @@ def _inspect(args) -> int:
         _, report = rewrite_graph_def(loaded.graph_def, config, outputs=loaded.outputs,
                                       function_name=loaded.name)
     if args.why:
-        from tfamp.explain import UnknownNodeError, explain
-        from tfamp.graph import build_view
+        from tfamp.inspect.explain import UnknownNodeError, explain
+        from tfamp.rewrite.graph import build_view
 
         view = build_view(loaded.graph_def) if loaded.graph_def is not None else None
         try:
@@ -179,7 +179,7 @@ def _inspect(args) -> int:
         _emit(report.to_json(), args.output)
         return 0
     if args.format == "html":
-        from tfamp.html_report import render_html
+        from tfamp.inspect.html_report import render_html
 
         Path(args.output).write_text(render_html(report, loaded.graph_def))
         print(f"wrote {args.output} ({report.nodes_before} nodes); open it in a browser")
@@ -199,8 +199,8 @@ def _emit(text: str, output: str | None) -> None:
 
 
 def _diff(args) -> int:
-    from tfamp.graph_diff import diff_graph_defs
-    from tfamp.graph_files import GraphFileError, load_inspectable
+    from tfamp.inspect.graph_diff import diff_graph_defs
+    from tfamp.inspect.graph_files import GraphFileError, load_inspectable
 
     graphs = []
     for path in (args.before, args.after):
@@ -227,7 +227,7 @@ def _run(args) -> int:
     if not script.is_file():
         raise UserError(f"{script}: no such file; expected a Python script to run")
     os.environ["TFAMP_ENABLE"] = "1"
-    from tfamp import startup
+    from tfamp.runtime import startup
 
     startup.activate()  # exits 2 with one line on an invalid TFAMP_* setting
     sys.argv = [str(script), *args.args]
@@ -251,7 +251,7 @@ def render_summary(report, loaded=None) -> str:
 
 
 def _flops_line(report, loaded) -> str:
-    from tfamp.flops import MATRIX_OPS, share_in_16bit
+    from tfamp.inspect.flops import MATRIX_OPS, share_in_16bit
 
     flops = getattr(loaded, "flops", None) or {}
     in_functions = sum(1 for n in report.nodes if n.function and n.op in MATRIX_OPS)
@@ -272,7 +272,7 @@ def _flops_line(report, loaded) -> str:
 
 
 def render_nodes(report, *, op: str = "", name: str = "") -> str:
-    from tfamp.report import NO_FLOAT_MATH
+    from tfamp.rewrite.report import NO_FLOAT_MATH
 
     rows = [n for n in report.nodes
             if (not op or n.op == op) and (not name or name in n.name)]

@@ -14,9 +14,9 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tfamp.config import AmpConfig
-from tfamp.loss_scale import LossScaleOptimizer
-from tfamp.report import RewriteReport
-from tfamp.runner import function as amp_function
+from tfamp.keras.loss_scale import LossScaleOptimizer
+from tfamp.rewrite.report import RewriteReport
+from tfamp.runtime.runner import function as amp_function
 
 
 @dataclasses.dataclass

@@ -101,7 +101,7 @@ def _configure_logging(verbosity: int) -> None:
 def _patch_tf_function(active: _Activation) -> None:
     import tensorflow as tf
 
-    from tfamp.runner import RewrittenFunction
+    from tfamp.runtime.runner import RewrittenFunction
 
     original = tf.function
     on_report = functools.partial(_record_report, active)
@@ -144,7 +144,7 @@ def _patch_tf_keras(active: _Activation) -> None:
         import tf_keras
     except ImportError:
         return
-    from tfamp import activation
+    from tfamp.keras import activation
 
     model_class = tf_keras.Model
     original = model_class.compile
@@ -213,7 +213,7 @@ def _patch_custom_loops(active: _Activation) -> None:
         return
     import tensorflow as tf
 
-    from tfamp import loss_scale as loss_scale_lib
+    from tfamp.keras import loss_scale as loss_scale_lib
 
     original_gradient = tf.GradientTape.gradient
 
@@ -302,7 +302,7 @@ def _scale_state(active: _Activation):
     if active.scale_state is None:
         import tensorflow as tf
 
-        from tfamp.loss_scale import (
+        from tfamp.keras.loss_scale import (
             DEFAULT_GROWTH_INTERVAL,
             DEFAULT_INITIAL_SCALE,
             DEFAULT_MIN_SCALE,

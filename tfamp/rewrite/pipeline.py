@@ -8,11 +8,11 @@ from collections.abc import Iterable
 
 from tensorflow.core.framework import graph_pb2
 
-from tfamp.casts import insert_casts
-from tfamp.coloring import color
+from tfamp.rewrite.casts import insert_casts
+from tfamp.rewrite.coloring import color
 from tfamp.config import AmpConfig
-from tfamp.graph import FLOAT_TYPES, Body, TensorRef, build_view
-from tfamp.report import NodeReport, RewriteReport
+from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
+from tfamp.rewrite.report import NodeReport, RewriteReport
 
 log = logging.getLogger("tfamp")
 

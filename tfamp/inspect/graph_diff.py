@@ -7,7 +7,7 @@ import dataclasses
 
 from tensorflow.core.framework import graph_pb2
 
-from tfamp.graph import build_view, dtype_name
+from tfamp.rewrite.graph import build_view, dtype_name
 
 
 @dataclasses.dataclass

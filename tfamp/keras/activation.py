@@ -17,14 +17,14 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tfamp.config import AmpConfig
-from tfamp.loss_scale import (
+from tfamp.keras.loss_scale import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INITIAL_SCALE,
     DEFAULT_MIN_SCALE,
     LossScaleOptimizer,
     validate_settings,
 )
-from tfamp.runner import RewrittenFunction
+from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
 

@@ -12,8 +12,8 @@ import dataclasses
 
 from tensorflow.core.framework import graph_pb2
 
-from tfamp.coloring import Coloring
-from tfamp.graph import FLOAT_TYPES, Body, GraphView, TensorRef, dtype_name
+from tfamp.rewrite.coloring import Coloring
+from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, TensorRef, dtype_name
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 

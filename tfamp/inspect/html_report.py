@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from tfamp.report import NO_FLOAT_MATH, RewriteReport, reason_kind
+from tfamp.rewrite.report import NO_FLOAT_MATH, RewriteReport, reason_kind
 
 # (key, legend label, fill colour, text colour). The "f16" label gets the dtype.
 CATEGORIES: tuple[tuple[str, str, str, str], ...] = (
@@ -187,7 +187,7 @@ def _page_data(report: RewriteReport, graph_def) -> dict:
     bodies: dict[str, _BodyData] = {"": _BodyData("", strings)}
     view = None
     if graph_def is not None:
-        from tfamp.graph import build_view
+        from tfamp.rewrite.graph import build_view
 
         view = build_view(graph_def)
         for body in view.bodies:
@@ -242,7 +242,7 @@ def _page_data(report: RewriteReport, graph_def) -> dict:
 
 def _add_graph_edges(data: _BodyData, body, casts) -> None:
     """Items for arguments and results and one edge per data input of `body`."""
-    from tfamp.graph import dtype_name
+    from tfamp.rewrite.graph import dtype_name
 
     for arg, dtype in body.arg_dtypes.items():
         data.add(_ARG, arg, "io", "argument", reason=f"function argument ({dtype_name(dtype)})")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import collections
 import difflib
 
-from tfamp.graph import GraphView
-from tfamp.report import NodeReport, RewriteReport
+from tfamp.rewrite.graph import GraphView
+from tfamp.rewrite.report import NodeReport, RewriteReport
 
 
 class UnknownNodeError(KeyError):

@@ -17,7 +17,7 @@ from pathlib import Path
 from google.protobuf import message, text_format
 from tensorflow.core.framework import graph_pb2
 
-from tfamp.report import RewriteReport
+from tfamp.rewrite.report import RewriteReport
 
 
 class GraphFileError(ValueError):
@@ -89,7 +89,7 @@ def _is_saved_model(path: Path) -> bool:
 
 
 def _from_concrete(name: str, concrete) -> Inspectable:
-    from tfamp.flops import matrix_flops
+    from tfamp.inspect.flops import matrix_flops
 
     flops, unknown = matrix_flops(concrete.graph)
     return Inspectable(name=name, graph_def=concrete.graph.as_graph_def(),

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import function_def_to_graph
 
-from tfamp.graph import FLOAT_TYPES, Body, build_view, dtype_name
+from tfamp.rewrite.graph import FLOAT_TYPES, Body, build_view, dtype_name
 
 
 class GraphCheckError(ValueError):

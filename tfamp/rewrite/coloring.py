@@ -28,9 +28,9 @@ from collections.abc import Iterable
 
 from tensorflow.core.framework import types_pb2
 
-from tfamp import kernels
+from tfamp.rewrite import kernels
 from tfamp.config import AmpConfig
-from tfamp.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
+from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
 
 # Type attributes that never change, whatever list the op is on. A TensorList's
 # element type must agree with every op that touches the list, and lists flow

@@ -29,9 +29,9 @@ from tensorflow.python.framework import func_graph as func_graph_lib
 from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
 
-from tfamp.check import assert_valid_graph_def
+from tfamp.rewrite.check import assert_valid_graph_def
 from tfamp.config import AmpConfig
-from tfamp.report import RewriteReport
+from tfamp.rewrite.report import RewriteReport
 from tfamp.rewrite import rewrite_graph_def
 
 log = logging.getLogger("tfamp")

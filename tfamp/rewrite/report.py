@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tfamp.casts import CastRecord
+from tfamp.rewrite.casts import CastRecord
 
 SCHEMA_VERSION = 1
 NO_FLOAT_MATH = "no float32 tensors to convert"

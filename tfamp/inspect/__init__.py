@@ -1,0 +1,1 @@
+"""Showing users what the rewrite did: FLOP shares, decision chains, diffs, files, the HTML page."""

@@ -1,0 +1,1 @@
+"""Keras integration: ``tfamp.enable(model)`` and the loss-scale optimizer."""

@@ -1,0 +1,1 @@
+"""Running rewritten graphs: ``tfamp.function`` and the ``TFAMP_ENABLE=1`` start-up hook."""
