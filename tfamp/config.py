@@ -11,13 +11,14 @@ import dataclasses
 import difflib
 import functools
 import re
+import warnings
 from collections.abc import Iterable
 
 from tensorflow.core.framework import op_def_pb2, types_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.framework import op_def_registry
 
-from tfamp.oplists import DEFAULT_OP_LISTS, LIST_NAMES, OpLists
+from tfamp.oplists import DATA_BOUND_OPS, DEFAULT_OP_LISTS, LIST_NAMES, OpLists
 
 # Target name -> DataType enum. Accepts tf.DType too (by its .name).
 TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
@@ -67,6 +68,7 @@ class AmpConfig:
         for name in _CHANGE_FIELDS:
             ops = _as_tuple(getattr(self, name), name)
             _check_op_names(ops, name)
+            _warn_data_bound(ops, name)
             set_field(name, ops)
         patterns = _as_tuple(self.keep_fp32, "keep_fp32")
         for pattern in patterns:
@@ -130,6 +132,19 @@ def _check_op_names(ops: tuple[str, ...], field: str) -> None:
                 "check the spelling (op names are CamelCase, e.g. 'MatMul').")
             raise ValueError(
                 f"{field}: {op!r} is not a registered TensorFlow op; {fix}")
+
+
+def _warn_data_bound(ops: tuple[str, ...], field: str) -> None:
+    """Warns that adding an op whose dtype is bound to its data changes nothing."""
+    if field.endswith("_remove") or field.startswith("deny"):
+        return  # keeping an op float32 is always allowed
+    for op in ops:
+        if op in DATA_BOUND_OPS:
+            warnings.warn(
+                f"{field}: {op!r} is ignored: its dtype is bound to its data "
+                f"({DATA_BOUND_OPS[op]}), so tfamp leaves {op} nodes as they are "
+                f"whatever the lists say. Remove it from {field}.",
+                UserWarning, stacklevel=4)
 
 
 @functools.cache

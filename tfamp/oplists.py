@@ -216,3 +216,46 @@ DEFAULT_OP_LISTS: Mapping[str, OpLists] = {
     "bfloat16": OpLists(allow=_BFLOAT16_ALLOW, infer=_BFLOAT16_INFER,
                         deny=_BFLOAT16_DENY, clear=_BFLOAT16_CLEAR),
 }
+
+# Ops whose dtype is bound to their data: the type attribute describes a value
+# that already exists elsewhere (a typed constant, a feed, a stored tensor, what a
+# Python callable returns), so retyping the node would misread that value. They
+# stay as they are whatever the lists say. Op -> why its dtype is bound.
+DATA_BOUND_OPS: Mapping[str, str] = {
+    "Const": "its value attribute is a typed tensor",
+    "HostConst": "its value attribute is a typed tensor",
+    "ImmutableConst": "its dtype describes a memory-mapped file",
+    "Placeholder": "its dtype is the fed value's",
+    "PlaceholderV2": "its dtype is the fed value's",
+    "PlaceholderWithDefault": "its dtype is the fed value's",
+    "_Arg": "its dtype is the caller's argument's",
+    "_Retval": "its dtype is what the caller receives",
+    "VarHandleOp": "its dtype is the variable's",
+    "ReadVariableOp": "its dtype is the variable's",
+    "VariableV2": "its dtype is the variable's",
+    "Variable": "its dtype is the variable's",
+    "PyFunc": "Tout is what the Python callable returns",
+    "PyFuncStateless": "Tout is what the Python callable returns",
+    "EagerPyFunc": "Tout is what the Python callable returns",
+    "OptionalFromValue": "it must match what OptionalGetValue reads back",
+    "OptionalGetValue": "it must match what was stored in the optional",
+    "IteratorGetNext": "its types are the dataset's",
+    "IteratorGetNextSync": "its types are the dataset's",
+    "IteratorGetNextAsOptional": "its types are the dataset's",
+    "DatasetToSingleElement": "its types are the dataset's",
+    "Bitcast": "it reinterprets bits: another type is another value",
+    "DecodeRaw": "out_type says how to read the bytes",
+    "ParseTensor": "out_type must match the serialized tensor",
+    "RestoreV2": "its dtypes are the checkpoint's",
+    "Restore": "its dtype is the checkpoint's",
+    "RestoreSlice": "its dtype is the checkpoint's",
+    "StackPopV2": "elem_type must match what was pushed",
+    "TensorArrayReadV3": "its dtype must match what was written",
+    "TensorArrayGatherV3": "its dtype must match what was written",
+    "TensorArrayConcatV3": "its dtype must match what was written",
+    "QueueDequeueV2": "its types are the queue's",
+    "QueueDequeueManyV2": "its types are the queue's",
+    "_Recv": "its type is the matching _Send's",
+    "_HostRecv": "its type is the matching _Send's",
+    "_Send": "its type is the matching _Recv's",
+}

@@ -2,7 +2,7 @@
 
 The page draws every body (the top graph first, then each library function) as
 a layered graph, each op coloured by its decision: converted to 16-bit, or the
-kind of reason it stayed float32 (``report.reason_kind``). Inserted Casts are
+kind of reason it stayed float32 (``NodeReport.kind``). Inserted Casts are
 small nodes on the edges they bridge. Nodes are grouped into collapsible boxes
 by name scope; a search box finds nodes by name and a click shows the report's
 reason for a node.
@@ -20,7 +20,8 @@ import json
 import re
 from typing import Any
 
-from tfamp.rewrite.report import NO_FLOAT_MATH, RewriteReport, reason_kind
+from tfamp.rewrite.reasons import KIND_NO_FLOAT, KIND_OTHER, KIND_UNKNOWN_OP, KIND_UNLISTED
+from tfamp.rewrite.report import RewriteReport
 
 # (key, legend label, fill colour, text colour). The "f16" label gets the dtype.
 CATEGORIES: tuple[tuple[str, str, str, str], ...] = (
@@ -76,10 +77,10 @@ def node_category(node) -> str:
     """The colour category (a key of CATEGORIES) of one NodeReport."""
     if node.converted:
         return "f16"
-    if node.reason == NO_FLOAT_MATH:
+    kind = node.kind
+    if kind == KIND_NO_FLOAT:
         return "nofloat"
-    kind = reason_kind(node.reason)
-    if kind == "other" and node.list == "unlisted":
+    if kind in (KIND_OTHER, KIND_UNLISTED, KIND_UNKNOWN_OP) and node.list == "unlisted":
         return "unlisted"
     return _KIND_CATEGORY.get(kind, "other")
 

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from tensorflow.core.framework import types_pb2
 
-from tfamp.rewrite import kernels
 from tfamp.config import AmpConfig
+from tfamp.oplists import DATA_BOUND_OPS
+from tfamp.rewrite import kernels
+from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
 
 # Type attributes that never change, whatever list the op is on. A TensorList's
@@ -59,6 +61,8 @@ class Decision:
       converted_attrs: the type attributes switched to 16-bit.
       cause: the node that made the decision (a deny root, a 16-bit
         neighbour), or "" when the node decided on its own.
+      kind: what kind of reason it is, one of the ``tfamp.rewrite.reasons``
+        ``KIND_*`` constants (e.g. "deny list").
     """
 
     list: str
@@ -66,6 +70,7 @@ class Decision:
     reason: str
     converted_attrs: tuple[str, ...] = ()
     cause: str = ""
+    kind: str = ""
 
 
 @dataclasses.dataclass
@@ -80,7 +85,8 @@ class Coloring:
 
 
 def color(view: GraphView, config: AmpConfig,
-          outputs: Iterable[str] = ()) -> Coloring:
+          outputs: Iterable[str] = (),
+          keep: Mapping[tuple[str, str], str] | None = None) -> Coloring:
     """Decides, for every node of `view`, whether it computes in 16-bit.
 
     Args:
@@ -88,15 +94,19 @@ def color(view: GraphView, config: AmpConfig,
       config: target dtype, op lists, overrides.
       outputs: tensor names ("node:0") of the top graph whose dtype callers
         rely on; their producers keep their types.
+      keep: (function, node) -> why it must stay float32 because converting
+        it would make an invalid graph (set by the pass's self-check).
 
     Returns:
       A Coloring with one Decision per node.
     """
     pinned_outputs = {_parse_tensor_name(name) for name in outputs}
+    keep = keep or {}
     decisions: dict[tuple[str, str], Decision] = {}
     for body in view.bodies:
         body_pins = pinned_outputs if not body.is_function else set()
-        decisions.update(_BodyColoring(body, config, body_pins).run())
+        body_keep = {node: why for (fn, node), why in keep.items() if fn == body.name}
+        decisions.update(_BodyColoring(body, config, body_pins, body_keep).run())
     return Coloring(target=config.target_enum, decisions=decisions)
 
 
@@ -108,8 +118,10 @@ def _parse_tensor_name(name: str) -> TensorRef:
 class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
-    def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef]):
+    def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
+                 keep: Mapping[str, str] | None = None):
         self.body = body
+        self.keep = keep or {}
         self.config = config
         self.lists = config.op_lists
         self.target = config.target_enum
@@ -120,14 +132,16 @@ class _BodyColoring:
         self.slot_attr: list[str] = []
         self.slot_list: list[str] = []
         self.slot_index: dict[tuple[str, str], int] = {}
-        self.blocked: dict[int, str] = {}  # slot -> why it cannot be 16-bit
-        self.node_blocks: dict[str, str] = {}  # node -> why none of it can be 16-bit
+        # Reasons are (sentence, kind) pairs; kinds are tfamp.rewrite.reasons.KIND_*.
+        self.blocked: dict[int, tuple[str, str]] = {}  # slot -> why it cannot be 16-bit
+        # node -> why none of it can be 16-bit; ("", "") when nothing blocks it
+        self.node_blocks: dict[str, tuple[str, str]] = {}
         self._make_slots(pinned)
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
         self.fanout: list[list[int]] = [[] for _ in self.slot_node]
         self._connect()
-        self.allow: dict[int, tuple[str, str]] = {}  # slot -> (reason, cause)
-        self.deny: dict[int, tuple[str, str]] = {}
+        self.allow: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
+        self.deny: dict[int, tuple[str, str, str]] = {}
 
     # -- building -------------------------------------------------------------
 
@@ -145,43 +159,64 @@ class _BodyColoring:
                 self.slot_attr.append(attr)
                 self.slot_list.append(list_name)
                 self.slot_index[(name, attr)] = slot
-                block = node_block or self._attr_block(node, attr)
-                if block:
+                block = node_block if node_block[0] else self._attr_block(node, attr)
+                if block[0]:
                     self.blocked[slot] = block
             for index, port in enumerate(node.outputs):
                 if TensorRef(name, index) in pinned and port.type_attr in attrs:
                     slot = self.slot_index[(name, port.type_attr)]
-                    self.blocked.setdefault(
-                        slot, "kept float32: a graph output keeps its dtype")
+                    self.blocked.setdefault(slot, (
+                        "kept float32: a graph output keeps its dtype", rk.KIND_GRAPH_OUTPUT))
 
-    def _node_block(self, name: str, node) -> str:
+    def _node_block(self, name: str, node) -> tuple[str, str]:
+        """(why no slot of `node` can be 16-bit, reason kind), or ("", "")."""
+        if name in self.keep:
+            return f"kept float32: {self.keep[name]}", rk.KIND_INVALID_GRAPH
         for pattern in self.keep_patterns:
             if pattern.search(name):
-                return f"kept float32: name matches keep_fp32 pattern {pattern.pattern!r}"
+                return (f"kept float32: name matches keep_fp32 pattern {pattern.pattern!r}",
+                        rk.KIND_USER_OVERRIDE)
         if not node.known_op:
-            return f"unknown op {node.op!r}: no OpDef, left as it is"
+            return f"unknown op {node.op!r}: no OpDef, left as it is", rk.KIND_UNKNOWN_OP
         if node.called_functions:
             called = ", ".join(repr(f) for f in dict.fromkeys(node.called_functions))
             return (f"calls {called}: its signature is kept and the body is "
-                    f"rewritten on its own")
-        if any(p.dtype == types_pb2.DT_RESOURCE for p in node.inputs + node.outputs):
-            return "variable op: master weights and their reads stay float32"
+                    f"rewritten on its own", rk.KIND_FUNCTION_CALL)
+        ports = node.inputs + node.outputs
+        if any(p.dtype == types_pb2.DT_RESOURCE for p in ports):
+            return ("variable op: master weights and their reads stay float32",
+                    rk.KIND_VARIABLE)
+        if any(p.is_ref for p in ports):
+            return ("variable op (TF1 reference variable): master weights and their "
+                    "reads stay float32", rk.KIND_VARIABLE)
         for ref, _ in node.data_inputs:
-            if self.body.producer_port(ref) is None:
-                return f"input {ref.node!r} has no known type: left float32"
-        return ""
+            port = self.body.producer_port(ref)
+            if port is None:
+                return f"input {ref.node!r} has no known type: left float32", rk.KIND_UNKNOWN_INPUT
+            if port.is_ref:
+                return (f"variable op: reads reference variable {ref.node!r}; master "
+                        f"weights and their reads stay float32", rk.KIND_VARIABLE)
+        if node.op in DATA_BOUND_OPS and self.lists.list_of(node.op) != "unlisted":
+            return (f"kept as it is: {node.op}'s dtype is bound to its data "
+                    f"({DATA_BOUND_OPS[node.op]})", rk.KIND_DATA_BOUND)
+        return "", ""
 
-    def _attr_block(self, node, attr: str) -> str:
+    def _attr_block(self, node, attr: str) -> tuple[str, str]:
+        """(why type attribute `attr` of `node` cannot be 16-bit, kind), or ("", "")."""
         if attr in FIXED_TYPE_ATTRS.get(node.op, ()):
             return (f"{attr} stays float32: a TensorList's element type must "
-                    f"match every op that touches the list")
+                    f"match every op that touches the list", rk.KIND_TENSOR_LIST)
         base_attr = attr.split("[")[0]
         if not kernels.opdef_allows(node.op, base_attr, self.target):
-            return f"{node.op}'s OpDef does not allow {self.target_name} for {base_attr}"
-        if not kernels.has_kernel(node.op, base_attr, self.target, self.device_type):
-            return (f"no {self.target_name} {self.device_type} kernel "
-                    f"for {node.op} ({base_attr})")
-        return ""
+            return (f"{node.op}'s OpDef does not allow {self.target_name} for {base_attr}",
+                    rk.KIND_NO_KERNEL)
+        device = node.node_def.device
+        device_type = kernels.node_device_type(device, self.device_type)
+        if not kernels.has_kernel(node.op, base_attr, self.target, device_type):
+            where = f" on its device {device!r}" if device else ""
+            return (f"no {self.target_name} {device_type} kernel "
+                    f"for {node.op} ({base_attr}){where}", rk.KIND_NO_KERNEL)
+        return "", ""
 
     def _connect(self) -> None:
         for name, node in self.body.nodes.items():
@@ -202,7 +237,8 @@ class _BodyColoring:
         can = self._candidate
         for slot, list_name in enumerate(self.slot_list):
             if list_name == "allow" and can(slot):
-                self.allow[slot] = (f"allow: compute-heavy, runs in {self.target_name}", "")
+                self.allow[slot] = (
+                    f"allow: compute-heavy, runs in {self.target_name}", "", rk.KIND_ALLOW)
         self._propagate_deny()
         self._add_between_allow()
         self._add_infer_after_allow()
@@ -221,13 +257,15 @@ class _BodyColoring:
             lambda s: lists[s] == "clear"))
         for root in (s for s, ls in enumerate(lists) if ls == "deny"):
             root_node = self.body.nodes[self.slot_node[root]]
-            self.deny.setdefault(root, (f"deny: numerically risky in {self.target_name}", ""))
+            self.deny.setdefault(root, (
+                f"deny: numerically risky in {self.target_name}", "", rk.KIND_DENY_LIST))
             cause = f"{root_node.op} {root_node.name!r}"
             for slot in _dfs([root], self.fanout, lambda s: (
                     s not in self.deny and s in leads_to_deny_or_infer
                     and lists[s] in ("infer", "clear"))):
                 if slot != root:
-                    self.deny[slot] = (f"deny: downstream of {cause}", root_node.name)
+                    self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
+                                       rk.KIND_DOWNSTREAM_OF_DENY)
 
     def _is_free(self, slot: int, lists: tuple[str, ...]) -> bool:
         return (self.slot_list[slot] in lists and self._candidate(slot)
@@ -241,7 +279,8 @@ class _BodyColoring:
         for slot in between:
             if slot not in self.allow:
                 list_name = self.slot_list[slot]
-                self.allow[slot] = (f"{list_name}: between {self.target_name} ops", "")
+                self.allow[slot] = (
+                    f"{list_name}: between {self.target_name} ops", "", rk.KIND_BETWEEN)
 
     def _add_infer_after_allow(self) -> None:
         order = {name: i for i, name in enumerate(self.body.topological_order())}
@@ -259,7 +298,7 @@ class _BodyColoring:
                 cause = self.slot_node[sixteen[0]]
                 self.allow[slot] = (
                     f"infer: follows {self.target_name} op {cause!r}; "
-                    f"converting saves a cast", cause)
+                    f"converting saves a cast", cause, rk.KIND_AFTER_16BIT)
 
     def _input_refs(self, slot: int) -> list[TensorRef]:
         node = self.body.nodes[self.slot_node[slot]]
@@ -298,7 +337,8 @@ class _BodyColoring:
             for slot in _dfs([root], neighbours, lambda s: self._is_free(s, ("clear",))):
                 if slot not in self.allow:
                     self.allow[slot] = (
-                        f"clear: next to {self.target_name} op {cause!r}", cause)
+                        f"clear: next to {self.target_name} op {cause!r}", cause,
+                        rk.KIND_NEXT_TO_16BIT)
 
     def _retarget_casts(self) -> None:
         """Existing Casts meet 16-bit neighbours directly instead of via another Cast.
@@ -316,7 +356,7 @@ class _BodyColoring:
                 if self._ref_is_16bit(ref):
                     self.allow[slot] = (
                         f"Cast: reads the {self.target_name} value of {ref.node!r} "
-                        f"directly", ref.node)
+                        f"directly", ref.node, rk.KIND_CAST_RETARGETED)
                 continue
             consumers = self.body.consumers.get(TensorRef(name, 0), [])
             if not consumers or any(
@@ -327,7 +367,7 @@ class _BodyColoring:
                 continue
             self.allow[slot] = (
                 f"Cast: feeds only {self.target_name} ops, so it casts straight "
-                f"to {self.target_name}", "")
+                f"to {self.target_name}", "", rk.KIND_CAST_RETARGETED)
 
     # -- result ---------------------------------------------------------------
 
@@ -341,35 +381,41 @@ class _BodyColoring:
             slots = slots_of.get(name, [])
             converted = [s for s in slots if s in self.allow]
             if converted:
-                reason, cause = self.allow[converted[0]]
+                reason, cause, kind = self.allow[converted[0]]
                 kept = [self.slot_attr[s] for s in slots if s not in self.allow]
                 if kept:
                     reason += f" ({', '.join(kept)} stays float32)"
                 decisions[(self.body.name, name)] = Decision(
                     list_name, True, reason,
-                    tuple(self.slot_attr[s] for s in converted), cause)
+                    tuple(self.slot_attr[s] for s in converted), cause, kind)
                 continue
-            reason, cause = self._fp32_reason(node, list_name, slots)
-            decisions[(self.body.name, name)] = Decision(list_name, False, reason, (), cause)
+            reason, cause, kind = self._fp32_reason(node, list_name, slots)
+            decisions[(self.body.name, name)] = Decision(
+                list_name, False, reason, (), cause, kind)
         return decisions
 
-    def _fp32_reason(self, node, list_name: str, slots: list[int]) -> tuple[str, str]:
+    def _fp32_reason(self, node, list_name: str,
+                     slots: list[int]) -> tuple[str, str, str]:
+        """(reason, cause, kind) for a node none of whose slots went 16-bit."""
         if not slots:
-            block = self.node_blocks[node.name]
-            if block and not block.startswith("input "):
-                return block, ""
-            return "no float32 tensors to convert", ""
+            block, kind = self.node_blocks[node.name]
+            if block and kind != rk.KIND_UNKNOWN_INPUT:
+                return block, "", kind
+            return "no float32 tensors to convert", "", rk.KIND_NO_FLOAT
         primary = slots[0]
         if primary in self.deny:
             return self.deny[primary]
         if primary in self.blocked:
             prefix = "" if list_name == "unlisted" else f"{list_name}: "
-            return f"{prefix}{self.blocked[primary]}", ""
+            block, kind = self.blocked[primary]
+            return f"{prefix}{block}", "", kind
         if list_name == "infer":
-            return f"infer: stays float32, not between {self.target_name} ops", ""
+            return (f"infer: stays float32, not between {self.target_name} ops", "",
+                    rk.KIND_NO_NEIGHBOUR)
         if list_name == "clear":
-            return f"clear: stays float32, no {self.target_name} neighbour", ""
-        return "unlisted: stays float32", ""
+            return (f"clear: stays float32, no {self.target_name} neighbour", "",
+                    rk.KIND_NO_NEIGHBOUR)
+        return "unlisted: stays float32", "", rk.KIND_UNLISTED
 
 
 def _dfs(roots: list[int], edges: list[list[int]], enter) -> list[int]:

@@ -43,10 +43,13 @@ class Port:
       type_attr: the node attribute that sets it ("T", or "Tin[2]" for element
         2 of a list attribute), or None when the OpDef or function signature
         fixes the type.
+      is_ref: a TF1 reference (``is_ref`` in the OpDef, or a ``*_REF`` dtype):
+        the port is a variable's storage, not a value.
     """
 
     dtype: int
     type_attr: str | None
+    is_ref: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,16 +170,22 @@ class _PortResolver:
             offsets[arg.name] = len(ports)
             if arg.type_list_attr:
                 types = _attr(node_def, op_def, arg.type_list_attr).list.type
-                ports.extend(Port(t, f"{arg.type_list_attr}[{k}]")
+                ports.extend(Port(t, f"{arg.type_list_attr}[{k}]", _is_ref(arg, t))
                              for k, t in enumerate(types))
                 continue
             count = _attr(node_def, op_def, arg.number_attr).i if arg.number_attr else 1
             if arg.type_attr:
-                port = Port(_attr(node_def, op_def, arg.type_attr).type, arg.type_attr)
+                dtype = _attr(node_def, op_def, arg.type_attr).type
+                port = Port(dtype, arg.type_attr, _is_ref(arg, dtype))
             else:
-                port = Port(arg.type, None)
+                port = Port(arg.type, None, _is_ref(arg, arg.type))
             ports.extend([port] * count)
         return ports, offsets
+
+
+def _is_ref(arg, dtype: int) -> bool:
+    # Reference dtypes are the value dtypes + 100 (DT_FLOAT_REF = 101, ...).
+    return bool(arg.is_ref) or dtype > 100
 
 
 def _attr(node_def, op_def, name: str):

@@ -54,3 +54,23 @@ def _visible_gpu() -> bool:
     import tensorflow as tf
 
     return bool(tf.config.list_physical_devices("GPU"))
+
+
+@functools.cache
+def node_device_type(device: str, default: str) -> str:
+    """The device type ('CPU', 'GPU', ...) of a NodeDef's `device` string.
+
+    Args:
+      device: e.g. "/device:CPU:0" or "/job:localhost/replica:0/task:0/device:GPU:0";
+        "" (no placement) or a string that names no device type means `default`.
+      default: the device type for unplaced nodes (the config's).
+    """
+    if not device:
+        return default
+    from tensorflow.python.framework import device_spec
+
+    try:
+        parsed = device_spec.DeviceSpecV2.from_string(device).device_type
+    except ValueError:
+        return default
+    return parsed.upper() if parsed else default

@@ -87,7 +87,7 @@ def _rewrite(graph_def, config, outputs, function_name):
 
 def _decision_fields(decision) -> dict:
     return dict(list=decision.list, converted=decision.converted,
-                reason=decision.reason, cause=decision.cause)
+                reason=decision.reason, cause=decision.cause, kind=decision.kind)
 
 
 def _unconsumed_float_outputs(body: Body) -> list[str]:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 from typing import Any
 
+from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.casts import CastRecord
 
 SCHEMA_VERSION = 1
@@ -21,7 +22,12 @@ NO_FLOAT_MATH = "no float32 tensors to convert"
 
 @dataclasses.dataclass(frozen=True)
 class NodeReport:
-    """The decision for one original node."""
+    """The decision for one original node.
+
+    `kind` is one of the ``tfamp.rewrite.reasons`` ``KIND_*`` constants. Reports
+    saved before kinds were recorded have none; it is then derived from the
+    reason sentence (``reason_kind``).
+    """
 
     name: str
     function: str  # library function it lives in; "" for the top graph
@@ -30,6 +36,11 @@ class NodeReport:
     converted: bool
     reason: str
     cause: str = ""
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", reason_kind(self.reason))
 
 
 @dataclasses.dataclass
@@ -57,8 +68,8 @@ class RewriteReport:
     def kept_fp32(self) -> dict[str, int]:
         """Why listed ops with float32 data stayed float32: reason kind -> count."""
         counts = collections.Counter(
-            reason_kind(n.reason) for n in self.nodes
-            if not n.converted and n.list != "unlisted" and n.reason != NO_FLOAT_MATH)
+            n.kind for n in self.nodes
+            if not n.converted and n.list != "unlisted" and n.kind != rk.KIND_NO_FLOAT)
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def node(self, name: str, function: str = "") -> NodeReport:
@@ -115,24 +126,43 @@ class RewriteReport:
                    for c in data["casts"]])
 
 
+# How the sentences of converted nodes began, for reports saved without kinds.
+_CONVERTED_PREFIXES = (
+    ("allow:", rk.KIND_ALLOW), ("infer: between", rk.KIND_BETWEEN),
+    ("clear: between", rk.KIND_BETWEEN), ("infer: follows", rk.KIND_AFTER_16BIT),
+    ("clear: next to", rk.KIND_NEXT_TO_16BIT), ("Cast: ", rk.KIND_CAST_RETARGETED),
+)
+
+
 def reason_kind(reason: str) -> str:
-    """Groups a reason sentence into a short kind, e.g. 'deny list'."""
+    """Guesses the kind of a reason sentence, for reports saved without kinds.
+
+    New reports record ``NodeReport.kind`` when the decision is made; this
+    parser only reads old JSON files (it knows the sentences tfamp wrote then).
+    """
+    if reason == NO_FLOAT_MATH:
+        return rk.KIND_NO_FLOAT
+    for prefix, kind in _CONVERTED_PREFIXES:
+        if reason.startswith(prefix):
+            return kind
+    if reason.startswith("unlisted: stays"):
+        return rk.KIND_UNLISTED
     if reason.startswith("deny: downstream"):
-        return "downstream of a deny op"
+        return rk.KIND_DOWNSTREAM_OF_DENY
     if reason.startswith("deny:"):
-        return "deny list"
+        return rk.KIND_DENY_LIST
     if "kernel" in reason or "OpDef does not allow" in reason:
-        return "no 16-bit kernel"
+        return rk.KIND_NO_KERNEL
     if "keep_fp32" in reason:
-        return "user override"
+        return rk.KIND_USER_OVERRIDE
     if "graph output" in reason:
-        return "graph output"
+        return rk.KIND_GRAPH_OUTPUT
     if "variable op" in reason:
-        return "variable op"
+        return rk.KIND_VARIABLE
     if "calls " in reason:
-        return "function call"
+        return rk.KIND_FUNCTION_CALL
     if "TensorList" in reason:
-        return "TensorList element type"
+        return rk.KIND_TENSOR_LIST
     if reason.startswith(("infer: stays", "clear: stays")):
-        return "no 16-bit neighbour"
-    return "other"
+        return rk.KIND_NO_NEIGHBOUR
+    return rk.KIND_OTHER

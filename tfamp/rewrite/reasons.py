@@ -1,0 +1,39 @@
+"""Reason kinds: the structured name of *why* a node was converted or kept.
+
+Every decision carries a human sentence (``reason``) and one of these kinds
+(``kind``). The sentence is for people; the kind is what reports group by
+(``RewriteReport.kept_fp32``), what the HTML page colours by and what tests
+assert on. The kept-float32 strings are the ones ``tfamp inspect`` has always
+printed ("deny list", "no 16-bit kernel", ...), so its summaries read the same.
+"""
+
+from __future__ import annotations
+
+# -- converted to 16-bit ------------------------------------------------------
+KIND_ALLOW = "allow list"  # on the allow list: always converted
+KIND_BETWEEN = "between 16-bit ops"  # infer/clear on a path between 16-bit ops
+KIND_AFTER_16BIT = "after a 16-bit op"  # infer op right after one, saving casts
+KIND_NEXT_TO_16BIT = "next to a 16-bit op"  # clear op following a neighbour
+KIND_CAST_RETARGETED = "Cast retargeted"  # an existing Cast meets 16-bit directly
+
+# -- kept float32 -------------------------------------------------------------
+KIND_DENY_LIST = "deny list"  # on the deny list
+KIND_DOWNSTREAM_OF_DENY = "downstream of a deny op"  # deny spread to it
+KIND_NO_KERNEL = "no 16-bit kernel"  # OpDef or (its device's) kernels refuse 16-bit
+KIND_USER_OVERRIDE = "user override"  # name matches AmpConfig.keep_fp32
+KIND_GRAPH_OUTPUT = "graph output"  # callers rely on the output's dtype
+KIND_VARIABLE = "variable op"  # variables (resource or ref) and their reads
+KIND_FUNCTION_CALL = "function call"  # a call keeps its callee's signature
+KIND_TENSOR_LIST = "TensorList element type"  # element_dtype never changes
+KIND_NO_NEIGHBOUR = "no 16-bit neighbour"  # infer/clear with nothing 16-bit around
+KIND_DATA_BOUND = "dtype bound to data"  # Const, PyFunc, ...: see oplists.DATA_BOUND_OPS
+KIND_INVALID_GRAPH = "would make an invalid graph"  # the pass's self-check pinned it
+KIND_UNKNOWN_INPUT = "input of unknown type"  # an input's producer has no OpDef
+KIND_UNKNOWN_OP = "unknown op"  # no OpDef: left exactly as it is
+KIND_UNLISTED = "unlisted"  # on no list: never converted
+KIND_NO_FLOAT = "no float math"  # no float32 tensors at all
+KIND_OTHER = "other"  # only from reports written before kinds were recorded
+
+CONVERTED_KINDS = frozenset({
+    KIND_ALLOW, KIND_BETWEEN, KIND_AFTER_16BIT, KIND_NEXT_TO_16BIT, KIND_CAST_RETARGETED,
+})
