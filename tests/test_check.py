@@ -27,10 +27,23 @@ def test_edge_dtype_mismatch_is_found():
     assert any("Relu 'relu' input 0 expects float32 but 'mm' is float16" in p for p in problems)
 
 
-def test_cast_round_trip_is_found():
-    graph_def, _, _ = trace(lambda x: tf.cast(tf.cast(x, tf.float16), tf.float32), M)
+def test_cast_round_trip_inserted_by_tfamp_is_found():
+    graph_def, _, _ = trace(
+        lambda x: tf.cast(tf.cast(x, tf.float16, name="down"), tf.float32, name="up"), M)
+    # Plant the first Cast under the name tfamp gives the Casts it inserts.
+    planted = "x/tfamp_cast_0_to_f16"
+    for node in graph_def.node:
+        if node.name == "down":
+            node.name = planted
+        node.input[:] = [planted if i == "down" else i for i in node.input]
     problems = tfamp.check_graph_def(graph_def)
     assert len(problems) == 1 and "Cast round trip float32 -> float16 -> float32" in problems[0]
+    assert planted in problems[0]
+
+
+def test_a_users_own_cast_round_trip_is_not_a_problem():
+    graph_def, _, _ = trace(lambda x: tf.cast(tf.cast(x, tf.float16), tf.float32), M)
+    assert tfamp.check_graph_def(graph_def) == []
 
 
 def test_loop_retyped_at_the_call_site_only_is_found():

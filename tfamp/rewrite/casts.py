@@ -9,6 +9,7 @@ started from (the consumer is wired to the original tensor instead).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from tensorflow.core.framework import graph_pb2
 
@@ -16,6 +17,14 @@ from tfamp.rewrite.coloring import Coloring
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, TensorRef, dtype_name
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+# Every Cast tfamp inserts is named "<source>/tfamp_cast_<port>_to_<f16|bf16|f32>",
+# with "_<n>" appended when that name is taken.
+_TFAMP_CAST_NAME = re.compile(r"/tfamp_cast_\d+_to_(?:f16|bf16|f32)(?:_\d+)?$")
+
+
+def is_tfamp_cast(node_name: str) -> bool:
+    """True if `node_name` is the name of a Cast that tfamp inserted."""
+    return _TFAMP_CAST_NAME.search(node_name) is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,37 +3,84 @@
 ``check_graph_def(graph_def) -> list[str]`` lists every problem found;
 ``assert_valid_graph_def`` raises ``GraphCheckError`` naming them. Tests run it on
 every rewrite; ``tfamp.function`` runs it when debug checks are on.
+``find_problems(view)`` is the structural part alone (no importer, cheap): the
+rewrite runs it on every graph it returns.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import function_def_to_graph
 
-from tfamp.rewrite.graph import FLOAT_TYPES, Body, build_view, dtype_name
+from tfamp.rewrite.casts import is_tfamp_cast
+from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, build_view, dtype_name
 
 
 class GraphCheckError(ValueError):
     """A rewritten graph failed ``check_graph_def``."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One defect found in a graph.
+
+    Attributes:
+      message: what is wrong, naming the body and the nodes.
+      nodes: the (function, node name) pairs of the *original* nodes involved
+        (a Cast tfamp inserted stands for the node it reads), so the pass can
+        keep them float32; empty when no node can be blamed.
+    """
+
+    message: str
+    nodes: tuple[tuple[str, str], ...] = ()
+
+
 def check_graph_def(graph_def: graph_pb2.GraphDef, *, import_check: bool = True) -> list[str]:
     """Returns a list of problems in `graph_def` (empty when it is sound).
+
+    `graph_def` is not modified (TensorFlow's importer edits the FunctionDefs it
+    is given, so it imports a copy).
 
     Args:
       graph_def: the graph and its function library.
       import_check: also import the graph and every library function with
         TensorFlow's own importer (slower; catches what TF itself rejects).
     """
-    view = build_view(graph_def)
-    problems: list[str] = []
+    problems = [p.message for p in find_problems(build_view(graph_def))]
+    if import_check and not problems:
+        copied = graph_pb2.GraphDef()
+        copied.CopyFrom(graph_def)
+        problems.extend(_import_problems(copied))
+    return problems
+
+
+def find_problems(view: GraphView, *, round_trips: bool = True) -> list[Problem]:
+    """The structural problems of a graph, without TensorFlow's importer.
+
+    Checks every edge's dtype against its consumer, every function result
+    against its signature, every call's declared types against the function it
+    calls, that TF1 loops keep the shape TensorFlow requires (a cycle only
+    through a NextIteration -> Merge edge), and, with `round_trips`, that no
+    Cast tfamp inserted undoes another Cast (x -> float16 -> back to x).
+
+    Args:
+      view: the graph's GraphView.
+      round_trips: also look for Cast round trips.
+
+    Returns:
+      The problems found, in body order; empty when the graph is sound.
+    """
+    problems: list[Problem] = []
+    bodies = {body.name: body for body in view.bodies}
     for body in view.bodies:
         problems.extend(_edge_problems(body))
-        problems.extend(_round_trip_problems(body))
-        problems.extend(_call_problems(body, view.signatures))
-    if import_check and not problems:
-        problems.extend(_import_problems(graph_def))
+        if round_trips:
+            problems.extend(_round_trip_problems(body))
+        problems.extend(_call_problems(body, view.signatures, bodies))
+        problems.extend(_cycle_problems(body))
     return problems
 
 
@@ -50,7 +97,21 @@ def _where(body: Body) -> str:
     return f"function {body.name!r}" if body.is_function else "top graph"
 
 
-def _edge_problems(body: Body) -> list[str]:
+def _origin(body: Body, name: str) -> str | None:
+    """The original node `name` stands for: a tfamp Cast stands for its source."""
+    node = body.nodes.get(name)
+    if node is not None and node.op == "Cast" and is_tfamp_cast(name):
+        ref = node.data_inputs[0][0] if node.data_inputs else None
+        return None if ref is None or ref.is_arg else ref.node
+    return name
+
+
+def _involved(body: Body, names) -> tuple[tuple[str, str], ...]:
+    origins = (_origin(body, name) for name in names)
+    return tuple(dict.fromkeys((body.name, n) for n in origins if n is not None))
+
+
+def _edge_problems(body: Body) -> list[Problem]:
     problems = []
     for name, node in body.nodes.items():
         for index, (ref, text) in enumerate(node.data_inputs):
@@ -59,15 +120,18 @@ def _edge_problems(body: Body) -> list[str]:
                 continue
             wanted = node.inputs[index].dtype
             if port.dtype != wanted:
-                problems.append(
+                producer = [] if ref.is_arg else [ref.node]
+                problems.append(Problem(
                     f"{_where(body)}: {node.op} {name!r} input {index} expects "
-                    f"{dtype_name(wanted)} but {text!r} is {dtype_name(port.dtype)}")
+                    f"{dtype_name(wanted)} but {text!r} is {dtype_name(port.dtype)}",
+                    _involved(body, [name, *producer])))
     for ret_name, (ref, text, dtype) in body.rets.items():
         port = body.producer_port(ref)
         if port is not None and port.dtype != dtype:
-            problems.append(
+            problems.append(Problem(
                 f"{_where(body)}: result {ret_name!r} is declared "
-                f"{dtype_name(dtype)} but {text!r} is {dtype_name(port.dtype)}")
+                f"{dtype_name(dtype)} but {text!r} is {dtype_name(port.dtype)}",
+                () if ref.is_arg else _involved(body, [ref.node])))
     return problems
 
 
@@ -87,7 +151,7 @@ _CALL_TYPES = {
 }
 
 
-def _call_problems(body: Body, signatures) -> list[str]:
+def _call_problems(body: Body, signatures, bodies: dict[str, Body]) -> list[Problem]:
     """A call's declared types must equal its functions' signatures."""
     problems = []
     for name, node in body.nodes.items():
@@ -106,18 +170,118 @@ def _call_problems(body: Body, signatures) -> list[str]:
                     args = signature.input_arg if side == "in" else signature.output_arg
                     expected = [arg.type for arg in args]
                     if declared != expected:
-                        problems.append(
+                        problems.append(Problem(
                             f"{_where(body)}: {node.op} {name!r} declares {type_attr} "
                             f"{_types(declared)} but {function!r} "
-                            f"{'takes' if side == 'in' else 'returns'} {_types(expected)}")
+                            f"{'takes' if side == 'in' else 'returns'} {_types(expected)}",
+                            _involved(body, [name])
+                            + _signature_nodes(bodies.get(function), side)))
     return problems
+
+
+def _signature_nodes(callee: Body | None, side: str) -> tuple[tuple[str, str], ...]:
+    """The nodes of `callee` that read its arguments ("in") or make its results."""
+    if callee is None:
+        return ()
+    if side == "out":
+        names = [ref.node for ref, _, _ in callee.rets.values() if not ref.is_arg]
+    else:
+        names = [consumer for ref, uses in callee.consumers.items() if ref.is_arg
+                 for consumer, _ in uses]
+    return _involved(callee, names)
+
+
+def _cycle_problems(body: Body) -> list[Problem]:
+    """A cycle is only allowed through a NextIteration -> Merge edge (TF1 loops).
+
+    TensorFlow's importer orders nodes ignoring exactly those edges; a Cast
+    between a NextIteration and its Merge leaves a cycle it rejects.
+    """
+    pending: dict[str, int] = {}
+    users: dict[str, list[str]] = {}
+    for name, node in body.nodes.items():
+        count = 0
+        for text in node.node_def.input:
+            source = text.lstrip("^").split(":")[0]
+            producer = body.nodes.get(source)
+            if producer is None:
+                continue  # a function argument, or a dangling input
+            if node.op in _MERGE_OPS and producer.op in _NEXT_ITERATION_OPS:
+                continue
+            count += 1
+            users.setdefault(source, []).append(name)
+        pending[name] = count
+    ready = [name for name, count in pending.items() if count == 0]
+    placed = 0
+    while ready:
+        name = ready.pop()
+        placed += 1
+        for user in users.get(name, ()):
+            pending[user] -= 1
+            if pending[user] == 0:
+                ready.append(user)
+    if placed == len(body.nodes):
+        return []
+    stuck = _on_cycles({name for name, count in pending.items() if count > 0}, users)
+    casts = [name for name in stuck
+             if body.nodes[name].op == "Cast" and is_tfamp_cast(name)]
+    # The Cast that breaks a loop is the one on its back edge, reading the
+    # NextIteration; other Casts on the cycle are ordinary loop-body Casts.
+    back_edge = [name for name in casts
+                 if body.nodes.get(_origin(body, name) or "") is not None
+                 and body.nodes[_origin(body, name)].op in _NEXT_ITERATION_OPS]
+    casts = back_edge or casts
+    blamed = casts or stuck
+    involved = []
+    for cast in casts:  # the Cast's source and the nodes reading the Cast
+        involved.append(cast)
+        involved.extend(user for user in users.get(cast, ()) if user in stuck)
+    shown = ", ".join(repr(n) for n in blamed[:5])
+    more = f" and {len(blamed) - 5} more" if len(blamed) > 5 else ""
+    return [Problem(
+        f"{_where(body)}: nodes in a cycle that is not a TF1 loop's "
+        f"NextIteration -> Merge back edge: {shown}{more}",
+        _involved(body, involved))]
+
+
+def _on_cycles(stuck: set[str], users: dict[str, list[str]]) -> list[str]:
+    """The nodes of `stuck` (left over by a topological sort) that lie on cycles.
+
+    Nodes merely downstream of a cycle are peeled off from the far end: a node
+    none of whose users is still left cannot be on a cycle.
+    """
+    left_users = {n: sum(u in stuck for u in users.get(n, ())) for n in stuck}
+    producers: dict[str, list[str]] = {}
+    for name in stuck:
+        for user in users.get(name, ()):
+            if user in stuck:
+                producers.setdefault(user, []).append(name)
+    ready = [n for n, count in left_users.items() if count == 0]
+    removed = set()
+    while ready:
+        name = ready.pop()
+        removed.add(name)
+        for producer in producers.get(name, ()):
+            left_users[producer] -= 1
+            if left_users[producer] == 0:
+                ready.append(producer)
+    return sorted(stuck - removed)
+
+
+_MERGE_OPS = frozenset({"Merge", "RefMerge"})
+_NEXT_ITERATION_OPS = frozenset({"NextIteration", "RefNextIteration"})
 
 
 def _types(dtypes) -> str:
     return "[" + ", ".join(dtype_name(t) for t in dtypes) + "]"
 
 
-def _round_trip_problems(body: Body) -> list[str]:
+def _round_trip_problems(body: Body) -> list[Problem]:
+    """Casts x -> y -> x where tfamp inserted at least one of the two.
+
+    A user's own chain (a truncation through int32, a deliberate rounding
+    through float16) is their program, not a defect of the rewrite.
+    """
     problems = []
     for name, node in body.nodes.items():
         if node.op != "Cast" or not node.data_inputs:
@@ -126,13 +290,16 @@ def _round_trip_problems(body: Body) -> list[str]:
         source = None if ref.is_arg else body.nodes.get(ref.node)
         if source is None or source.op != "Cast" or not source.data_inputs:
             continue
+        if not (is_tfamp_cast(name) or is_tfamp_cast(source.name)):
+            continue
         first = body.producer_port(source.data_inputs[0][0])
         out = node.outputs[0].dtype
         if first is not None and first.dtype == out and out in FLOAT_TYPES:
-            problems.append(
+            problems.append(Problem(
                 f"{_where(body)}: Cast round trip {dtype_name(out)} -> "
                 f"{dtype_name(source.outputs[0].dtype)} -> {dtype_name(out)} "
-                f"through {source.name!r} and {name!r}")
+                f"through {source.name!r} and {name!r}",
+                _involved(body, [source.name, name])))
     return problems
 
 

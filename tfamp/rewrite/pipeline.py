@@ -8,13 +8,19 @@ from collections.abc import Iterable
 
 from tensorflow.core.framework import graph_pb2
 
-from tfamp.rewrite.casts import insert_casts
-from tfamp.rewrite.coloring import color
 from tfamp.config import AmpConfig
+from tfamp.rewrite.casts import insert_casts
+from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
+from tfamp.rewrite.coloring import color
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.report import NodeReport, RewriteReport
 
 log = logging.getLogger("tfamp")
+
+# How many times the self-check may keep more nodes float32 and colour again
+# before it gives up. Each round only adds nodes, so this bounds the work; one
+# round has been enough for every defect seen so far.
+_MAX_REPAIR_ROUNDS = 4
 
 
 def rewrite_graph_def(
@@ -38,6 +44,13 @@ def rewrite_graph_def(
 
     Returns:
       (the rewritten GraphDef, a RewriteReport).
+
+    Raises:
+      GraphCheckError: the pass checks every graph it returns (edge dtypes,
+        call signatures, TF1 loop shape; see ``check.find_problems``). Where a
+        problem appears, the converted nodes involved are kept float32 (reason
+        kind "would make an invalid graph") and the graph is coloured again;
+        this error names the nodes if that does not help.
 
     Example:
       >>> import tensorflow as tf, tfamp
@@ -69,8 +82,23 @@ def _rewrite(graph_def, config, outputs, function_name):
     view = build_view(graph_def)
     if outputs is None:
         outputs = _unconsumed_float_outputs(view.bodies[0])
-    coloring = color(view, config, outputs)
-    new_graph_def, casts = insert_casts(graph_def, view, coloring)
+    keep: dict[tuple[str, str], str] = {}
+    known: set[str] | None = None  # the input's own problems, found lazily
+    for round_ in range(_MAX_REPAIR_ROUNDS + 1):
+        coloring = color(view, config, outputs, keep)
+        new_graph_def, casts = insert_casts(graph_def, view, coloring)
+        problems = find_problems(build_view(new_graph_def))
+        if problems and known is None:
+            known = {p.message for p in find_problems(view)}
+        problems = [p for p in problems if p.message not in (known or ())]
+        if not problems:
+            break
+        added = _nodes_to_keep(problems, coloring, keep)
+        if not added or round_ == _MAX_REPAIR_ROUNDS:
+            raise _unrepairable(problems)
+        log.info("tfamp: keeping %d node(s) float32 so the graph stays valid: %s",
+                 len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
+        keep.update(added)
     nodes = [
         NodeReport(name=name, function=body.name, op=node.op,
                    **_decision_fields(coloring.decisions[(body.name, name)]))
@@ -83,6 +111,31 @@ def _rewrite(graph_def, config, outputs, function_name):
         nodes=nodes, casts=casts)
     log.debug("%s", report.summary_line())
     return new_graph_def, report
+
+
+def _nodes_to_keep(problems: list[Problem], coloring,
+                   keep: dict[tuple[str, str], str]) -> dict[tuple[str, str], str]:
+    """The converted nodes each problem involves, with why they must stay float32."""
+    added: dict[tuple[str, str], str] = {}
+    for problem in problems:
+        for key in problem.nodes:
+            decision = coloring.decisions.get(key)
+            if decision is None or not decision.converted or key in keep or key in added:
+                continue
+            added[key] = f"would make an invalid graph ({problem.message})"
+    return added
+
+
+def _unrepairable(problems: list[Problem]) -> GraphCheckError:
+    shown = "\n  ".join(p.message for p in problems[:10])
+    nodes = sorted({node for p in problems for _, node in p.nodes})
+    hint = (f" Keep them float32 with AmpConfig(keep_fp32=[...]) naming "
+            f"{', '.join(repr(n) for n in nodes[:5])}, and please report this graph."
+            if nodes else " Please report this graph.")
+    return GraphCheckError(
+        f"tfamp could not make a valid mixed-precision graph: keeping the nodes "
+        f"involved float32 did not remove {len(problems)} problem(s):\n  {shown}\n"
+        f"{hint.strip()}")
 
 
 def _decision_fields(decision) -> dict:
