@@ -128,7 +128,7 @@ class RewriteReport:
 
 # How the sentences of converted nodes began, for reports saved without kinds.
 _CONVERTED_PREFIXES = (
-    ("allow:", rk.KIND_ALLOW), ("infer: between", rk.KIND_BETWEEN),
+    ("allow: compute-heavy", rk.KIND_ALLOW), ("infer: between", rk.KIND_BETWEEN),
     ("clear: between", rk.KIND_BETWEEN), ("infer: follows", rk.KIND_AFTER_16BIT),
     ("clear: next to", rk.KIND_NEXT_TO_16BIT), ("Cast: ", rk.KIND_CAST_RETARGETED),
 )
