@@ -195,8 +195,13 @@ def _cycle_problems(body: Body) -> list[Problem]:
     """A cycle is only allowed through a NextIteration -> Merge edge (TF1 loops).
 
     TensorFlow's importer orders nodes ignoring exactly those edges; a Cast
-    between a NextIteration and its Merge leaves a cycle it rejects.
+    between a NextIteration and its Merge leaves a cycle it rejects. A body
+    without NextIteration nodes is not searched: its only cycles would be in
+    the graph as it was given (tfamp only puts Casts on existing edges), and
+    the importer check reports those.
     """
+    if not any(node.op in _NEXT_ITERATION_OPS for node in body.nodes.values()):
+        return []
     pending: dict[str, int] = {}
     users: dict[str, list[str]] = {}
     for name, node in body.nodes.items():

@@ -87,6 +87,8 @@ def _rewrite(graph_def, config, outputs, function_name):
     for round_ in range(_MAX_REPAIR_ROUNDS + 1):
         coloring = color(view, config, outputs, keep)
         new_graph_def, casts = insert_casts(graph_def, view, coloring)
+        # The whole result is read again from its NodeDefs, trusting nothing the
+        # colouring or the Cast insertion believe they did.
         problems = find_problems(build_view(new_graph_def))
         if problems and known is None:
             known = {p.message for p in find_problems(view)}
