@@ -40,6 +40,8 @@ class Built:
     feeds: dict[str, np.ndarray]
     fetches: list[str]
     init: list[str] = dataclasses.field(default_factory=list)
+    # The tf.Graph it came from: alive, so PyFunc callbacks stay registered.
+    graph: tf.Graph | None = None
 
 
 def _tf1_graph(build: Callable[[], tuple[dict, list[str], list[str]]],
@@ -52,7 +54,7 @@ def _tf1_graph(build: Callable[[], tuple[dict, list[str], list[str]]],
             feeds, fetches, init = build()
     finally:
         control_flow_util.ENABLE_CONTROL_FLOW_V2 = old
-    return Built(graph.as_graph_def(), feeds, fetches, init)
+    return Built(graph.as_graph_def(), feeds, fetches, init, graph)
 
 
 def _placeholder(name: str, shape, scale: float = 1.0):

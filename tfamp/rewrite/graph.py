@@ -12,6 +12,7 @@ an argument name. Both resolve to a ``TensorRef`` with a flat output index.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 
 from tensorflow.core.framework import graph_pb2, op_def_pb2, types_pb2
@@ -158,6 +159,9 @@ class _PortResolver:
 
     def __init__(self, signatures: dict[str, op_def_pb2.OpDef]):
         self._signatures = signatures
+        # id(OpDef arg list) -> (the list, kept alive so the id stays its own;
+        # its args as plain tuples)
+        self._recipes: dict[int, tuple] = {}
 
     def op_def(self, op: str) -> op_def_pb2.OpDef | None:
         return self._signatures.get(op) or op_def_registry.get(op)
@@ -166,26 +170,37 @@ class _PortResolver:
         """Flat ports of `args` (OpDef input or output args) and each arg's offset."""
         ports: list[Port] = []
         offsets: dict[str, int] = {}
-        for arg in args:
-            offsets[arg.name] = len(ports)
-            if arg.type_list_attr:
-                types = _attr(node_def, op_def, arg.type_list_attr).list.type
-                ports.extend(Port(t, f"{arg.type_list_attr}[{k}]", _is_ref(arg, t))
+        for name, list_attr, number_attr, type_attr, fixed, is_ref in self._recipe(args):
+            offsets[name] = len(ports)
+            if list_attr:
+                types = _attr(node_def, op_def, list_attr).list.type
+                ports.extend(_port(t, f"{list_attr}[{k}]", is_ref or t > _REF_OFFSET)
                              for k, t in enumerate(types))
                 continue
-            count = _attr(node_def, op_def, arg.number_attr).i if arg.number_attr else 1
-            if arg.type_attr:
-                dtype = _attr(node_def, op_def, arg.type_attr).type
-                port = Port(dtype, arg.type_attr, _is_ref(arg, dtype))
-            else:
-                port = Port(arg.type, None, _is_ref(arg, arg.type))
+            count = _attr(node_def, op_def, number_attr).i if number_attr else 1
+            dtype = _attr(node_def, op_def, type_attr).type if type_attr else fixed
+            port = _port(dtype, type_attr or None, is_ref or dtype > _REF_OFFSET)
             ports.extend([port] * count)
         return ports, offsets
 
+    def _recipe(self, args: Sequence) -> tuple:
+        # Reading OpDef protos is slow and they never change: read each once.
+        key = id(args)
+        recipe = self._recipes.get(key)
+        if recipe is None:
+            recipe = self._recipes[key] = (args, tuple(
+                (arg.name, arg.type_list_attr, arg.number_attr, arg.type_attr, arg.type,
+                 bool(arg.is_ref)) for arg in args))
+        return recipe[1]
 
-def _is_ref(arg, dtype: int) -> bool:
-    # Reference dtypes are the value dtypes + 100 (DT_FLOAT_REF = 101, ...).
-    return bool(arg.is_ref) or dtype > 100
+
+# Reference dtypes are the value dtypes + 100 (DT_FLOAT_REF = 101, ...).
+_REF_OFFSET = 100
+
+
+@functools.cache
+def _port(dtype: int, type_attr: str | None, is_ref: bool) -> Port:
+    return Port(dtype, type_attr, is_ref)
 
 
 def _attr(node_def, op_def, name: str):
