@@ -2,8 +2,9 @@
 
 JSON-serialisable (``to_dict`` / ``from_dict``) with a stable schema:
 function, dtype, nodes_before, nodes_after, casts_inserted, converted (op type
--> count), kept_fp32 (reason kind -> count), nodes (one per original node) and
-casts (one per inserted Cast).
+-> count), kept_fp32 (reason kind -> count), nodes (one per original node, each
+with its reason sentence and reason ``kind``, see ``tfamp.rewrite.reasons``) and
+casts (one per inserted Cast). Reports saved before ``kind`` existed still load.
 """
 
 from __future__ import annotations
