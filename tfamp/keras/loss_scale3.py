@@ -226,7 +226,9 @@ class _ScaleStateSaveable(KerasSaveable):
         self._variables_fn = variables_fn
 
     def _obj_type(self):
-        return "tfamp_loss_scale"
+        # Keras's saver accepts a fixed set of kinds; a plain container of
+        # variables walks like an "Operation" (no child attributes to skip).
+        return "Operation"
 
     def save_own_variables(self, store):
         for variable in self._variables_fn():
