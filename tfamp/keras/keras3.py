@@ -190,7 +190,10 @@ class _TfWithRewrittenStep:
         made = base(func, **kwargs)
         if self.rewritten:
             return made
-        wrapped = RewrittenFunction(made, self._state.config, check=self._state.check)
+        # Under TFAMP_ENABLE, reports also go where the start-up hook keeps them.
+        on_report = getattr(tf.function, "_tfamp_on_report", None)
+        wrapped = RewrittenFunction(made, self._state.config, check=self._state.check,
+                                    on_report=on_report)
         self.rewritten.append(wrapped)
         return wrapped
 
