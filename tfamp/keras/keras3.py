@@ -122,9 +122,22 @@ def enable(model, state: Keras3State):
     _install_tape_hook()
     _install_hooks(model, state)
     if getattr(model, "optimizer", None) is not None:
-        model.optimizer = state.wrap_optimizer(model.optimizer)
+        model.optimizer = _wrapped(model, state)
     _reset_functions(model)
     return model
+
+
+def _wrapped(model, state: Keras3State):
+    """The model's optimizer wrapped for loss scaling, built if the model is.
+
+    Built now (as Keras's loader builds the optimizer it compiles) so that
+    ``load_weights`` right after ``enable`` finds every variable to restore.
+    """
+    optimizer = state.wrap_optimizer(model.optimizer)
+    if (isinstance(optimizer, LossScaleOptimizer) and not optimizer.built
+            and model.built and model.trainable_variables):
+        optimizer.build(model.trainable_variables)
+    return optimizer
 
 
 def disable(model):
@@ -207,7 +220,7 @@ def _install_hooks(model, state: Keras3State) -> None:
 
     def compile(*args, **kwargs):  # noqa: A001  (mirrors Model.compile)
         result = cls.compile(model, *args, **kwargs)
-        model.optimizer = state.wrap_optimizer(model.optimizer)
+        model.optimizer = _wrapped(model, state)
         return result
 
     def train_step(data):

@@ -288,6 +288,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
+        if self.built:
+            return
         super().build(var_list)
         zeros = keras.initializers.Zeros()
         self.skipped_steps = self.add_variable(
