@@ -24,6 +24,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,6 +154,7 @@ def flat(weights):
     return np.concatenate([np.ravel(w) for w in weights])
 
 
+@pytest.mark.slow  # two TensorFlow processes, ~35 s
 def test_mirrored_fit_matches_a_single_replica():
     single, mirrored = run("fit", 1), run("fit", 2)
     assert mirrored["matmuls"] == 2 * single["matmuls"] > 0  # both replicas rewritten
@@ -174,6 +176,7 @@ def test_mirrored_overflow_on_one_replica_is_skipped_on_every_replica():
     assert got["after_good"]["skipped_steps"] == 1 and got["trained_again"]
 
 
+@pytest.mark.slow  # two TensorFlow processes, ~35 s
 def test_tfamp_enable_custom_loop_under_mirrored_decides_alike_on_every_replica():
     mirrored = run("loop", 2, TFAMP_ENABLE="1")
     assert mirrored["skipped_unchanged"] == [True, True]
