@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import keras
+import numpy as np
 
 
 def data(n=256, features=16, seed=0):

@@ -1,6 +1,7 @@
 """tfamp.enable(model) on Keras 3 models (import keras / tf.keras): fit, evaluate, predict."""
 
 import glob
+
 import keras
 import numpy as np
 import pytest
@@ -186,3 +187,20 @@ def test_other_keras_backend_is_refused_saying_why(monkeypatch):
                                          r"running on the 'jax' backend.*"
                                          r"KERAS_BACKEND=tensorflow"):
         tfamp.enable(mlp())
+
+
+@pytest.mark.slow  # a fresh TensorFlow process, ~15 s
+def test_example_script_runs():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": repo})
+    result = subprocess.run([sys.executable, os.path.join(repo, "examples", "keras3_enable.py"),
+                             "--epochs", "2"], capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "loss scale per epoch:" in result.stdout
+    assert "one_step_on_data:" in result.stdout and "-> float16 (MatMul" in result.stdout

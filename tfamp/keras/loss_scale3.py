@@ -330,8 +330,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if consume_scaled_loss(self):
             scale = self.dynamic_scale
             grads = [g if g is None or self._overwrite_variable_with_gradient(v)
-                     else unscale(g, scale) for g, v in zip(grads, variables)]
-        self._variable_names = [v.path for g, v in zip(grads, variables) if g is not None]
+                     else unscale(g, scale) for g, v in zip(grads, variables, strict=True)]
+        self._variable_names = [v.path for g, v in zip(grads, variables, strict=True)
+                                if g is not None]
         flags = all_reduce_flags(finite_flags(grads))
         context = tf.distribute.get_replica_context()
         needs_merge = (tf.distribute.has_strategy() and context is not None
