@@ -243,3 +243,66 @@ def test_enable_with_overridden_train_step_matches_float32(use_scale_loss):
     assert logs["skipped_steps"] == [1] and logs["loss_scale"] == [2.0**14]
     for old, new in zip(before, weights_of(model), strict=True):
         np.testing.assert_array_equal(old, new)
+
+
+# -- TFAMP_ENABLE's Keras 3 compile path ------------------------------------------
+
+COMPILE_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    import keras
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 16)).astype("float32")
+    y = 0.05 * x[:, :4].sum(axis=1, keepdims=True)
+    bad_x = x[:32].copy()
+    bad_x[0, 0] = 1e5
+    out = {}
+    for policy in ("float32", "mixed_float16"):
+        keras.config.set_dtype_policy(policy)
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dense(1)])
+        keras.config.set_dtype_policy("float32")
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+        before = model.evaluate(x, y, verbose=0)
+        history = model.fit(np.concatenate([x, bad_x]), np.concatenate([y, y[:32]]),
+                            batch_size=32, epochs=2, shuffle=False, verbose=0).history
+        optimizer = model.optimizer
+        out[policy] = {
+            "optimizer": type(optimizer).__module__ + "." + type(optimizer).__name__,
+            "history": history,
+            "keras_scale": float(optimizer.dynamic_scale.numpy()),
+            "eval": [before, model.evaluate(x, y, verbose=0)],
+        }
+    print(json.dumps(out))
+''')
+
+
+def test_tfamp_enable_compile_path_fixed_scale_is_fixed_and_keras_policy_is_left_alone(
+        tmp_path):
+    script = tmp_path / "compile.py"
+    script.write_text(COMPILE_SCRIPT)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    environment.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": "", "TFAMP_ENABLE": "1",
+                        "TFAMP_LOSS_SCALE": "1024"})
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=600, env=environment, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    tfamp_run = out["float32"]
+    assert tfamp_run["optimizer"] == "tfamp.keras.loss_scale3.LossScaleOptimizer"
+    # Fixed: 1024 throughout, the overflowing batch (one per epoch) skipped each time.
+    assert tfamp_run["history"]["loss_scale"] == [1024.0, 1024.0]
+    assert tfamp_run["history"]["skipped_steps"] == [1, 2]
+    assert tfamp_run["keras_scale"] == 1024.0
+    # A model under Keras's mixed_float16 policy keeps Keras's own optimizer.
+    keras_run = out["mixed_float16"]
+    assert keras_run["optimizer"].endswith("keras.src.optimizers.loss_scale_optimizer."
+                                           "LossScaleOptimizer")
+    assert "loss_scale" not in keras_run["history"]
+    assert keras_run["keras_scale"] == 2.0**13  # 2**15 halved once per overflowing batch
+    # (the epoch loss includes the overflowing batch's inf; the clean loss trains)
+    for run in (tfamp_run, keras_run):
+        assert np.isfinite(run["eval"][1]) and run["eval"][1] < 0.5 * run["eval"][0]
+    assert "uses Keras's own mixed precision" in result.stderr
