@@ -71,7 +71,13 @@ _SCRIPT = textwrap.dedent(r'''
         import tfamp
         with strategy.scope():
             model = build()
-            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+            # SGD for fit: an update is -lr * gradient, so a gradient scaled
+            # the wrong number of times on some replica cannot hide (Adam would).
+            model.compile(optimizer=keras.optimizers.Adam(1e-2) if mode == "overflow"
+                          else keras.optimizers.SGD(0.05), loss="mse")
+            if mode == "overflow":
+                tfamp.enable(model, initial_scale=2.0**8, growth_interval=6)
+        if mode == "fit":  # outside the scope: tfamp enters the model's own
             tfamp.enable(model, initial_scale=2.0**8, growth_interval=6)
         if mode == "fit":
             history = model.fit(x, y, epochs=3, batch_size=32, shuffle=False, verbose=0)

@@ -245,6 +245,25 @@ def test_enable_with_overridden_train_step_matches_float32(use_scale_loss):
         np.testing.assert_array_equal(old, new)
 
 
+def test_enable_stock_fit_with_sgd_matches_float32():
+    x, y = data(32 * STEPS)
+    y = 0.05 * y
+
+    def train(enabled):
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+        if enabled:
+            tfamp.enable(model)
+        start = weights_of(model)
+        history = model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0).history
+        return history, [b - a for a, b in zip(start, weights_of(model), strict=True)]
+
+    _, want = train(False)
+    history, got = train(True)
+    assert history["skipped_steps"] == [0] and history["loss_scale"] == [2.0**15]
+    assert_same_update(got, want)
+
+
 # -- TFAMP_ENABLE's Keras 3 compile path ------------------------------------------
 
 COMPILE_SCRIPT = textwrap.dedent('''

@@ -130,13 +130,17 @@ def enable(model, state: Keras3State):
 def _wrapped(model, state: Keras3State):
     """The model's optimizer wrapped for loss scaling, built if the model is.
 
-    Built now (as Keras's loader builds the optimizer it compiles) so that
-    ``load_weights`` right after ``enable`` finds every variable to restore.
+    Created and built in the model's tf.distribute scope (as if ``enable`` had
+    been called inside ``strategy.scope()``), and built now, as Keras's loader
+    builds the optimizer it compiles, so that ``load_weights`` right after
+    ``enable`` finds every variable to restore.
     """
-    optimizer = state.wrap_optimizer(model.optimizer)
-    if (isinstance(optimizer, LossScaleOptimizer) and not optimizer.built
-            and model.built and model.trainable_variables):
-        optimizer.build(model.trainable_variables)
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    with strategy.scope():
+        optimizer = state.wrap_optimizer(model.optimizer)
+        if (isinstance(optimizer, LossScaleOptimizer) and not optimizer.built
+                and model.built and model.trainable_variables):
+            optimizer.build(model.trainable_variables)
     return optimizer
 
 
