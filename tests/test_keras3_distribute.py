@@ -9,7 +9,12 @@
 * a custom loop under ``TFAMP_ENABLE=1`` (``strategy.run`` of a tape +
   ``optimizer.apply`` step) decides the same way on every replica: the
   overflowing step is skipped everywhere and the process-wide scale halves once;
-  its good steps match a single-replica run.
+  its good steps match a single-replica run;
+* the same custom loop under ``MultiWorkerMirroredStrategy`` with two worker
+  processes on 127.0.0.1, the overflow on worker 1 only: both workers skip it
+  and end with identical weights (slow). Keras 3's own ``fit`` under
+  MultiWorkerMirroredStrategy fails in this setup with or without tfamp
+  ("Attempt to convert a value (PerReplica...)"), so it is not tested.
 
 Logical devices must be configured before TensorFlow initialises, so each
 scenario runs in its own process and prints one JSON line.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -34,7 +40,9 @@ _SCRIPT = textwrap.dedent(r'''
     import tensorflow as tf
 
     mode, replicas = sys.argv[1], int(sys.argv[2])
-    if replicas == 2:
+    if mode == "mw_loop":  # MultiWorkerMirroredStrategy, TF_CONFIG from the env
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    elif replicas == 2:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -143,6 +151,39 @@ _SCRIPT = textwrap.dedent(r'''
         out["scale"] = float(state.current_loss_scale.numpy())
         out["skipped"] = int(state.skipped_steps.numpy())
         out["iterations"] = [int(v) for v in local(optimizer.iterations)]
+    elif mode == "mw_loop":  # MultiWorkerMirroredStrategy, TFAMP_ENABLE=1
+        worker = json.loads(__import__("os").environ["TF_CONFIG"])["task"]["index"]
+        xw, yw = x[128 * worker:128 * (worker + 1)].copy(), y[128 * worker:128 * (worker + 1)]
+        if worker == 1:
+            xw[16 * 3 + 5, 0] = 1e5  # batch 3 of worker 1 only overflows in float16
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF)
+        dataset = tf.data.Dataset.from_tensor_slices((xw, yw)).batch(16).with_options(options)
+        with strategy.scope():  # run with TFAMP_ENABLE=1: no tfamp import
+            model = build()
+            optimizer = keras.optimizers.SGD(0.05)
+            optimizer.build(model.trainable_variables)
+
+        def replica_step(bx, by):
+            with tf.GradientTape() as tape:
+                per_example = tf.reduce_mean((model(bx, training=True) - by) ** 2, axis=1)
+                loss = tf.reduce_sum(per_example) / 32.0
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+
+        @tf.function
+        def step(batch):
+            strategy.run(replica_step, args=batch)
+
+        for batch in strategy.experimental_distribute_dataset(dataset):
+            step(batch)
+        import tfamp.runtime.startup as startup
+        state = startup._active.scale_state
+        out["scale"] = float(state.current_loss_scale.numpy())
+        out["skipped"] = int(state.skipped_steps.numpy())
+        out["iterations"] = int(optimizer.iterations.numpy())
+        out["weights"] = [v.numpy().ravel().tolist() for v in model.weights]
     print(json.dumps(out))
 ''')
 
@@ -194,3 +235,54 @@ def test_tfamp_enable_custom_loop_under_mirrored_decides_alike_on_every_replica(
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-3)
     assert single["iterations"] == [4]
 
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def run_workers(mode, **env):
+    """`mode` in two MultiWorkerMirroredStrategy workers on loopback ports."""
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    base.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": REPO, **env})
+    procs = []
+    try:
+        for index in range(2):
+            tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", _SCRIPT, mode, "1"],
+                env={**base, "TF_CONFIG": json.dumps(tf_config)},
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outputs = [proc.communicate(timeout=400) for proc in procs]
+    finally:
+        for proc in procs:  # no worker outlives the test
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    results = []
+    for proc, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, stderr[-4000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return results
+
+
+@pytest.mark.slow  # two TensorFlow worker processes with gRPC servers
+def test_multiworker_custom_loop_overflow_on_one_worker_is_skipped_on_both():
+    # (Keras 3's own fit under MultiWorkerMirroredStrategy fails here with or
+    # without tfamp: "Attempt to convert a value (PerReplica...)"; only the
+    # custom loop is tested.)
+    first, second = run_workers("mw_loop", TFAMP_ENABLE="1")
+    # 8 steps; worker 1's batch 3 overflows: one skip, everywhere, scale halved once.
+    for result in (first, second):
+        assert result["skipped"] == 1 and result["scale"] == 2.0**14
+        assert np.all(np.isfinite(flat(result["weights"])))
+    assert first["iterations"] == second["iterations"]
+    np.testing.assert_array_equal(flat(first["weights"]), flat(second["weights"]))
