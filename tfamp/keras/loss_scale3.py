@@ -69,6 +69,7 @@ from tfamp.keras.loss_scale import (
     STUCK_PATIENCE,
     validate_settings,
 )
+from tfamp.keras.scale_update import apply_if_finite, unscale, update_scale
 
 log = logging.getLogger("tfamp")
 
@@ -125,87 +126,6 @@ def consume_scaled_loss(optimizer) -> bool:
 def is_scaled_loss(tensor) -> bool:
     """True if `tensor` came out of a loss-scale optimizer's ``scale_loss``."""
     return bool(getattr(tensor, SCALED_LOSS_MARK, False))
-
-
-# -- the scale update, shared with TFAMP_ENABLE's custom-loop patch -----------------
-
-def finite_flags(grads) -> tf.Tensor:
-    """One bool per non-None gradient: all of its values are finite."""
-    def values(g):
-        return g.values if isinstance(g, tf.IndexedSlices) else g
-
-    grads = [g for g in grads if g is not None]
-    if not grads:
-        return tf.ones([0], tf.bool)
-    return tf.stack([tf.reduce_all(tf.math.is_finite(values(g))) for g in grads])
-
-
-def all_reduce_flags(flags: tf.Tensor) -> tf.Tensor:
-    """In a replica context of a strategy: a gradient is finite only if it is on every replica."""
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return flags
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync == 1:
-        return flags
-    bad = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                             tf.cast(tf.logical_not(flags), tf.float32))
-    return tf.equal(bad, 0.0)
-
-
-def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_nonfinite,
-                 dynamic: bool, growth_interval: int, min_scale: float):
-    """Updates the scale state after a step whose gradient flags are `flags`.
-
-    Every state argument is a variable (tf.Variable or keras.Variable). Call it
-    once per step: in a cross-replica context, or with no strategy.
-    """
-    finite = tf.reduce_all(flags)
-
-    def on_finite():
-        floor_skips.assign(tf.zeros_like(floor_skips))
-        if not dynamic:
-            return
-        counter = tf.cast(good_steps, tf.int64) + 1
-
-        def grow():
-            doubled = tf.convert_to_tensor(scale) * 2.0
-            scale.assign(tf.where(tf.math.is_finite(doubled), doubled, scale))
-            good_steps.assign(tf.zeros_like(good_steps))
-
-        def count():
-            good_steps.assign_add(tf.ones_like(good_steps))
-
-        tf.cond(counter >= growth_interval, grow, count)
-
-    def on_nonfinite():
-        current = tf.convert_to_tensor(scale)
-        bad = tf.cast(tf.reshape(tf.where(tf.logical_not(flags)), [-1]), tf.int32)
-        padded = tf.concat([bad, tf.fill([_BAD_NAMES_KEPT], -1)], 0)[:_BAD_NAMES_KEPT]
-        skipped_steps.assign_add(tf.ones_like(skipped_steps))
-        first_nonfinite.assign(tf.cast(padded, first_nonfinite.dtype))
-        at_floor = current <= min_scale
-        floor_skips.assign(tf.where(at_floor, floor_skips + 1, tf.zeros_like(floor_skips)))
-        good_steps.assign(tf.zeros_like(good_steps))
-        if dynamic:
-            scale.assign(tf.maximum(current / 2.0, min_scale))
-
-    if tf.executing_eagerly():
-        on_finite() if bool(finite) else on_nonfinite()
-    else:
-        tf.cond(finite, on_finite, on_nonfinite)
-    return finite
-
-
-def unscale(grad, scale):
-    """`grad / scale` computed in float32, returned in the gradient's dtype."""
-    if grad is None:
-        return None
-    scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
-    if isinstance(grad, tf.IndexedSlices):
-        values = tf.cast(grad.values, tf.float32) / scale
-        return tf.IndexedSlices(tf.cast(values, grad.values.dtype), grad.indices,
-                                grad.dense_shape)
-    return tf.cast(tf.cast(grad, tf.float32) / scale, grad.dtype)
 
 
 def stuck_message(min_scale: float, skipped: int, names: list[str]) -> str:
@@ -333,38 +253,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                      else unscale(g, scale) for g, v in zip(grads, variables, strict=True)]
         self._variable_names = [v.path for g, v in zip(grads, variables, strict=True)
                                 if g is not None]
-        flags = all_reduce_flags(finite_flags(grads))
-        context = tf.distribute.get_replica_context()
-        needs_merge = (tf.distribute.has_strategy() and context is not None
-                       and not tf.__internal__.distribute.strategy_supports_no_merge_call())
-        if not needs_merge:
-            self._apply_if_finite(flags, grads, trainable_variables)
-            self._update_state(flags)
-            return
-
-        def cross_replica(distribution, flags, grads, trainable_variables):
-            flags = distribution.experimental_local_results(flags)[0]
-
-            def apply_fn():
-                distribution.extended.call_for_each_replica(
-                    self.inner_optimizer.apply, args=(grads, trainable_variables))
-
-            # In the cross-replica context: the inner optimizer's apply calls
-            # merge_call, which a cond in a replica context cannot contain.
-            tf.cond(tf.reduce_all(flags), apply_fn, lambda: None)
-            self._update_state(flags)
-
-        context.merge_call(cross_replica, args=(flags, grads, trainable_variables))
-
-    def _apply_if_finite(self, flags, grads, trainable_variables):
-        def apply_fn():
-            self.inner_optimizer.apply(grads, trainable_variables)
-
-        if tf.executing_eagerly():
-            if bool(tf.reduce_all(flags)):
-                apply_fn()
-            return
-        tf.cond(tf.reduce_all(flags), apply_fn, lambda: None)
+        apply_if_finite(grads, lambda g: self.inner_optimizer.apply(g, trainable_variables),
+                        self._update_state)
 
     def _update_state(self, flags):
         update_scale(flags, scale=self.dynamic_scale, good_steps=self.step_counter,

@@ -301,7 +301,7 @@ def _patch_keras3_apply(active: _Activation) -> None:
         return
     import tensorflow as tf
 
-    from tfamp.keras import loss_scale3
+    from tfamp.keras import loss_scale3, scale_update
 
     optimizer_class = keras.optimizers.Optimizer
     original = optimizer_class.apply
@@ -318,41 +318,9 @@ def _patch_keras3_apply(active: _Activation) -> None:
             if not self.built:
                 with tf.init_scope():
                     self.build(trainable_variables)  # slots exist before the conditional
-        state = _scale_state(active)
-        flags = loss_scale3.all_reduce_flags(loss_scale3.finite_flags(grads))
-
-        def update(flags):
-            loss_scale3.update_scale(
-                flags, scale=state.current_loss_scale, good_steps=state.counter,
-                skipped_steps=state.skipped_steps, floor_skips=state.floor_skips,
-                first_nonfinite=state.first_nonfinite, dynamic=state.is_dynamic,
-                growth_interval=state.growth_steps, min_scale=state.min_scale)
-
-        context = tf.distribute.get_replica_context()
-        needs_merge = (tf.distribute.has_strategy() and context is not None
-                       and not tf.__internal__.distribute.strategy_supports_no_merge_call())
-        if not needs_merge:
-            if tf.executing_eagerly():
-                if bool(tf.reduce_all(flags)):
-                    original(self, grads, trainable_variables)
-            else:
-                tf.cond(tf.reduce_all(flags),
-                        lambda: original(self, grads, trainable_variables), lambda: None)
-            update(flags)
-            return None
-
-        def cross_replica(distribution, flags, grads, variables):
-            flags = distribution.experimental_local_results(flags)[0]
-
-            def apply_fn():
-                distribution.extended.call_for_each_replica(
-                    lambda g, v: original(self, g, v), args=(grads, variables))
-
-            # The inner apply calls merge_call: the cond must be cross-replica.
-            tf.cond(tf.reduce_all(flags), apply_fn, lambda: None)
-            update(flags)
-
-        context.merge_call(cross_replica, args=(flags, grads, trainable_variables))
+        scale_update.apply_if_finite(
+            grads, lambda g: original(self, g, trainable_variables),
+            functools.partial(_update_process_scale, active))
         return None
 
     optimizer_class.apply = apply
@@ -373,22 +341,31 @@ def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib)
         if not (getattr(self, "built", False) or getattr(self, "_built", False)):
             with tf.init_scope():
                 self.build(variables)  # slots exist before the conditional update
-        state = _scale_state(active)
-        _, finite = state.update([g for g, _ in grads_and_vars])
+        from tfamp.keras import scale_update
 
-        def apply():
-            original(self, grads_and_vars, *args, **kwargs)
-            return tf.constant(True)
+        def apply(grads):
+            original(self, list(zip(grads, variables, strict=True)), *args, **kwargs)
 
         def skip():
-            self.iterations.assign_add(1)  # as Keras's own wrapper: schedules keep counting
-            return tf.constant(False)
+            self.iterations.assign_add(1)  # as tf_keras's own wrapper: schedules keep counting
 
-        if tf.executing_eagerly():
-            return apply() if bool(finite) else skip()
-        return tf.cond(finite, apply, skip)
+        scale_update.apply_if_finite([g for g, _ in grads_and_vars], apply,
+                                     functools.partial(_update_process_scale, active), skip)
+        return self.iterations
 
     optimizer_class.apply_gradients = apply_gradients
+
+
+def _update_process_scale(active: _Activation, flags) -> None:
+    """The custom-loop (process-wide) scale after a step with gradient `flags`."""
+    from tfamp.keras import scale_update
+
+    state = _scale_state(active)
+    scale_update.update_scale(
+        flags, scale=state.current_loss_scale, good_steps=state.counter,
+        skipped_steps=state.skipped_steps, floor_skips=state.floor_skips,
+        first_nonfinite=state.first_nonfinite, dynamic=state.is_dynamic,
+        growth_interval=state.growth_steps, min_scale=state.min_scale)
 
 
 def _is_loss_scale_optimizer(optimizer) -> bool:
