@@ -25,8 +25,8 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as trainer_module
 
 from tfamp.config import AmpConfig
-from tfamp.keras import loss_scale3
-from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer, is_scaled_loss, unscale
+from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer, is_scaled_loss
+from tfamp.keras.scale_update import unscale
 from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
@@ -356,4 +356,5 @@ def _is_scalar_float(target) -> bool:
 
 
 __all__ = ["Keras3State", "LossScaleOptimizer", "StepFunctions", "check_backend",
-           "disable", "enable", "is_keras3_model", "loss_scale3", "tape_scaling"]
+           "disable", "enable", "is_keras3_model", "tape_scaling",
+           "uses_keras_mixed_precision"]
