@@ -102,6 +102,23 @@ def test_steps_per_execution_loop_calls_the_rewritten_step():
     assert len(model.train_function.reports) == 1
 
 
+def test_keras_trainer_module_gets_its_tensorflow_back():
+    from keras.src.backend.tensorflow import trainer as trainer_module
+
+    model = mlp()
+    model.compile(optimizer="adam", loss="mse")
+    tfamp.enable(model)
+    fit(model, epochs=1)
+    model.predict(data()[0], verbose=0)
+    assert trainer_module.tf is tf
+    # A model tfamp does not know builds plain tf.functions as before.
+    other = mlp(seed=1)
+    other.compile(optimizer="adam", loss="mse")
+    fit(other, epochs=1)
+    assert not isinstance(other.train_function, StepFunctions)
+    assert "loss_scale" not in fit(other, epochs=1)
+
+
 def test_enable_twice_is_harmless_and_disable_restores_float32():
     model = mlp()
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
