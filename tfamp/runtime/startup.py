@@ -8,13 +8,19 @@ then patches, once:
 * ``tf.function``: every function the script traces is rewritten by tfamp
   (Keras fit/evaluate/predict and the user's own; tf.data builds its functions
   without the public ``tf.function``, so pipelines are left alone);
-* ``Model.compile`` of tf_keras and of Keras 3: the optimizer gets loss scaling
-  (tfamp's optimizer for tf_keras, Keras 3's own ``LossScaleOptimizer`` there);
-* ``tf.GradientTape.gradient`` and the optimizers' ``apply_gradients``, for
-  custom training loops: backprop of a scalar loss is seeded with the loss
-  scale, the gradients are unscaled in float32, and a step whose gradients are
-  not finite is skipped (weights and slots untouched) while the scale adapts.
-  Keras's own train steps are marked so they are not scaled twice.
+* ``Model.compile`` of tf_keras and of Keras 3 calls ``tfamp.enable`` (tfamp's
+  loss-scale optimizer for each); a Keras 3 model that already uses Keras's
+  own mixed precision (a ``mixed_*`` policy or ``LossScaleOptimizer``) keeps it;
+* ``tf.GradientTape.gradient`` and the optimizers' ``apply_gradients`` (tf_keras)
+  / ``apply`` (Keras 3), for custom training loops: backprop of a scalar loss
+  is seeded with the loss scale, the gradients are unscaled in float32, and a
+  step whose gradients are not finite on some replica is skipped on every
+  replica (weights and slots untouched) while the scale adapts once.
+
+Loss scaling happens exactly once: a loss a loss-scale optimizer's
+``scale_loss`` returned is marked and the tape leaves it alone; the inner
+optimizer of a loss-scale optimizer is marked and the apply patch leaves it
+alone (see ``tfamp.keras.loss_scale3``).
 """
 
 from __future__ import annotations
