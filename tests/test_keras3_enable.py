@@ -102,6 +102,28 @@ def test_steps_per_execution_loop_calls_the_rewritten_step():
     assert len(model.train_function.reports) == 1
 
 
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(32, activation="relu")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_subclassed_model_enabled_before_it_is_built():
+    keras.utils.set_random_seed(0)
+    model = Subclassed()
+    tfamp.enable(model)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    assert not model.built and not model.optimizer.built
+    history = fit(model, epochs=3)
+    assert history["loss"][-1] < 0.5 * history["loss"][0]
+    assert model.train_function.reports[0].converted.get("MatMul", 0) >= 2
+    assert history["loss_scale"][-1] * 2 ** history["skipped_steps"][-1] == 2.0**15
+
+
 def test_keras_trainer_module_gets_its_tensorflow_back():
     from keras.src.backend.tensorflow import trainer as trainer_module
 
