@@ -67,23 +67,27 @@ SCRIPT = textwrap.dedent('''
             **(extra() if extra else {}),
         }
 
-    # (a) custom loop, optimizer.apply
-    model = mlp()
-    optimizer = keras.optimizers.SGD(LR)
+    # (a) custom loop, optimizer.apply (and the apply_gradients form)
+    for name in ("apply_loop", "apply_gradients_loop"):
+        model = mlp()
+        optimizer = keras.optimizers.SGD(LR)
 
-    @tf.function
-    def apply_step(bx, by):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(bx, training=True) - by) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply(grads, model.trainable_variables)
-        return loss
+        @tf.function
+        def apply_step(bx, by):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(bx, training=True) - by) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            if name == "apply_loop":
+                optimizer.apply(grads, model.trainable_variables)
+            else:
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
 
-    start = weights(model)
-    for i in range(STEPS):
-        apply_step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)])
-    record("apply_loop", model, start, apply_step,
-           lambda: {"iterations": int(optimizer.iterations.numpy())})
+        start = weights(model)
+        for i in range(STEPS):
+            apply_step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)])
+        record(name, model, start, apply_step,
+               lambda: {"iterations": int(optimizer.iterations.numpy())})
 
     # (b) train_step overridden as in the keras.io guide
     class GuideModel(keras.Model):
@@ -173,13 +177,16 @@ def runs(tmp_path_factory):
     return plain, amp, log
 
 
-@pytest.mark.parametrize("pattern", ["apply_loop", "train_step", "keras_lso_loop"])
+PATTERNS = ["apply_loop", "apply_gradients_loop", "train_step", "keras_lso_loop"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_tfamp_enable_updates_match_float32(runs, pattern):
     plain, amp, _ = runs
     assert_same_update(amp[pattern]["delta"], plain[pattern]["delta"])
 
 
-@pytest.mark.parametrize("pattern", ["apply_loop", "train_step", "keras_lso_loop"])
+@pytest.mark.parametrize("pattern", PATTERNS)
 def test_tfamp_enable_skips_the_overflowing_step(runs, pattern):
     plain, amp, _ = runs
     assert not plain[pattern]["overflow_skipped"]  # harmless in float32: it trains
@@ -189,8 +196,9 @@ def test_tfamp_enable_skips_the_overflowing_step(runs, pattern):
 def test_details_of_each_path(runs):
     plain, amp, log = runs
     # (a) a skipped step does not advance iterations (Keras 3's rule)
-    assert plain["apply_loop"]["iterations"] == STEPS + 1
-    assert amp["apply_loop"]["iterations"] == STEPS
+    for loop in ("apply_loop", "apply_gradients_loop"):
+        assert plain[loop]["iterations"] == STEPS + 1
+        assert amp[loop]["iterations"] == STEPS
     # (b) compile under TFAMP_ENABLE gives tfamp's Keras 3 optimizer
     assert amp["train_step"]["optimizer"] == "LossScaleOptimizer"
     # (c) Keras's own scale is left alone: no collapse, one halving on overflow
