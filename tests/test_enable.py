@@ -158,12 +158,10 @@ def test_bad_arguments(kwargs, error, message):
         tfamp.enable(mlp(), **kwargs)
 
 
-def test_not_a_tf_keras_model():
-    with pytest.raises(TypeError, match="expects a tf_keras.Model, received builtins.str"):
+def test_not_a_keras_model():
+    with pytest.raises(TypeError, match="expects a Keras model.*tf_keras.Model.*received "
+                                        "builtins.str"):
         tfamp.enable("model.keras")
-    keras3_model = tf.keras.Sequential([tf.keras.layers.Dense(1)])
-    with pytest.raises(TypeError, match="looks like a Keras 3 model"):
-        tfamp.enable(keras3_model)
 
 
 def test_keras_mixed_policy_is_named_with_the_fix():

@@ -1,4 +1,8 @@
-"""``tfamp.enable(model)`` / ``tfamp.disable(model)`` for tf_keras models.
+"""``tfamp.enable(model)`` / ``tfamp.disable(model)`` for tf_keras and Keras 3 models.
+
+A Keras 3 model (``import keras`` / ``tf.keras``, TensorFlow backend) is handed
+to ``tfamp.keras.keras3``, which installs the same kind of hooks with Keras 3's
+names and tfamp's Keras 3 loss-scale optimizer. What follows is the tf_keras path.
 
 Enabling installs per-instance hooks (nothing on the class, so other models and
 saved files are unaffected): ``make_train_function``, ``make_test_function`` and
@@ -68,7 +72,7 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
            growth_interval: int = DEFAULT_GROWTH_INTERVAL,
            min_scale: float = DEFAULT_MIN_SCALE,
            config: AmpConfig | None = None, check: bool = False):
-    """Turns a tf_keras model's training and inference into mixed precision.
+    """Turns a Keras model's training and inference into mixed precision.
 
     Works before or after ``model.compile``. From then on ``fit``, ``evaluate``,
     ``predict``, ``train_on_batch`` and ``predict_on_batch`` run tfamp-rewritten
@@ -76,7 +80,8 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
     again is harmless; ``tfamp.disable(model)`` restores float32.
 
     Args:
-      model: a ``tf_keras.Model``.
+      model: a Keras 3 ``keras.Model`` (``tf.keras``; TensorFlow backend) or a
+        ``tf_keras.Model``.
       dtype: "float16" or "bfloat16" (ignored when `config` is given).
       loss_scale: "dynamic", a positive number (fixed scale) or None. The
         default is "dynamic" for float16 and None for bfloat16.
@@ -93,14 +98,20 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
       >>> tfamp.enable(model)            # float16 with dynamic loss scaling
       >>> model.fit(x, y, epochs=3)      # history has loss_scale, skipped_steps
     """
-    _check_model(model)
-    _check_no_other_mixed_precision(model)
+    keras3 = _check_model(model)
     config = config or AmpConfig(dtype=dtype)
     if loss_scale == "default":
         loss_scale = "dynamic" if config.dtype == "float16" else None
-    state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check)
     if loss_scale is not None:  # fail now, not at the first fit
         validate_settings(loss_scale, initial_scale, growth_interval, min_scale)
+    if keras3 is not None:
+        keras3.enable(model, keras3.Keras3State(
+            config, loss_scale, initial_scale, growth_interval, min_scale, check))
+        log.info("tfamp: enabled %s on Keras 3 model %r (loss scale: %s)", config.dtype,
+                 model.name, loss_scale)
+        return model
+    _check_no_other_mixed_precision(model)
+    state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check)
     if getattr(model, "_tfamp_state", None) is not None:
         disable(model)
     _install_hooks(model, state)
@@ -118,7 +129,9 @@ def disable(model):
     Returns:
       `model` itself. A model tfamp never enabled is returned unchanged.
     """
-    _check_model(model)
+    keras3 = _check_model(model)
+    if keras3 is not None:
+        return keras3.disable(model)
     if getattr(model, "_tfamp_state", None) is None:
         return model
     for name in _HOOKED_METHODS:
@@ -138,13 +151,35 @@ def is_enabled(model) -> bool:
     return getattr(model, "_tfamp_state", None) is not None
 
 
-def _check_model(model) -> None:
-    if not isinstance(model, keras.Model):
-        kind = f"{type(model).__module__}.{type(model).__name__}"
-        hint = ("; this looks like a Keras 3 model (tf.keras in TensorFlow 2.21): build it "
-                "with `import tf_keras as keras`" if "keras.src" in kind
-                and not kind.startswith("tf_keras") else "")
-        raise TypeError(f"tfamp.enable expects a tf_keras.Model, received {kind}{hint}.")
+def _check_model(model):
+    """Returns None for a tf_keras model, the Keras 3 hooks module for a Keras 3 one."""
+    if isinstance(model, keras.Model):
+        return None
+    keras3 = _keras3_module()
+    if keras3 is not None and keras3.is_keras3_model(model):
+        return keras3
+    kind = f"{type(model).__module__}.{type(model).__name__}"
+    raise TypeError(
+        f"tfamp.enable expects a Keras model: a Keras 3 keras.Model (import keras, or "
+        f"tf.keras) or a tf_keras.Model (import tf_keras); received {kind}. For a "
+        f"training loop without a Keras model, use @tfamp.function on the step, or run "
+        f"the script with TFAMP_ENABLE=1.")
+
+
+def _keras3_module():
+    import sys
+
+    keras3 = sys.modules.get("keras")
+    if keras3 is None or not getattr(keras3, "__version__", "0").startswith("3"):
+        try:
+            import keras as keras3
+        except ImportError:
+            return None
+        if not getattr(keras3, "__version__", "0").startswith("3"):
+            return None
+    from tfamp.keras import keras3 as hooks
+
+    return hooks
 
 
 def _check_no_other_mixed_precision(model) -> None:

@@ -8,13 +8,19 @@ then patches, once:
 * ``tf.function``: every function the script traces is rewritten by tfamp
   (Keras fit/evaluate/predict and the user's own; tf.data builds its functions
   without the public ``tf.function``, so pipelines are left alone);
-* ``Model.compile`` of tf_keras and of Keras 3: the optimizer gets loss scaling
-  (tfamp's optimizer for tf_keras, Keras 3's own ``LossScaleOptimizer`` there);
-* ``tf.GradientTape.gradient`` and the optimizers' ``apply_gradients``, for
-  custom training loops: backprop of a scalar loss is seeded with the loss
-  scale, the gradients are unscaled in float32, and a step whose gradients are
-  not finite is skipped (weights and slots untouched) while the scale adapts.
-  Keras's own train steps are marked so they are not scaled twice.
+* ``Model.compile`` of tf_keras and of Keras 3 calls ``tfamp.enable`` (tfamp's
+  loss-scale optimizer for each); a Keras 3 model that already uses Keras's
+  own mixed precision (a ``mixed_*`` policy or ``LossScaleOptimizer``) keeps it;
+* ``tf.GradientTape.gradient`` and the optimizers' ``apply_gradients`` (tf_keras)
+  / ``apply`` (Keras 3), for custom training loops: backprop of a scalar loss
+  is seeded with the loss scale, the gradients are unscaled in float32, and a
+  step whose gradients are not finite on some replica is skipped on every
+  replica (weights and slots untouched) while the scale adapts once.
+
+Loss scaling happens exactly once: a loss a loss-scale optimizer's
+``scale_loss`` returned is marked and the tape leaves it alone; the inner
+optimizer of a loss-scale optimizer is marked and the apply patch leaves it
+alone (see ``tfamp.keras.loss_scale3``).
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ def _patch_tf_function(active: _Activation) -> None:
                                  on_report=on_report)
 
     function._tfamp_original = original
+    function._tfamp_on_report = on_report  # for functions tfamp.enable builds itself
     # tf_keras calls tensorflow.compat.v2.function: patch every public alias.
     import tensorflow.compat.v2 as tf_v2
 
@@ -161,38 +168,68 @@ def _patch_tf_keras(active: _Activation) -> None:
 
 
 def _patch_keras3(active: _Activation) -> None:
+    """Keras 3's compile calls ``tfamp.enable`` (tfamp's Keras 3 loss-scale optimizer).
+
+    ``Trainer.compile`` itself is patched, not ``keras.Model.compile``: Keras's
+    loader only compiles a model from its saved config when ``compile`` is the
+    base class's (a patched subclass attribute made it skip compiling, and so
+    drop the optimizer state). A model that already uses Keras's own mixed
+    precision (a ``mixed_*`` policy or Keras's ``LossScaleOptimizer``) keeps it:
+    its graphs are rewritten, its loss scaling stays Keras's.
+    """
     try:
         import keras
-        from keras.src.backend.tensorflow import trainer as tf_trainer
+        from keras.src.trainers import trainer as base_trainer
     except ImportError:
         return
     if not getattr(keras, "__version__", "0").startswith("3"):
         return
-    original_compile = keras.Model.compile
+    if keras.backend.backend() != "tensorflow":
+        log.warning("tfamp: Keras 3 runs on the %r backend, not TensorFlow: tfamp rewrites "
+                    "TensorFlow graphs only, so Keras models here stay as they are.",
+                    keras.backend.backend())
+        return
+    from tfamp.keras import activation
+    from tfamp.keras import keras3 as keras3_hooks
+    from tfamp.keras.loss_scale3 import INNER_MARK, SCALED_LOSS_MARK
+
+    original_compile = base_trainer.Trainer.compile
 
     @functools.wraps(original_compile)
     def compile(self, *args, **kwargs):  # noqa: A001
         result = original_compile(self, *args, **kwargs)
-        loss_scale = active.settings.loss_scale
-        optimizer = getattr(self, "optimizer", None)
-        if (loss_scale is not None and optimizer is not None
-                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
-            if loss_scale != "dynamic":
-                log.warning("tfamp: Keras 3's LossScaleOptimizer is dynamic only; "
-                            "TFAMP_LOSS_SCALE=%s starts the dynamic scale there.", loss_scale)
-            self.optimizer = keras.optimizers.LossScaleOptimizer(
-                optimizer, **({} if loss_scale == "dynamic" else {"initial_scale": loss_scale}))
+        if isinstance(self, keras.Model) and not activation.is_enabled(self):
+            if keras3_hooks.uses_keras_mixed_precision(self):
+                log.info("tfamp: model %r uses Keras's own mixed precision (a mixed policy "
+                         "or LossScaleOptimizer): tfamp rewrites its graphs and leaves loss "
+                         "scaling to Keras.", self.name)
+            else:
+                activation.enable(self, config=active.settings.config,
+                                  loss_scale=active.settings.loss_scale)
         return result
 
-    keras.Model.compile = compile
-    original_step = tf_trainer.TensorFlowTrainer.train_step
+    base_trainer.Trainer.compile = compile
 
-    @functools.wraps(original_step)
-    def train_step(self, data):
-        with _keras_scales_itself(active):
-            return original_step(self, data)
+    # Keras's own LossScaleOptimizer (a user's, or a mixed policy's): the loss it
+    # scales is marked so tfamp's tape patch does not scale it again, and its
+    # inner optimizer is marked so tfamp's apply patch stands aside.
+    lso_class = keras.optimizers.LossScaleOptimizer
+    original_init, original_scale_loss = lso_class.__init__, lso_class.scale_loss
 
-    tf_trainer.TensorFlowTrainer.train_step = train_step
+    @functools.wraps(original_init)
+    def lso_init(self, inner_optimizer, *args, **kwargs):
+        original_init(self, inner_optimizer, *args, **kwargs)
+        setattr(inner_optimizer, INNER_MARK, True)
+
+    @functools.wraps(original_scale_loss)
+    def scale_loss(self, loss):
+        scaled = original_scale_loss(self, loss)
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(scaled, SCALED_LOSS_MARK, True)
+        return scaled
+
+    lso_class.__init__ = lso_init
+    lso_class.scale_loss = scale_loss
 
 
 @contextlib.contextmanager
@@ -220,7 +257,7 @@ def _patch_custom_loops(active: _Activation) -> None:
     @functools.wraps(original_gradient)
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         if (getattr(active.no_tape_scaling, "on", False) or output_gradients is not None
-                or not _is_scalar_float(target)):
+                or not _is_scalar_float(target) or getattr(target, _SCALED_LOSS_MARK, False)):
             return original_gradient(self, target, sources, output_gradients, **kwargs)
         scale = _scale_state(active).current_loss_scale
         seed = tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
@@ -231,6 +268,7 @@ def _patch_custom_loops(active: _Activation) -> None:
 
     for optimizer_class in _optimizer_classes():
         _patch_apply_gradients(active, optimizer_class, loss_scale_lib)
+    _patch_keras3_apply(active)
 
     # tfamp's own loss-scale optimizer scales through the tape by itself.
     original_compute = loss_scale_lib.LossScaleOptimizer.compute_gradients
@@ -244,21 +282,54 @@ def _patch_custom_loops(active: _Activation) -> None:
 
 
 def _optimizer_classes():
-    classes = []
+    """tf_keras's optimizer base (Keras 3's is patched at ``apply``, below)."""
     try:
         import tf_keras
-
-        classes.append(tf_keras.optimizers.Optimizer)
     except ImportError:
-        pass
+        return []
+    return [tf_keras.optimizers.Optimizer]
+
+
+def _patch_keras3_apply(active: _Activation) -> None:
+    """Custom loops on Keras 3 optimizers: ``apply`` (``apply_gradients`` calls it).
+
+    A step whose gradients are not finite on some replica is skipped on every
+    replica (the flags are all-reduced), weights and slots untouched and
+    ``iterations`` not advanced (Keras 3's own loss-scale optimizer's rule);
+    the process-wide scale adapts once per step.
+    """
     try:
         import keras
-
-        if getattr(keras, "__version__", "0").startswith("3"):
-            classes.append(keras.optimizers.Optimizer)
     except ImportError:
-        pass
-    return classes
+        return
+    if (not getattr(keras, "__version__", "0").startswith("3")
+            or keras.backend.backend() != "tensorflow"):
+        return
+    import tensorflow as tf
+
+    from tfamp.keras import loss_scale3, scale_update
+
+    optimizer_class = keras.optimizers.Optimizer
+    original = optimizer_class.apply
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        if (getattr(active.no_tape_scaling, "on", False)
+                or isinstance(self, keras.optimizers.LossScaleOptimizer)
+                or getattr(self, loss_scale3.INNER_MARK, False)):
+            return original(self, grads, trainable_variables)
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                with tf.init_scope():
+                    self.build(trainable_variables)  # slots exist before the conditional
+        scale_update.apply_if_finite(
+            grads, lambda g: original(self, g, trainable_variables),
+            functools.partial(_update_process_scale, active))
+        return None
+
+    optimizer_class.apply = apply
 
 
 def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib) -> None:
@@ -276,29 +347,49 @@ def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib)
         if not (getattr(self, "built", False) or getattr(self, "_built", False)):
             with tf.init_scope():
                 self.build(variables)  # slots exist before the conditional update
-        state = _scale_state(active)
-        _, finite = state.update([g for g, _ in grads_and_vars])
+        from tfamp.keras import scale_update
 
-        def apply():
-            original(self, grads_and_vars, *args, **kwargs)
-            return tf.constant(True)
+        def apply(grads):
+            original(self, list(zip(grads, variables, strict=True)), *args, **kwargs)
 
         def skip():
-            self.iterations.assign_add(1)  # as Keras's own wrapper: schedules keep counting
-            return tf.constant(False)
+            self.iterations.assign_add(1)  # as tf_keras's own wrapper: schedules keep counting
 
-        if tf.executing_eagerly():
-            return apply() if bool(finite) else skip()
-        return tf.cond(finite, apply, skip)
+        scale_update.apply_if_finite([g for g, _ in grads_and_vars], apply,
+                                     functools.partial(_update_process_scale, active), skip)
+        return self.iterations
 
     optimizer_class.apply_gradients = apply_gradients
+
+
+def _update_process_scale(active: _Activation, flags) -> None:
+    """The custom-loop (process-wide) scale after a step with gradient `flags`."""
+    from tfamp.keras import scale_update
+
+    state = _scale_state(active)
+    scale_update.update_scale(
+        flags, scale=state.current_loss_scale, good_steps=state.counter,
+        skipped_steps=state.skipped_steps, floor_skips=state.floor_skips,
+        first_nonfinite=state.first_nonfinite, dynamic=state.is_dynamic,
+        growth_interval=state.growth_steps, min_scale=state.min_scale)
 
 
 def _is_loss_scale_optimizer(optimizer) -> bool:
     return "LossScaleOptimizer" in type(optimizer).__name__
 
 
+_state_lock = threading.Lock()
+# The mark tfamp.keras.loss_scale3 puts on a loss a loss-scale optimizer scaled
+# (kept here as a string so the tape patch needs no Keras import).
+_SCALED_LOSS_MARK = "_tfamp_scaled_loss"
+
+
 def _scale_state(active: _Activation):
+    with _state_lock:
+        return _make_scale_state(active)
+
+
+def _make_scale_state(active: _Activation):
     if active.scale_state is None:
         import tensorflow as tf
 

@@ -1,0 +1,360 @@
+"""``tfamp.enable(model)`` / ``tfamp.disable(model)`` for Keras 3 models (TensorFlow backend).
+
+Same design as the tf_keras hooks (``tfamp.keras.activation``): everything is
+per instance. Keras 3's ``TensorFlowTrainer.make_train_function`` (and test,
+predict) builds a Python ``train_function`` around two tf.functions: the step
+(``one_step_on_data``) and a loop over it (``multi_step_on_iterator``). While
+Keras builds them, tfamp hands the trainer module a ``tf.function`` that wraps
+the *first* function built, the step, in ``RewrittenFunction``; the loop stays
+a plain tf.function that calls the rewritten step (so it is not coloured
+again). ``train_step`` runs under a gradient-tape hook (so an overridden
+``train_step`` that never calls ``scale_loss`` still gets loss scaling, applied
+once) and adds ``loss_scale`` / ``skipped_steps`` to the logs; ``compile``
+wraps the optimizer in tfamp's Keras 3 ``LossScaleOptimizer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+
+import keras
+import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as trainer_module
+
+from tfamp.config import AmpConfig
+from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer, is_scaled_loss
+from tfamp.keras.scale_update import unscale
+from tfamp.runtime.runner import RewrittenFunction
+
+log = logging.getLogger("tfamp")
+
+_HOOKED_METHODS = ("compile", "make_train_function", "make_test_function",
+                   "make_predict_function", "train_step", "_get_metrics_result_or_logs")
+_LOG_KEYS = ("loss_scale", "skipped_steps")
+_FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
+
+
+def is_keras3_model(model) -> bool:
+    """True if `model` is a Keras 3 ``keras.Model`` (any backend)."""
+    return isinstance(model, keras.Model)
+
+
+@dataclasses.dataclass
+class Keras3State:
+    """What ``tfamp.enable`` was asked for on one Keras 3 model."""
+
+    config: AmpConfig
+    loss_scale: object  # "dynamic", a number, or None
+    initial_scale: float
+    growth_interval: int
+    min_scale: float
+    check: bool
+
+    def wrap_optimizer(self, optimizer):
+        if self.loss_scale is None or optimizer is None:
+            return optimizer
+        if isinstance(optimizer, LossScaleOptimizer):
+            return optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "the model's optimizer is already a Keras LossScaleOptimizer; tfamp wraps "
+                "the optimizer itself. Compile with the inner optimizer "
+                "(optimizer.inner_optimizer), or pass loss_scale=None to tfamp.enable.")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"tfamp loss scaling needs a Keras 3 optimizer (keras.optimizers.*), the "
+                f"model has {type(optimizer).__name__}; compile with e.g. "
+                f"keras.optimizers.Adam(), or pass loss_scale=None.")
+        return LossScaleOptimizer(
+            optimizer, self.loss_scale, initial_scale=self.initial_scale,
+            growth_interval=self.growth_interval, min_scale=self.min_scale)
+
+
+def check_backend() -> None:
+    """Raises unless Keras 3 runs on TensorFlow (tfamp rewrites TensorFlow graphs)."""
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(
+            f"tfamp rewrites TensorFlow graphs, but Keras 3 is running on the "
+            f"{backend!r} backend (KERAS_BACKEND={backend}), so there is no TensorFlow "
+            f"graph to rewrite. Set KERAS_BACKEND=tensorflow before importing keras, or "
+            f"use that backend's own mixed precision "
+            f"(keras.mixed_precision.set_global_policy('mixed_float16')).")
+
+
+def check_no_other_mixed_precision(model) -> None:
+    """Raises if a Keras mixed policy is in force on `model` (both would convert it)."""
+    policy = keras.config.dtype_policy().name
+    mixed = sorted({layer.dtype_policy.name for layer in model._flatten_layers()
+                    if getattr(layer, "dtype_policy", None) is not None
+                    and layer.dtype_policy.name.startswith("mixed_")})
+    if policy.startswith("mixed_") or mixed:
+        name = policy if policy.startswith("mixed_") else mixed[0]
+        raise ValueError(
+            f"a Keras {name!r} policy is in force and so is tfamp: they would both "
+            f"convert the model. Use one: for tfamp, call "
+            f"keras.config.set_dtype_policy('float32') before building the model; or "
+            f"keep the Keras policy and do not call tfamp.enable.")
+
+
+def uses_keras_mixed_precision(model) -> bool:
+    """True if `model` already has Keras's own mixed precision (policy or LossScaleOptimizer)."""
+    optimizer = getattr(model, "optimizer", None)
+    if (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+            and not isinstance(optimizer, LossScaleOptimizer)):
+        return True
+    try:
+        check_no_other_mixed_precision(model)
+    except ValueError:
+        return True
+    return False
+
+
+def enable(model, state: Keras3State):
+    """Installs tfamp's hooks on a Keras 3 model (called by ``tfamp.enable``)."""
+    check_backend()
+    check_no_other_mixed_precision(model)
+    if getattr(model, "_tfamp_state", None) is not None:
+        disable(model)
+    _install_tape_hook()
+    _install_hooks(model, state)
+    if getattr(model, "optimizer", None) is not None:
+        model.optimizer = _wrapped(model, state)
+    _reset_functions(model)
+    return model
+
+
+def _wrapped(model, state: Keras3State):
+    """The model's optimizer wrapped for loss scaling, built if the model is.
+
+    Created and built in the model's tf.distribute scope (as if ``enable`` had
+    been called inside ``strategy.scope()``), and built now, as Keras's loader
+    builds the optimizer it compiles, so that ``load_weights`` right after
+    ``enable`` finds every variable to restore.
+    """
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    with strategy.scope():
+        optimizer = state.wrap_optimizer(model.optimizer)
+        if (isinstance(optimizer, LossScaleOptimizer) and not optimizer.built
+                and model.built and model.trainable_variables):
+            optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+def disable(model):
+    """Removes tfamp's hooks from a Keras 3 model and unwraps its optimizer."""
+    if getattr(model, "_tfamp_state", None) is None:
+        return model
+    for name in _HOOKED_METHODS:
+        model.__dict__.pop(name, None)
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, LossScaleOptimizer):
+        inner = optimizer.inner_optimizer
+        inner.__dict__.pop(INNER_MARK, None)
+        model.optimizer = inner
+    object.__setattr__(model, "_tfamp_state", None)
+    _reset_functions(model)
+    return model
+
+
+class StepFunctions:
+    """Keras 3's Python ``train_function`` (or test, predict) with tfamp's parts.
+
+    Calls through to Keras's function; ``rewritten`` holds the
+    ``RewrittenFunction`` for the step, whose ``reports`` say what was converted.
+    """
+
+    def __init__(self, keras_function, rewritten: list[RewrittenFunction], after_call=None):
+        self._keras_function = keras_function
+        self.rewritten = rewritten
+        self._after_call = after_call
+        functools.update_wrapper(self, keras_function, updated=())
+
+    @property
+    def reports(self):
+        return [report for fn in self.rewritten for report in fn.reports]
+
+    def __call__(self, *args, **kwargs):
+        outputs = self._keras_function(*args, **kwargs)
+        if self._after_call is not None:
+            self._after_call(outputs)
+        return outputs
+
+
+class _TfWithRewrittenStep:
+    """Stands in for ``tf`` in Keras's trainer module while it builds its functions.
+
+    ``function`` wraps the first function built (the step) in RewrittenFunction
+    and builds the rest (loops calling the step) as plain tf.functions.
+    """
+
+    def __init__(self, state: Keras3State):
+        self._state = state
+        self.rewritten: list[RewrittenFunction] = []
+
+    def __getattr__(self, name):
+        return getattr(tf, name)
+
+    def function(self, func=None, **kwargs):
+        if func is None:
+            return lambda f: self.function(f, **kwargs)
+        base = getattr(tf.function, "_tfamp_original", tf.function)
+        if isinstance(func, RewrittenFunction):
+            return func
+        made = base(func, **kwargs)
+        if self.rewritten:
+            return made
+        # Under TFAMP_ENABLE, reports also go where the start-up hook keeps them.
+        on_report = getattr(tf.function, "_tfamp_on_report", None)
+        wrapped = RewrittenFunction(made, self._state.config, check=self._state.check,
+                                    on_report=on_report)
+        self.rewritten.append(wrapped)
+        return wrapped
+
+
+_build_lock = threading.Lock()
+
+
+def _install_hooks(model, state: Keras3State) -> None:
+    cls = type(model)
+    object.__setattr__(model, "_tfamp_state", state)
+
+    def compile(*args, **kwargs):  # noqa: A001  (mirrors Model.compile)
+        result = cls.compile(model, *args, **kwargs)
+        model.optimizer = _wrapped(model, state)
+        return result
+
+    def train_step(data):
+        optimizer = model.optimizer
+        lso = optimizer if isinstance(optimizer, LossScaleOptimizer) else None
+        with tape_scaling(lso):
+            logs = cls.train_step(model, data)
+        if lso is not None and isinstance(logs, dict):
+            logs = dict(logs)
+            logs["loss_scale"] = tf.identity(lso.loss_scale)
+            logs["skipped_steps"] = tf.identity(lso.skipped_steps)
+        return logs
+
+    def get_metrics_result_or_logs(logs):
+        # Keras re-reads its metrics at epoch end (right under tf.distribute)
+        # only when the log keys are exactly its metric names: set tfamp's keys
+        # aside, let it, then read tfamp's values from the optimizer itself.
+        if not (isinstance(logs, dict) and any(k in logs for k in _LOG_KEYS)):
+            return cls._get_metrics_result_or_logs(model, logs)
+        base = {k: v for k, v in logs.items() if k not in _LOG_KEYS}
+        result = cls._get_metrics_result_or_logs(model, base)
+        optimizer = model.optimizer
+        if isinstance(optimizer, LossScaleOptimizer) and optimizer.built:
+            result = dict(result)
+            result["loss_scale"] = float(optimizer.dynamic_scale.numpy())
+            result["skipped_steps"] = int(optimizer.skipped_steps.numpy())
+        return result
+
+    def hooked_maker(attr: str, maker_name: str, after_call=None):
+        def make(force=False):
+            current = model.__dict__.get(attr)
+            if isinstance(current, StepFunctions) and not force:
+                return current
+            proxy = _TfWithRewrittenStep(state)
+            with _build_lock:
+                saved = trainer_module.tf
+                trainer_module.tf = proxy
+                try:
+                    getattr(cls, maker_name)(model, force)
+                finally:
+                    trainer_module.tf = saved
+            made = model.__dict__.get(attr)
+            if made is None:
+                return None
+            if not proxy.rewritten:
+                log.warning("tfamp: %s runs eagerly (run_eagerly=True), so there is no "
+                            "graph to rewrite; it stays float32.", attr)
+                return made
+            wrapped = StepFunctions(made, proxy.rewritten, after_call)
+            object.__setattr__(model, attr, wrapped)
+            return wrapped
+        return make
+
+    def after_train_call(_outputs):
+        optimizer = model.optimizer
+        if isinstance(optimizer, LossScaleOptimizer):
+            optimizer.check_stuck()
+
+    hooks = {
+        "compile": compile,
+        "train_step": train_step,
+        "_get_metrics_result_or_logs": get_metrics_result_or_logs,
+        "make_train_function": hooked_maker("train_function", "make_train_function",
+                                            after_train_call),
+        "make_test_function": hooked_maker("test_function", "make_test_function"),
+        "make_predict_function": hooked_maker("predict_function", "make_predict_function"),
+    }
+    for name, hook in hooks.items():
+        object.__setattr__(model, name, hook)
+
+
+def _reset_functions(model) -> None:
+    for attr in _FUNCTION_ATTRS:
+        if hasattr(model, attr):
+            object.__setattr__(model, attr, None)
+
+
+# -- the gradient-tape hook an enabled model's train_step runs under --------------
+
+_tape_context = threading.local()
+_tape_hook_installed = False
+
+
+class tape_scaling:  # noqa: N801  (used as a context manager, like tf.name_scope)
+    """Within it, ``GradientTape.gradient`` of a scalar float loss that nobody
+    scaled is seeded with `optimizer`'s loss scale and the gradients are
+    unscaled in float32; the optimizer then does not divide again (no
+    ``scale_loss`` is pending). ``None`` turns the hook off.
+    """
+
+    def __init__(self, optimizer: LossScaleOptimizer | None):
+        self._optimizer = optimizer
+
+    def __enter__(self):
+        self._previous = getattr(_tape_context, "optimizer", None)
+        _tape_context.optimizer = self._optimizer
+        return self
+
+    def __exit__(self, *exc):
+        _tape_context.optimizer = self._previous
+        return False
+
+
+def _install_tape_hook() -> None:
+    global _tape_hook_installed
+    if _tape_hook_installed:
+        return
+    _tape_hook_installed = True
+    original = tf.GradientTape.gradient
+
+    @functools.wraps(original)
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        optimizer = getattr(_tape_context, "optimizer", None)
+        if (optimizer is None or output_gradients is not None
+                or not _is_scalar_float(target) or is_scaled_loss(target)):
+            return original(self, target, sources, output_gradients, **kwargs)
+        scale = optimizer.loss_scale
+        seed = tf.cast(tf.fill(tf.shape(target), tf.cast(scale, tf.float32)), target.dtype)
+        grads = original(self, target, sources, seed, **kwargs)
+        return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
+
+    gradient._tfamp_keras3_hook = True
+    tf.GradientTape.gradient = gradient
+
+
+def _is_scalar_float(target) -> bool:
+    return (isinstance(target, (tf.Tensor, tf.Variable)) and target.dtype.is_floating
+            and target.shape.rank == 0)
+
+
+__all__ = ["Keras3State", "LossScaleOptimizer", "StepFunctions", "check_backend",
+           "disable", "enable", "is_keras3_model", "tape_scaling",
+           "uses_keras_mixed_precision"]

@@ -1,0 +1,147 @@
+"""The loss-scale update shared by tfamp's Keras 3 optimizer and TFAMP_ENABLE's custom loops.
+
+Only TensorFlow (no Keras import), so the start-up hook's custom-loop patches
+can use it for tf_keras and Keras 3 optimizers alike:
+
+* ``finite_flags`` / ``all_reduce_flags``: one flag per gradient, all-reduced
+  over replicas, so every replica makes the same apply-or-skip decision;
+* ``update_scale``: the dynamic / fixed scale rules on a set of variables;
+* ``apply_if_finite``: run an optimizer update only when every gradient is
+  finite on every replica, from a replica context (with ``merge_call`` where
+  the strategy needs it: an optimizer's update calls ``merge_call`` itself,
+  which a ``tf.cond`` in a replica context cannot contain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from tfamp.keras.loss_scale import _BAD_NAMES_KEPT
+
+
+def finite_flags(grads) -> tf.Tensor:
+    """One bool per non-None gradient: all of its values are finite."""
+    def values(g):
+        return g.values if isinstance(g, tf.IndexedSlices) else g
+
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return tf.ones([0], tf.bool)
+    return tf.stack([tf.reduce_all(tf.math.is_finite(values(g))) for g in grads])
+
+
+def all_reduce_flags(flags: tf.Tensor) -> tf.Tensor:
+    """In a replica context of a strategy: a gradient is finite only if it is on every replica."""
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return flags
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return flags
+    bad = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                             tf.cast(tf.logical_not(flags), tf.float32))
+    return tf.equal(bad, 0.0)
+
+
+def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_nonfinite,
+                 dynamic: bool, growth_interval: int, min_scale: float):
+    """Updates the scale state after a step whose gradient flags are `flags`.
+
+    Every state argument is a variable (tf.Variable or keras.Variable). Call it
+    once per step: in a cross-replica context, or with no strategy.
+    """
+    finite = tf.reduce_all(flags)
+
+    def on_finite():
+        floor_skips.assign(tf.zeros_like(floor_skips))
+        if not dynamic:
+            return
+        counter = tf.cast(good_steps, tf.int64) + 1
+
+        def grow():
+            doubled = tf.convert_to_tensor(scale) * 2.0
+            scale.assign(tf.where(tf.math.is_finite(doubled), doubled, scale))
+            good_steps.assign(tf.zeros_like(good_steps))
+
+        def count():
+            good_steps.assign_add(tf.ones_like(good_steps))
+
+        tf.cond(counter >= growth_interval, grow, count)
+
+    def on_nonfinite():
+        current = tf.convert_to_tensor(scale)
+        bad = tf.cast(tf.reshape(tf.where(tf.logical_not(flags)), [-1]), tf.int32)
+        padded = tf.concat([bad, tf.fill([_BAD_NAMES_KEPT], -1)], 0)[:_BAD_NAMES_KEPT]
+        skipped_steps.assign_add(tf.ones_like(skipped_steps))
+        first_nonfinite.assign(tf.cast(padded, first_nonfinite.dtype))
+        at_floor = current <= min_scale
+        floor_skips.assign(tf.where(at_floor, floor_skips + 1, tf.zeros_like(floor_skips)))
+        good_steps.assign(tf.zeros_like(good_steps))
+        if dynamic:
+            scale.assign(tf.maximum(current / 2.0, min_scale))
+
+    if tf.executing_eagerly():
+        on_finite() if bool(finite) else on_nonfinite()
+    else:
+        tf.cond(finite, on_finite, on_nonfinite)
+    return finite
+
+
+def unscale(grad, scale):
+    """`grad / scale` computed in float32, returned in the gradient's dtype."""
+    if grad is None:
+        return None
+    scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
+    if isinstance(grad, tf.IndexedSlices):
+        values = tf.cast(grad.values, tf.float32) / scale
+        return tf.IndexedSlices(tf.cast(values, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return tf.cast(tf.cast(grad, tf.float32) / scale, grad.dtype)
+
+
+def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
+                    skip_fn: Callable | None = None) -> None:
+    """Calls ``apply_fn(grads)`` if every gradient is finite on every replica.
+
+    Args:
+      grads: this replica's gradients (None entries allowed).
+      apply_fn: the optimizer update, called with each replica's own gradients.
+      update_fn: called once per step with the all-reduced flags (scale update).
+      skip_fn: called instead of `apply_fn` on a non-finite step (e.g. to count
+        ``iterations``); optional.
+    """
+    grads = list(grads)
+    flags = all_reduce_flags(finite_flags(grads))
+    context = tf.distribute.get_replica_context()
+    needs_merge = (tf.distribute.has_strategy() and context is not None
+                   and not tf.__internal__.distribute.strategy_supports_no_merge_call())
+
+    def run(fn, *args):
+        fn(*args)
+
+    def skip():
+        if skip_fn is not None:
+            skip_fn()
+
+    if not needs_merge:
+        if tf.executing_eagerly():
+            if bool(tf.reduce_all(flags)):
+                apply_fn(grads)
+            else:
+                skip()
+        else:
+            tf.cond(tf.reduce_all(flags), lambda: run(apply_fn, grads), skip)
+        update_fn(flags)
+        return
+
+    def cross_replica(distribution, flags, grads):
+        flags = distribution.experimental_local_results(flags)[0]
+
+        def apply():
+            distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
+
+        tf.cond(tf.reduce_all(flags), apply, skip)
+        update_fn(flags)
+
+    context.merge_call(cross_replica, args=(flags, grads))
