@@ -147,13 +147,26 @@ def _check_model(model) -> None:
         raise TypeError(f"tfamp.enable expects a tf_keras.Model, received {kind}{hint}.")
 
 
+def mixed_policy_name(model) -> str | None:
+    """The Keras mixed policy (e.g. "mixed_float16") some layer of `model` runs, or None.
+
+    Works for tf_keras and Keras 3 models: both give every layer a
+    ``dtype_policy`` whose name starts with "mixed_" under a mixed policy.
+    """
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=True)) if callable(flatten) else [model]
+    for layer in layers:
+        name = getattr(getattr(layer, "dtype_policy", None), "name", None)
+        if isinstance(name, str) and name.startswith("mixed_"):
+            return name
+    return None
+
+
 def _check_no_other_mixed_precision(model) -> None:
     policy = keras.mixed_precision.global_policy().name
-    layer_policies = {getattr(layer, "dtype_policy", None) for layer in model.submodules
-                      if isinstance(layer, keras.layers.Layer)}
-    mixed = [p.name for p in layer_policies if p is not None and p.name.startswith("mixed_")]
+    mixed = mixed_policy_name(model)
     if policy.startswith("mixed_") or mixed:
-        name = policy if policy.startswith("mixed_") else mixed[0]
+        name = policy if policy.startswith("mixed_") else mixed
         raise ValueError(
             f"a Keras {name!r} policy is in force and so is tfamp: they would both "
             f"convert the model. Use one: for tfamp, call "
