@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import tensorflow as tf
 import tf_keras as keras
@@ -67,7 +68,8 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
            initial_scale: float = DEFAULT_INITIAL_SCALE,
            growth_interval: int = DEFAULT_GROWTH_INTERVAL,
            min_scale: float = DEFAULT_MIN_SCALE,
-           config: AmpConfig | None = None, check: bool = False):
+           config: AmpConfig | None = None, check: bool = False,
+           verbose: bool | None = None):
     """Turns a tf_keras model's training and inference into mixed precision.
 
     Works before or after ``model.compile``. From then on ``fit``, ``evaluate``,
@@ -84,6 +86,12 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
         (2**15, 2000 good steps, floor 1).
       config: a full AmpConfig (op-list changes, keep_fp32, ...).
       check: validate every rewritten graph (slower; for debugging).
+      verbose: print one line per rewritten function (the ``tfamp`` logger at
+        INFO, to stderr). None (default): yes, unless logging is already
+        configured (the ``tfamp`` or the root logger has a handler), in which
+        case the lines go wherever that configuration sends them. True:
+        always; False: never add tfamp's handler (the lines still reach any
+        handler the application set up). Process-wide, like all logging.
 
     Returns:
       `model` itself.
@@ -95,6 +103,7 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
     """
     _check_model(model)
     _check_no_other_mixed_precision(model)
+    _show_log_lines(verbose)
     config = config or AmpConfig(dtype=dtype)
     if loss_scale == "default":
         loss_scale = "dynamic" if config.dtype == "float16" else None
@@ -136,6 +145,38 @@ def disable(model):
 def is_enabled(model) -> bool:
     """True if `tfamp.enable` is in force on `model`."""
     return getattr(model, "_tfamp_state", None) is not None
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the current ``sys.stderr`` (which may be replaced after enable)."""
+
+    _tfamp = True  # the same mark TFAMP_ENABLE's handler carries
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def _show_log_lines(verbose: bool | None) -> None:
+    """Gives the ``tfamp`` logger a stderr handler at INFO when `verbose` asks for it."""
+    if verbose is False:
+        return
+    if any(getattr(h, "_tfamp", False) for h in log.handlers):
+        return  # already shown (an earlier enable, or TFAMP_ENABLE with its verbosity)
+    if verbose is None and (log.handlers or logging.getLogger().handlers):
+        return  # the application configured logging: respect it
+    log.addHandler(_StderrHandler())
+    log.propagate = False
+    if log.level == logging.NOTSET or (verbose and log.level > logging.INFO):
+        log.setLevel(logging.INFO)  # an explicit quieter level is kept unless verbose=True
 
 
 def _check_model(model) -> None:

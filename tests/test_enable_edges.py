@@ -1,0 +1,97 @@
+"""tfamp.enable(model) where users stumble: log lines, custom loops."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tf_keras as keras
+
+import tfamp
+from tfamp.keras import activation
+
+
+@pytest.fixture
+def tfamp_logger():
+    logger = logging.getLogger("tfamp")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    logger.handlers = [h for h in logger.handlers if not getattr(h, "_tfamp", False)]
+    logger.setLevel(logging.NOTSET)
+    yield logger
+    logger.handlers, level, logger.propagate = saved[0], saved[1], saved[2]
+    logger.setLevel(level)
+
+
+def small_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def data():
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    return x, x[:, :1]
+
+
+ENABLE_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import tf_keras as keras
+    import tfamp
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    tfamp.enable(model)
+    x = np.ones((32, 8), "float32")
+    model.fit(x, x[:, :1], epochs=1, batch_size=16, verbose=0)
+    model.predict(x, verbose=0)
+    print("done")
+""")
+
+
+def test_enable_prints_one_line_per_rewritten_function_by_default(tmp_path):
+    script = tmp_path / "enable.py"
+    script.write_text(ENABLE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, cwd=str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [line for line in result.stderr.splitlines()
+                 if line.startswith("tfamp: ") and " ops -> float16" in line]
+    # fit's train function and predict's function, one line each.
+    assert len(summaries) == 2, result.stderr[-3000:]
+    assert any(line.startswith("tfamp: train_function: ") for line in summaries), summaries
+    assert any(line.startswith("tfamp: predict_function: ") for line in summaries), summaries
+    assert "tfamp: enabled float16 on model" in result.stderr
+
+
+@pytest.mark.parametrize("verbose, shown", [(True, True), (False, False)])
+def test_enable_verbose_controls_the_summary_lines(tfamp_logger, capsys, verbose, shown):
+    model = small_model()
+    tfamp.enable(model, verbose=verbose)
+    model.fit(*data(), epochs=1, batch_size=16, verbose=0)
+    err = capsys.readouterr().err
+    assert ("tfamp: train_function: " in err) is shown, err
+
+
+def test_enable_respects_logging_the_application_configured(tfamp_logger, caplog):
+    # pytest's caplog is a handler on the root logger: logging is configured,
+    # so tfamp adds no handler of its own and the lines go through it.
+    caplog.set_level(logging.INFO, logger="tfamp")
+    model = small_model()
+    tfamp.enable(model)
+    model.fit(*data(), epochs=1, batch_size=16, verbose=0)
+    assert not any(getattr(h, "_tfamp", False) for h in tfamp_logger.handlers)
+    messages = [r.getMessage() for r in caplog.records if r.name == "tfamp"]
+    assert any(m.startswith("tfamp: train_function: ") for m in messages), messages
+
+
+def test_enable_keeps_an_explicitly_quieter_tfamp_level(tfamp_logger, capsys):
+    tfamp_logger.setLevel(logging.WARNING)
+    activation._show_log_lines(None)
+    tfamp_logger.info("tfamp: hidden")
+    assert "tfamp: hidden" not in capsys.readouterr().err
