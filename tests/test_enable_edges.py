@@ -5,9 +5,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
+import tensorflow as tf
 import tf_keras as keras
 
 import tfamp
@@ -95,3 +97,60 @@ def test_enable_keeps_an_explicitly_quieter_tfamp_level(tfamp_logger, capsys):
     activation._show_log_lines(None)
     tfamp_logger.info("tfamp: hidden")
     assert "tfamp: hidden" not in capsys.readouterr().err
+
+
+def custom_step(model, wrap):
+    @wrap
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        return loss, grads
+    return step
+
+
+def record_warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [w for w in caught if "tfamp" in str(w.message)]
+
+
+def test_enabled_model_in_a_plain_tf_function_warns_once_with_the_fix(tfamp_logger):
+    x, y = data()
+    model = small_model()
+    want, _ = custom_step(model, tf.function)(x, y)  # float32, before enable
+    tfamp.enable(model, verbose=False)
+    step = custom_step(model, tf.function)
+    (loss, _), caught = record_warnings(lambda: [step(x, y), step(x * 2, y)][0])
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "runs in float32" in message and f"model {model.name!r}" in message
+    assert "@tfamp.function" in message and "TFAMP_ENABLE=1" in message
+    assert caught[0].filename == __file__  # points at the user's code, not Keras's
+    assert float(loss) == float(want)  # it really did run float32, as the warning says
+
+
+def test_enabled_model_quiet_in_tfamp_function_fit_and_eager_calls(tfamp_logger):
+    x, y = data()
+    model = small_model()
+    tfamp.enable(model, verbose=False)
+    step = custom_step(model, tfamp.function)
+
+    def use():
+        step(x, y)
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        model.predict(x, verbose=0)
+        model(x)
+    _, caught = record_warnings(use)
+    assert caught == []
+    assert step.reports[0].converted.get("MatMul", 0) >= 2
+
+
+def test_disable_removes_the_call_hook(tfamp_logger):
+    x, y = data()
+    model = small_model()
+    tfamp.enable(model, verbose=False)
+    tfamp.disable(model)
+    _, caught = record_warnings(lambda: custom_step(model, tf.function)(x, y))
+    assert caught == [] and "call" not in model.__dict__

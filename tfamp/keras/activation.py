@@ -11,8 +11,12 @@ optimizer it is given. Disabling removes the hooks and unwraps the optimizer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
+import types
+import warnings
+from pathlib import Path
 
 import tensorflow as tf
 import tf_keras as keras
@@ -25,12 +29,13 @@ from tfamp.keras.loss_scale import (
     LossScaleOptimizer,
     validate_settings,
 )
-from tfamp.runtime.runner import RewrittenFunction
+from tfamp.runtime.runner import RewrittenFunction, is_tracing_for_tfamp
 
 log = logging.getLogger("tfamp")
 
 _HOOKED_METHODS = ("compile", "make_train_function", "make_test_function",
-                   "make_predict_function", "train_step", "_validate_and_get_metrics_result")
+                   "make_predict_function", "train_step", "_validate_and_get_metrics_result",
+                   "call")
 _LOG_KEYS = ("loss_scale", "skipped_steps")
 _FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
 
@@ -43,6 +48,7 @@ class _EnabledState:
     growth_interval: int
     min_scale: float
     check: bool
+    warned_custom_loop: bool = False
 
     def wrap_optimizer(self, optimizer):
         if self.loss_scale is None or optimizer is None:
@@ -279,7 +285,22 @@ def _install_hooks(model, state: _EnabledState) -> None:
         if isinstance(optimizer, LossScaleOptimizer):
             optimizer.check_stuck()
 
+    class_call = cls.call
+
+    # A bound method with the class's signature, like the original: Keras
+    # inspects `call` (SavedModel export traces it with its argument names).
+    @functools.wraps(class_call)
+    def call_function(self, *args, **kwargs):
+        if not state.warned_custom_loop and _in_plain_tf_function():
+            state.warned_custom_loop = True
+            warnings.warn(_custom_loop_message(self), UserWarning,
+                          stacklevel=_user_stacklevel())
+        return class_call(self, *args, **kwargs)
+
+    call = types.MethodType(call_function, model)
+
     hooks = {
+        "call": call,
         "compile": compile,
         "train_step": train_step,
         "_validate_and_get_metrics_result": validate_and_get_metrics_result,
@@ -290,6 +311,38 @@ def _install_hooks(model, state: _EnabledState) -> None:
     }
     for name, hook in hooks.items():
         object.__setattr__(model, name, hook)
+
+
+def _in_plain_tf_function() -> bool:
+    """True when tracing a tf.function that tfamp will not rewrite (e.g. the user's step)."""
+    if tf.executing_eagerly() or is_tracing_for_tfamp():
+        return False
+    from tensorflow.python.saved_model import save_context
+
+    return not save_context.in_save_context()  # saving traces call: not a training step
+
+
+def _user_stacklevel() -> int:
+    """The warnings stacklevel of the first frame outside TensorFlow, Keras and tfamp."""
+    library_dirs = tuple(str(Path(m.__file__).parent) for m in (tf, keras)) + (
+        str(Path(__file__).parent.parent),)
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(library_dirs) or "__autograph_generated" in name):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def _custom_loop_message(model) -> str:
+    return (f"tfamp: model {model.name!r} is called inside a tf.function that tfamp does "
+            f"not rewrite (your own training step?), so it runs in float32 there: "
+            f"tfamp.enable(model) converts only Keras's fit/evaluate/predict. For mixed "
+            f"precision in your own loop, decorate the step with @tfamp.function instead "
+            f"of @tf.function and scale the loss with model.optimizer.get_scaled_loss / "
+            f"get_unscaled_gradients (tfamp's LossScaleOptimizer), or run the script with "
+            f"TFAMP_ENABLE=1, which does both for you.")
 
 
 def _replicated(read):

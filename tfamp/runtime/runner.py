@@ -15,9 +15,11 @@ under a new name (an original name is already taken by the original body).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,25 @@ _FUNC_NAME_STRING_ATTRS = frozenset({
     "_forward_function_name", "_backward_function_name",
 })
 _rename_counter = itertools.count()
+_tracing = threading.local()
+
+
+def is_tracing_for_tfamp() -> bool:
+    """True while a ``RewrittenFunction`` traces its function (whose graph tfamp rewrites).
+
+    Lets code that runs at trace time (e.g. an enabled model's call) tell a
+    tfamp-rewritten trace from a plain ``tf.function`` one.
+    """
+    return getattr(_tracing, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _tracing_for_tfamp():
+    _tracing.depth = getattr(_tracing, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _tracing.depth -= 1
 
 
 def rewrite_concrete_function(
@@ -216,7 +237,8 @@ class RewrittenFunction:
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten ConcreteFunction for these arguments (traced if new)."""
-        concrete = self._tf_function.get_concrete_function(*args, **kwargs)
+        with _tracing_for_tfamp():
+            concrete = self._tf_function.get_concrete_function(*args, **kwargs)
         entry = self._rewritten.get(id(concrete))
         if entry is None or entry[0] is not concrete:
             rewritten, report = rewrite_concrete_function(
