@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="show what the mixed-precision rewrite does to a graph",
         epilog="examples:\n  tfamp inspect model.keras                  # training step summary\n"
                "  tfamp inspect model.keras --graph predict --nodes --op MatMul\n"
+               "  tfamp inspect model.keras --import official.nlp.modeling  # custom layers\n"
                "  tfamp inspect saved_model_dir --signature serving_default\n"
                "  tfamp inspect graph.pbtxt --why 'attn/Softmax'\n"
                "  tfamp inspect graph.pb --format html -o graph.html\n"
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--graph", choices=["train", "predict"],
                          help="Keras file: training step (default when saved compiled) or "
                               "forward pass")
+    inspect.add_argument("--import", dest="imports", action="append", default=[],
+                         metavar="MODULE",
+                         help="import MODULE first, e.g. the package that registers a Keras "
+                              "file's custom layers (repeatable)")
     inspect.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     inspect.add_argument("--keep-fp32", action="append", default=[], metavar="REGEX",
                          help="node names matching REGEX stay float32 (repeatable)")
@@ -159,6 +164,7 @@ def _inspect(args) -> int:
     config = _config_from_args(args)
     if args.format == "html" and not args.output:
         raise UserError("--format html writes a page: give its path with -o FILE")
+    _import_modules(args.imports)
     loaded = load_inspectable(Path(args.path), signature=args.signature, graph=args.graph)
     if loaded.report is not None:
         report = loaded.report
@@ -189,6 +195,20 @@ def _inspect(args) -> int:
         text += "\n" + render_nodes(report, op=args.op, name=args.name)
     _emit(text, args.output)
     return 0
+
+
+def _import_modules(names: list[str]) -> None:
+    """Imports each --import MODULE (the current directory is importable, as for python)."""
+    import importlib
+
+    if names and "" not in sys.path:
+        sys.path.insert(0, "")
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise UserError(f"--import {name}: {err}; expected an importable module (check "
+                            f"the spelling, the environment, or PYTHONPATH)") from err
 
 
 def _emit(text: str, output: str | None) -> None:
