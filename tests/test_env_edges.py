@@ -91,3 +91,35 @@ def test_exit_notice_still_warns_when_nothing_was_traced(tmp_path):
     result = run(["-c", "print('eager only')"], tmp_path, TFAMP_ENABLE="1")
     assert result.returncode == 0
     assert "the script traced no tf.function" in result.stderr
+
+
+KERAS3_FIT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import keras
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    y = x[:, :4].sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=int(sys.argv[1]))
+    history = model.fit(x, y, epochs=3, batch_size=32, verbose=0)
+    print(json.dumps({"loss": history.history["loss"]}))
+""")
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_keras3_fit_logs_one_summary_per_rewritten_step(tmp_path, steps_per_execution):
+    script = tmp_path / "fit.py"
+    script.write_text(KERAS3_FIT)
+    reports = tmp_path / "reports"
+    result = run([str(script), str(steps_per_execution)], tmp_path, TFAMP_ENABLE="1",
+                 TFAMP_REPORT_DIR=str(reports))
+    loss = last_json(result)["loss"]
+    assert loss[-1] < loss[0]
+    summaries = [line for line in tfamp_lines(result.stderr) if " ops -> " in line]
+    # The train step, once; not Keras's multi_step_on_iterator wrapped around it.
+    assert len(summaries) == 1, summaries
+    assert "-> float16 (MatMul" in summaries[0]
+    assert not any("multi_step_on_iterator" in line for line in result.stderr.splitlines())
+    assert [p.name for p in reports.glob("*.json")] == ["001_" + summaries[0].split(":")[1]
+                                                       .strip() + ".json"]
