@@ -101,18 +101,19 @@ KERAS3_FIT = textwrap.dedent("""
     y = x[:, :4].sum(axis=1, keepdims=True)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
                               keras.layers.Dense(1)])
-    model.compile(optimizer="adam", loss="mse", steps_per_execution=int(sys.argv[1]))
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=int(sys.argv[1]),
+                  jit_compile=True if sys.argv[2] == "jit" else "auto")
     history = model.fit(x, y, epochs=3, batch_size=32, verbose=0)
     print(json.dumps({"loss": history.history["loss"]}))
 """)
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 4])
-def test_keras3_fit_logs_one_summary_per_rewritten_step(tmp_path, steps_per_execution):
+@pytest.mark.parametrize("steps_per_execution, jit", [(1, "auto"), (4, "auto"), (4, "jit")])
+def test_keras3_fit_logs_one_summary_per_rewritten_step(tmp_path, steps_per_execution, jit):
     script = tmp_path / "fit.py"
     script.write_text(KERAS3_FIT)
     reports = tmp_path / "reports"
-    result = run([str(script), str(steps_per_execution)], tmp_path, TFAMP_ENABLE="1",
+    result = run([str(script), str(steps_per_execution), jit], tmp_path, TFAMP_ENABLE="1",
                  TFAMP_REPORT_DIR=str(reports))
     loss = last_json(result)["loss"]
     assert loss[-1] < loss[0]
