@@ -154,3 +154,40 @@ def test_disable_removes_the_call_hook(tfamp_logger):
     tfamp.disable(model)
     _, caught = record_warnings(lambda: custom_step(model, tf.function)(x, y))
     assert caught == [] and "call" not in model.__dict__
+
+
+MIRRORED_SCRIPT = textwrap.dedent("""
+    import warnings
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_keras as keras
+    import tfamp
+    warnings.simplefilter("always")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    tfamp.enable(model)
+    x = np.ones((64, 8), "float32")
+    model.fit(x, x[:, :1], epochs=1, batch_size=16, verbose=0)
+    print("replicas", strategy.num_replicas_in_sync)
+""")
+
+
+@pytest.mark.slow  # ~20 s: a process with two logical CPUs
+def test_enabled_model_under_mirrored_strategy_does_not_warn(tmp_path):
+    # MirroredStrategy traces each replica in a thread of its own: the replica
+    # threads are still inside tfamp's trace of the train function.
+    script = tmp_path / "mirrored.py"
+    script.write_text(MIRRORED_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, cwd=str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas 2" in result.stdout
+    assert "tfamp: train_function: " in result.stderr
+    assert "is called inside a tf.function that tfamp does not rewrite" not in result.stderr

@@ -48,7 +48,10 @@ _rename_counter = itertools.count()
 # built from rewritten graphs, and originals it found nothing to convert in.
 # (TensorFlow allow-lists function attributes, so no attribute can mark them.)
 _handled_function_names: set[str] = set()
-_tracing = threading.local()
+# How many RewrittenFunction traces are in progress. Process-wide, not per
+# thread: MirroredStrategy traces each replica's step in a thread of its own.
+_tracing_depth = 0
+_tracing_lock = threading.Lock()
 
 
 def is_tracing_for_tfamp() -> bool:
@@ -57,16 +60,19 @@ def is_tracing_for_tfamp() -> bool:
     Lets code that runs at trace time (e.g. an enabled model's call) tell a
     tfamp-rewritten trace from a plain ``tf.function`` one.
     """
-    return getattr(_tracing, "depth", 0) > 0
+    return _tracing_depth > 0
 
 
 @contextlib.contextmanager
 def _tracing_for_tfamp():
-    _tracing.depth = getattr(_tracing, "depth", 0) + 1
+    global _tracing_depth
+    with _tracing_lock:
+        _tracing_depth += 1
     try:
         yield
     finally:
-        _tracing.depth -= 1
+        with _tracing_lock:
+            _tracing_depth -= 1
 
 
 def rewrite_concrete_function(
