@@ -1,8 +1,13 @@
 """Reads what ``tfamp inspect`` can be pointed at.
 
 SavedModel directories (a serving signature), Keras model files (.keras, .h5:
-the training step when saved compiled, else the forward pass), GraphDef files
-(.pb, .pbtxt) and tfamp JSON reports.
+the training step when saved compiled, else the forward pass; Keras 3 and
+tf_keras files alike, told apart by the keras_version the file records),
+GraphDef files (.pb, .pbtxt) and tfamp JSON reports.
+
+A Keras file whose custom classes are not registered in this process fails
+with a message naming the class and the module it was saved from, to pass to
+``tfamp inspect --import MODULE``.
 
 Each reader checks what it was given and raises ``GraphFileError`` saying what
 was expected, what was found and what to do, never a bare protobuf error.

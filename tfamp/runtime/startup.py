@@ -15,6 +15,11 @@ then patches, once:
   scale, the gradients are unscaled in float32, and a step whose gradients are
   not finite is skipped (weights and slots untouched) while the scale adapts.
   Keras's own train steps are marked so they are not scaled twice.
+
+A model that runs a Keras mixed policy (``mixed_float16`` / ``mixed_bfloat16``,
+tf_keras or Keras 3) is left to Keras: tfamp neither rewrites its functions nor
+scales its loss, and says so in one line. The exit notice (nothing was
+rewritten) stays silent after an uncaught exception or such a step-aside.
 """
 
 from __future__ import annotations
