@@ -191,3 +191,37 @@ def test_enabled_model_under_mirrored_strategy_does_not_warn(tmp_path):
     assert "replicas 2" in result.stdout
     assert "tfamp: train_function: " in result.stderr
     assert "is called inside a tf.function that tfamp does not rewrite" not in result.stderr
+
+
+def test_the_fix_the_warning_gives_trains_in_mixed_precision(tfamp_logger):
+    x, y = data()
+
+    def train(enable):
+        model = small_model()
+        if enable:
+            tfamp.enable(model, verbose=False)
+        optimizer = model.optimizer
+        wrap = tfamp.function if enable else tf.function
+
+        @wrap
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+                scaled = optimizer.get_scaled_loss(loss) if enable else loss
+            grads = tape.gradient(scaled, model.trainable_variables)
+            if enable:
+                grads = optimizer.get_unscaled_gradients(grads)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        losses = [float(step(x, y)) for _ in range(30)]
+        return losses, step, optimizer
+
+    (want, _, _), ((got, step, optimizer), caught) = train(False), record_warnings(
+        lambda: train(True))
+    assert caught == []
+    assert type(optimizer).__name__ == "LossScaleOptimizer"
+    assert float(optimizer.loss_scale) == 2.0 ** 15  # no overflow, nothing skipped
+    assert step.reports[0].converted.get("MatMul", 0) >= 4  # forward and backward
+    assert got != want  # 16-bit rounding is visible...
+    np.testing.assert_allclose(got, want, rtol=0.05)  # ...and small
+    assert got[-1] < 0.5 * got[0]
