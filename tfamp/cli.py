@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect", help="show what the mixed-precision rewrite does to a graph",
         epilog="examples:\n  tfamp inspect model.keras                  # training step summary\n"
                "  tfamp inspect model.keras --graph predict --nodes --op MatMul\n"
+               "  tfamp inspect model.keras --import official.nlp.modeling  # custom layers\n"
                "  tfamp inspect saved_model_dir --signature serving_default\n"
                "  tfamp inspect graph.pbtxt --why 'attn/Softmax'\n"
                "  tfamp inspect graph.pb --format html -o graph.html\n"
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--graph", choices=["train", "predict"],
                          help="Keras file: training step (default when saved compiled) or "
                               "forward pass")
+    inspect.add_argument("--import", dest="imports", action="append", default=[],
+                         metavar="MODULE",
+                         help="import MODULE first, e.g. the package that registers a Keras "
+                              "file's custom layers (repeatable)")
     inspect.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     inspect.add_argument("--keep-fp32", action="append", default=[], metavar="REGEX",
                          help="node names matching REGEX stay float32 (repeatable)")
@@ -78,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--why", metavar="NODE",
                          help="explain the decision chain for one node (FUNCTION/NODE for "
                               "library functions)")
+    inspect.add_argument("--full-names", action="store_true",
+                         help="show function names as the graph has them (default: "
+                              "shortened, e.g. __inference__wrapped_model_1428 -> "
+                              "_wrapped_model)")
     inspect.add_argument("--format", choices=["text", "json", "html"], default="text")
     inspect.add_argument("-o", "--output", help="file to write (required with --format html)")
 
@@ -159,6 +168,7 @@ def _inspect(args) -> int:
     config = _config_from_args(args)
     if args.format == "html" and not args.output:
         raise UserError("--format html writes a page: give its path with -o FILE")
+    _import_modules(args.imports)
     loaded = load_inspectable(Path(args.path), signature=args.signature, graph=args.graph)
     if loaded.report is not None:
         report = loaded.report
@@ -171,7 +181,7 @@ def _inspect(args) -> int:
 
         view = build_view(loaded.graph_def) if loaded.graph_def is not None else None
         try:
-            print("\n".join(explain(report, args.why, view)))
+            print("\n".join(explain(report, args.why, view, full_names=args.full_names)))
         except UnknownNodeError as err:
             raise UserError(str(err)) from None
         return 0
@@ -181,14 +191,30 @@ def _inspect(args) -> int:
     if args.format == "html":
         from tfamp.inspect.html_report import render_html
 
-        Path(args.output).write_text(render_html(report, loaded.graph_def))
+        Path(args.output).write_text(render_html(report, loaded.graph_def,
+                                                 full_names=args.full_names))
         print(f"wrote {args.output} ({report.nodes_before} nodes); open it in a browser")
         return 0
     text = render_summary(report, loaded)
     if args.nodes:
-        text += "\n" + render_nodes(report, op=args.op, name=args.name)
+        text += "\n" + render_nodes(report, op=args.op, name=args.name,
+                                     full_names=args.full_names)
     _emit(text, args.output)
     return 0
+
+
+def _import_modules(names: list[str]) -> None:
+    """Imports each --import MODULE (the current directory is importable, as for python)."""
+    import importlib
+
+    if names and "" not in sys.path:
+        sys.path.insert(0, "")
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise UserError(f"--import {name}: {err}; expected an importable module (check "
+                            f"the spelling, the environment, or PYTHONPATH)") from err
 
 
 def _emit(text: str, output: str | None) -> None:
@@ -271,7 +297,8 @@ def _flops_line(report, loaded) -> str:
     return f"{head} {100 * share:.1f}% of {sum(flops.values()):,} counted{tail}"
 
 
-def render_nodes(report, *, op: str = "", name: str = "") -> str:
+def render_nodes(report, *, op: str = "", name: str = "", full_names: bool = False) -> str:
+    from tfamp.inspect.names import short_function_names, shorten_quoted
     from tfamp.rewrite.report import NO_FLOAT_MATH
 
     rows = [n for n in report.nodes
@@ -280,12 +307,15 @@ def render_nodes(report, *, op: str = "", name: str = "") -> str:
         raise UserError(
             f"no node matches op={op!r} name={name!r}; drop the filter or check "
             f"the spelling (the report has {len(report.nodes)} nodes)")
+    shown = ({} if full_names else
+             short_function_names(n.function for n in report.nodes if n.function))
     lines = []
     for n in rows:
-        where = f"{n.function}/" if n.function else ""
+        where = f"{shown.get(n.function, n.function)}/" if n.function else ""
         state = report.dtype if n.converted else (
             "-" if n.reason == NO_FLOAT_MATH else "float32")
-        lines.append(f"  {where}{n.name}  [{n.op}, {n.list}] -> {state}: {n.reason}")
+        reason = shorten_quoted(n.reason, shown)
+        lines.append(f"  {where}{n.name}  [{n.op}, {n.list}] -> {state}: {reason}")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import difflib
 
+from tfamp.inspect.names import short_function_names, shorten_quoted
 from tfamp.rewrite.graph import GraphView
 from tfamp.rewrite.report import NodeReport, RewriteReport
 
@@ -17,9 +18,14 @@ class UnknownNodeError(KeyError):
 
 
 def find_node(report: RewriteReport, name: str) -> NodeReport:
-    """The node called `name` ("function/node" also accepted for library functions)."""
+    """The node called `name` ("function/node" also accepted for library functions).
+
+    The function may be given by its full or its short name (see names.py).
+    """
+    short = short_function_names(n.function for n in report.nodes if n.function)
     matches = [n for n in report.nodes
-               if n.name == name or (n.function and f"{n.function}/{n.name}" == name)]
+               if n.name == name or (n.function and name in (
+                   f"{n.function}/{n.name}", f"{short[n.function]}/{n.name}"))]
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
@@ -33,16 +39,26 @@ def find_node(report: RewriteReport, name: str) -> NodeReport:
     raise UnknownNodeError(f"no node named {name!r} in this graph{hint}")
 
 
-def explain(report: RewriteReport, name: str, view: GraphView | None = None) -> list[str]:
+def explain(report: RewriteReport, name: str, view: GraphView | None = None, *,
+            full_names: bool = False) -> list[str]:
     """Lines explaining the precision of node `name`, cause first.
 
     With the original graph's `view`, the path from the deciding node (a deny
-    op, a 16-bit neighbour) to this node is spelled out op by op.
+    op, a 16-bit neighbour) to this node is spelled out op by op. Function
+    names are shortened (names.py) unless `full_names`.
     """
     node = find_node(report, name)
+    shown = ({} if full_names else
+             short_function_names(n.function for n in report.nodes if n.function))
+
+    def _label(entry: NodeReport) -> str:
+        if not entry.function:
+            return f"'{entry.name}'"
+        return f"'{shown.get(entry.function, entry.function)}/{entry.name}'"
+
     state = report.dtype if node.converted else "float32"
     lines = [f"{node.op} {_label(node)}: list {node.list}; runs in {state}",
-             f"  because: {node.reason}"]
+             f"  because: {shorten_quoted(node.reason, shown)}"]
     seen = {(node.function, node.name)}
     current = node
     while current.cause:
@@ -56,13 +72,9 @@ def explain(report: RewriteReport, name: str, view: GraphView | None = None) -> 
             lines.append(f"  path: {steps}")
         cause_state = report.dtype if cause.converted else "float32"
         lines.append(f"  {cause.op} {_label(cause)} ({cause.list}, {cause_state}): "
-                     f"{cause.reason}")
+                     f"{shorten_quoted(cause.reason, shown)}")
         current = cause
     return lines
-
-
-def _label(node: NodeReport) -> str:
-    return f"'{node.function}/{node.name}'" if node.function else f"'{node.name}'"
 
 
 def _lookup(report: RewriteReport, function: str, name: str) -> NodeReport | None:

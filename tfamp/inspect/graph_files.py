@@ -1,8 +1,13 @@
 """Reads what ``tfamp inspect`` can be pointed at.
 
 SavedModel directories (a serving signature), Keras model files (.keras, .h5:
-the training step when saved compiled, else the forward pass), GraphDef files
-(.pb, .pbtxt) and tfamp JSON reports.
+the training step when saved compiled, else the forward pass; Keras 3 and
+tf_keras files alike, told apart by the keras_version the file records),
+GraphDef files (.pb, .pbtxt) and tfamp JSON reports.
+
+A Keras file whose custom classes are not registered in this process fails
+with a message naming the class and the module it was saved from, to pass to
+``tfamp inspect --import MODULE``.
 
 Each reader checks what it was given and raises ``GraphFileError`` saying what
 was expected, what was found and what to do, never a bare protobuf error.
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zipfile
 from pathlib import Path
 
 from google.protobuf import message, text_format
@@ -116,16 +122,36 @@ def read_saved_model(folder: Path, signature: str | None) -> Inspectable:
 
 
 def read_keras_model(path: Path, graph: str | None) -> Inspectable:
-    import tensorflow as tf
-    import tf_keras as keras
+    """Loads a Keras model file and traces its training step or forward pass.
 
+    The loader is chosen from the file itself: the ``keras_version`` the file
+    records (metadata.json inside a .keras zip, an attribute of an .h5 file)
+    is 3.x for Keras 3 (``keras`` / ``tf.keras``) and 2.x for tf_keras.
+
+    Args:
+      path: a .keras or .h5 file.
+      graph: "train", "predict" or None (train when the model was saved compiled).
+    """
+    import tensorflow as tf
+
+    flavour = keras_flavour(path)
+    if flavour == "keras3":
+        import keras
+    else:
+        import tf_keras as keras
     try:
         model = keras.models.load_model(str(path))
     except Exception as err:  # Keras raises many types for a bad file
+        missing = unregistered_classes(path, flavour)
+        if missing:
+            raise GraphFileError(_unregistered_message(path, missing)) from err
         raise GraphFileError(f"{path} is not a loadable Keras model file "
                              f"({type(err).__name__}: {_first_line(err)})") from err
-    compiled = getattr(model, "optimizer", None) is not None and bool(
-        getattr(model, "compiled_loss", None))
+    if flavour == "keras3":
+        compiled = bool(getattr(model, "compiled", False)) and model.optimizer is not None
+    else:
+        compiled = getattr(model, "optimizer", None) is not None and bool(
+            getattr(model, "compiled_loss", None))
     graph = graph or ("train" if compiled else "predict")
     if graph == "train" and not compiled:
         raise GraphFileError(f"{path} was saved without compile(), so it has no training "
@@ -149,6 +175,95 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
             f"could not trace the training step of {path} with float32 targets shaped like "
             f"the model's outputs ({_first_line(err)}); use --graph predict") from err
     return _from_concrete(f"{path.stem}:train", concrete)
+
+
+def keras_flavour(path: Path) -> str:
+    """"keras3" or "tf_keras": which Keras saved `path`, from its recorded keras_version."""
+    version = _saved_keras_version(path)
+    return "keras3" if version is not None and version.split(".")[0] == "3" else "tf_keras"
+
+
+def _saved_keras_version(path: Path) -> str | None:
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                metadata = json.loads(archive.read("metadata.json"))
+        except (KeyError, ValueError, OSError):
+            return None
+        version = metadata.get("keras_version") if isinstance(metadata, dict) else None
+        return str(version) if version is not None else None
+    config = _h5_attrs(path)
+    version = config.get("keras_version")
+    return version if isinstance(version, str) else None
+
+
+def _h5_attrs(path: Path) -> dict[str, object]:
+    try:
+        import h5py
+
+        with h5py.File(path, "r") as handle:
+            return {k: v.decode() if isinstance(v, bytes) else v
+                    for k, v in handle.attrs.items()}
+    except (ImportError, OSError):
+        return {}
+
+
+def _saved_config(path: Path) -> object:
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                return json.loads(archive.read("config.json"))
+        except (KeyError, ValueError, OSError):
+            return None
+    text = _h5_attrs(path).get("model_config")
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
+def unregistered_classes(path: Path, flavour: str) -> list[tuple[str, str | None]]:
+    """Custom classes the saved config names that this process has not registered.
+
+    Returns:
+      (registered name such as "mypkg>Scale", defining module or None) pairs.
+    """
+    if flavour == "keras3":
+        from keras.saving import get_registered_object
+    else:
+        from tf_keras.saving import get_registered_object
+    missing: dict[str, str | None] = {}
+
+    def walk(value) -> None:
+        if isinstance(value, dict):
+            class_name = value.get("class_name")
+            name = value.get("registered_name")
+            if not isinstance(name, str) and isinstance(class_name, str) and ">" in class_name:
+                name = class_name  # older files: the registered name is the class name
+            module = value.get("module")
+            builtin = isinstance(module, str) and module.split(".")[0] in ("keras", "tf_keras")
+            if (isinstance(name, str) and not builtin and name not in missing
+                    and get_registered_object(name) is None):
+                missing[name] = module if isinstance(module, str) else None
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+
+    walk(_saved_config(path))
+    return list(missing.items())
+
+
+def _unregistered_message(path: Path, missing: list[tuple[str, str | None]]) -> str:
+    name, module = missing[0]
+    class_name = name.split(">")[-1]
+    more = f" (and {len(missing) - 1} more: {', '.join(n for n, _ in missing[1:])})" if (
+        len(missing) > 1) else ""
+    origin = f", saved from module {module!r}" if module else ""
+    return (f"{path}: class {class_name!r} (registered name {name!r}{origin}) is not "
+            f"registered{more}: pass --import {module or '<package>'} (the package that "
+            f"defines and registers it; repeatable) so its classes can be rebuilt")
 
 
 def _first_line(err: BaseException) -> str:

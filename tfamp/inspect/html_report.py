@@ -20,6 +20,7 @@ import json
 import re
 from typing import Any
 
+from tfamp.inspect.names import short_function_names
 from tfamp.rewrite.reasons import KIND_NO_FLOAT, KIND_OTHER, KIND_UNKNOWN_OP, KIND_UNLISTED
 from tfamp.rewrite.report import RewriteReport
 
@@ -85,7 +86,7 @@ def node_category(node) -> str:
     return _KIND_CATEGORY.get(kind, "other")
 
 
-def render_html(report: RewriteReport, graph_def=None) -> str:
+def render_html(report: RewriteReport, graph_def=None, *, full_names: bool = False) -> str:
     """A complete, self-contained HTML page showing what `report`'s rewrite did.
 
     Args:
@@ -93,6 +94,9 @@ def render_html(report: RewriteReport, graph_def=None) -> str:
       graph_def: the ORIGINAL GraphDef the report was made from, for the data
         edges. None (e.g. a report loaded from JSON) draws only the edges the
         inserted Casts imply; nodes are still coloured, grouped and searchable.
+      full_names: label functions with their full graph names instead of the
+        short ones (``__inference__wrapped_model_1428`` -> ``_wrapped_model``;
+        see tfamp/inspect/names.py).
 
     Returns:
       The page as a string (ASCII only): inline CSS, JavaScript and data, no
@@ -100,7 +104,7 @@ def render_html(report: RewriteReport, graph_def=None) -> str:
     """
     if isinstance(report, dict):
         report = RewriteReport.from_dict(report)
-    data = _page_data(report, graph_def)
+    data = _page_data(report, graph_def, full_names=full_names)
     title = f"tfamp: {report.function or 'graph'} -> {report.dtype}"
     values = {
         "TITLE": html.escape(title),
@@ -183,7 +187,7 @@ class _BodyData:
                 "member": member, "edges": flat_edges}
 
 
-def _page_data(report: RewriteReport, graph_def) -> dict:
+def _page_data(report: RewriteReport, graph_def, *, full_names: bool = False) -> dict:
     strings = _Strings()
     bodies: dict[str, _BodyData] = {"": _BodyData("", strings)}
     view = None
@@ -197,6 +201,7 @@ def _page_data(report: RewriteReport, graph_def) -> dict:
         bodies.setdefault(entry.function, _BodyData(entry.function, strings))
     for cast in report.casts:
         bodies.setdefault(cast.function, _BodyData(cast.function, strings))
+    labels = short_function_names(bodies) if not full_names else {}
 
     for entry in report.nodes:
         called = _CALLS.search(entry.reason)
@@ -237,7 +242,8 @@ def _page_data(report: RewriteReport, graph_def) -> dict:
             [key, f"converted to {report.dtype}" if key == "f16" else label, fill, ink]
             for key, label, fill, ink in CATEGORIES],
         "strings": strings.table,
-        "bodies": [body.to_json() for body in bodies.values()],
+        "bodies": [{**body.to_json(), "shown": labels.get(name, name)}
+                   for name, body in bodies.items()],
     }
 
 
@@ -845,7 +851,8 @@ function layered(w, h, edges) {
 
 function Body(raw, index) {
   var self = this, n = raw.items.length, G = raw.groups.length + 1, i, g, p;
-  this.index = index; this.name = raw.name; this.items = raw.items; this.n = n; this.G = G;
+  this.index = index; this.name = raw.name; this.shown = raw.shown || raw.name;
+  this.items = raw.items; this.n = n; this.G = G;
   var total = this.total = n + G;
   this.label = ['']; this.full = ['']; this.part = [0];
   var parent = this.parent = new Int32Array(total);
@@ -993,7 +1000,7 @@ Body.prototype.nodeMarkup = function (id) {
   var it = this.items[id], kind = it[1], cat = CATS[it[2]], w = this.W[id], h = this.H[id];
   var cls = 'n c-' + cat[0] + (kind === 1 ? ' cast' : kind > 1 ? ' io' : '') +
     (this.match[id] ? ' match' : '') + (isSelected(this, id) ? ' sel' : '');
-  var tip = it[0] + '\n' + (kind === 0 ? S[it[3]] + ': ' : '') + S[it[5]];
+  var tip = it[0] + '\n' + (kind === 0 ? S[it[3]] + ': ' + shortNames(S[it[5]]) : S[it[5]]);
   var s = '<g class="' + cls + '" data-node="' + id + '" transform="translate(' +
     fmt(this.X[id]) + ',' + fmt(this.Y[id]) + ')"><title>' + esc(tip) + '</title>';
   if (kind === 0) {
@@ -1255,10 +1262,20 @@ function nodeLink(body, id) {
   return link(text, function () { reveal(body, id); });
 }
 
+// A reason names called functions in quotes: show them by their labels.
+function shortNames(text) {
+  return text.replace(/'([^']+)'/g, function (m, name) {
+    var body = bodyByName[name];
+    return body && body.shown !== name ? "'" + body.shown + "'" : m;
+  });
+}
+
 function functionLink(name) {
   var body = bodyByName[name];
   if (!body) return el('span', 'mono', name);
-  return link(name || '(top graph)', function () { showPanel(body); });
+  var a = link(body.shown || '(top graph)', function () { showPanel(body); });
+  if (body.shown !== name) a.title = name;
+  return a;
 }
 
 function nodeList(body, ids) {
@@ -1297,7 +1314,7 @@ function showDetails(body, id) {
     chip.appendChild(swatch);
     chip.appendChild(document.createTextNode(cat[1]));
     row('Category', chip);
-    row('Reason', S[it[5]]);
+    row('Reason', shortNames(S[it[5]]));
     var cause = S[it[6]];
     row('Cause', !cause ? '-' : body.byName[cause] !== undefined ?
       nodeLink(body, body.byName[cause]) : el('span', 'mono', cause));
@@ -1332,7 +1349,7 @@ function showGroupDetails(body, id) {
   box.textContent = '';
   box.appendChild(el('div', 'dname', body.groupName(g)));
   box.appendChild(el('div', null, body.count[g] + ' nodes in this name scope' +
-    (body.name ? ' of ' + body.name : ' of the top graph')));
+    (body.name ? ' of ' + body.shown : ' of the top graph')));
   var ul = el('ul');
   for (var c = 0; c < nc; c++) {
     var k = body.cats[g * nc + c];
@@ -1368,7 +1385,7 @@ function runSearch() {
   matchList.slice(0, 200).forEach(function (m, q2) {
     var row = el('div', 'res');
     row.appendChild(el('span', 'rn', m[0].items[m[1]][0]));
-    row.appendChild(el('span', 'rf', (m[0].name ? 'function ' + m[0].name : 'top graph') +
+    row.appendChild(el('span', 'rf', (m[0].name ? 'function ' + m[0].shown : 'top graph') +
       (m[0].items[m[1]][1] === 0 ? ' \u00b7 ' + S[m[0].items[m[1]][3]] : '')));
     row.addEventListener('mousedown', function (ev) {
       ev.preventDefault();
@@ -1448,7 +1465,9 @@ function buildPanel(body) {
   fold.title = 'fold / unfold this panel';
   fold.addEventListener('click', function () { body.setOpen(!body.open); });
   head.appendChild(fold);
-  head.appendChild(el('span', 'ptitle', body.name ? 'function ' + body.name : 'Top graph'));
+  var title = el('span', 'ptitle', body.name ? 'function ' + body.shown : 'Top graph');
+  if (body.shown !== body.name) title.title = body.name;
+  head.appendChild(title);
   var meta = el('span', 'pmeta'), ops = 0, casts = 0, conv = body.catTotals[CAT.f16];
   body.items.forEach(function (it) { if (it[1] === 0) ops++; else if (it[1] === 1) casts++; });
   meta.appendChild(document.createTextNode(plural(ops, 'op') + ', ' + conv + ' \u2192 ' +
@@ -1457,7 +1476,7 @@ function buildPanel(body) {
     meta.appendChild(document.createTextNode(' \u00b7 called by '));
     body.callers.slice(0, 3).forEach(function (c, q) {
       if (q) meta.appendChild(document.createTextNode(', '));
-      var a = el('a', null, (c[0].name ? c[0].name + ': ' : '') + c[0].items[c[1]][0]);
+      var a = el('a', null, (c[0].name ? c[0].shown + ': ' : '') + c[0].items[c[1]][0]);
       a.href = '#';
       a.addEventListener('click', function (ev) { ev.preventDefault(); reveal(c[0], c[1]); });
       meta.appendChild(a);

@@ -15,7 +15,12 @@ optimizer it is given. Disabling removes the hooks and unwraps the optimizer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import sys
+import types
+import warnings
+from pathlib import Path
 
 import tensorflow as tf
 import tf_keras as keras
@@ -28,12 +33,13 @@ from tfamp.keras.loss_scale import (
     LossScaleOptimizer,
     validate_settings,
 )
-from tfamp.runtime.runner import RewrittenFunction
+from tfamp.runtime.runner import RewrittenFunction, is_tracing_for_tfamp
 
 log = logging.getLogger("tfamp")
 
 _HOOKED_METHODS = ("compile", "make_train_function", "make_test_function",
-                   "make_predict_function", "train_step", "_validate_and_get_metrics_result")
+                   "make_predict_function", "train_step", "_validate_and_get_metrics_result",
+                   "call")
 _LOG_KEYS = ("loss_scale", "skipped_steps")
 _FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
 
@@ -46,6 +52,7 @@ class _EnabledState:
     growth_interval: int
     min_scale: float
     check: bool
+    warned_custom_loop: bool = False
 
     def wrap_optimizer(self, optimizer):
         if self.loss_scale is None or optimizer is None:
@@ -71,7 +78,8 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
            initial_scale: float = DEFAULT_INITIAL_SCALE,
            growth_interval: int = DEFAULT_GROWTH_INTERVAL,
            min_scale: float = DEFAULT_MIN_SCALE,
-           config: AmpConfig | None = None, check: bool = False):
+           config: AmpConfig | None = None, check: bool = False,
+           verbose: bool | None = None):
     """Turns a Keras model's training and inference into mixed precision.
 
     Works before or after ``model.compile``. From then on ``fit``, ``evaluate``,
@@ -89,6 +97,12 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
         (2**15, 2000 good steps, floor 1).
       config: a full AmpConfig (op-list changes, keep_fp32, ...).
       check: validate every rewritten graph (slower; for debugging).
+      verbose: print one line per rewritten function (the ``tfamp`` logger at
+        INFO, to stderr). None (default): yes, unless logging is already
+        configured (the ``tfamp`` or the root logger has a handler), in which
+        case the lines go wherever that configuration sends them. True:
+        always; False: never add tfamp's handler (the lines still reach any
+        handler the application set up). Process-wide, like all logging.
 
     Returns:
       `model` itself.
@@ -99,6 +113,7 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
       >>> model.fit(x, y, epochs=3)      # history has loss_scale, skipped_steps
     """
     keras3 = _check_model(model)
+    _show_log_lines(verbose)
     config = config or AmpConfig(dtype=dtype)
     if loss_scale == "default":
         loss_scale = "dynamic" if config.dtype == "float16" else None
@@ -151,6 +166,38 @@ def is_enabled(model) -> bool:
     return getattr(model, "_tfamp_state", None) is not None
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to the current ``sys.stderr`` (which may be replaced after enable)."""
+
+    _tfamp = True  # the same mark TFAMP_ENABLE's handler carries
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def _show_log_lines(verbose: bool | None) -> None:
+    """Gives the ``tfamp`` logger a stderr handler at INFO when `verbose` asks for it."""
+    if verbose is False:
+        return
+    if any(getattr(h, "_tfamp", False) for h in log.handlers):
+        return  # already shown (an earlier enable, or TFAMP_ENABLE with its verbosity)
+    if verbose is None and (log.handlers or logging.getLogger().handlers):
+        return  # the application configured logging: respect it
+    log.addHandler(_StderrHandler())
+    log.propagate = False
+    if log.level == logging.NOTSET or (verbose and log.level > logging.INFO):
+        log.setLevel(logging.INFO)  # an explicit quieter level is kept unless verbose=True
+
+
 def _check_model(model):
     """Returns None for a tf_keras model, the Keras 3 hooks module for a Keras 3 one."""
     if isinstance(model, keras.Model):
@@ -182,13 +229,26 @@ def _keras3_module():
     return hooks
 
 
+def mixed_policy_name(model) -> str | None:
+    """The Keras mixed policy (e.g. "mixed_float16") some layer of `model` runs, or None.
+
+    Works for tf_keras and Keras 3 models: both give every layer a
+    ``dtype_policy`` whose name starts with "mixed_" under a mixed policy.
+    """
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=True)) if callable(flatten) else [model]
+    for layer in layers:
+        name = getattr(getattr(layer, "dtype_policy", None), "name", None)
+        if isinstance(name, str) and name.startswith("mixed_"):
+            return name
+    return None
+
+
 def _check_no_other_mixed_precision(model) -> None:
     policy = keras.mixed_precision.global_policy().name
-    layer_policies = {getattr(layer, "dtype_policy", None) for layer in model.submodules
-                      if isinstance(layer, keras.layers.Layer)}
-    mixed = [p.name for p in layer_policies if p is not None and p.name.startswith("mixed_")]
+    mixed = mixed_policy_name(model)
     if policy.startswith("mixed_") or mixed:
-        name = policy if policy.startswith("mixed_") else mixed[0]
+        name = policy if policy.startswith("mixed_") else mixed
         raise ValueError(
             f"a Keras {name!r} policy is in force and so is tfamp: they would both "
             f"convert the model. Use one: for tfamp, call "
@@ -260,7 +320,22 @@ def _install_hooks(model, state: _EnabledState) -> None:
         if isinstance(optimizer, LossScaleOptimizer):
             optimizer.check_stuck()
 
+    class_call = cls.call
+
+    # A bound method with the class's signature, like the original: Keras
+    # inspects `call` (SavedModel export traces it with its argument names).
+    @functools.wraps(class_call)
+    def call_function(self, *args, **kwargs):
+        if not state.warned_custom_loop and _in_plain_tf_function():
+            state.warned_custom_loop = True
+            warnings.warn(_custom_loop_message(self), UserWarning,
+                          stacklevel=_user_stacklevel())
+        return class_call(self, *args, **kwargs)
+
+    call = types.MethodType(call_function, model)
+
     hooks = {
+        "call": call,
         "compile": compile,
         "train_step": train_step,
         "_validate_and_get_metrics_result": validate_and_get_metrics_result,
@@ -271,6 +346,38 @@ def _install_hooks(model, state: _EnabledState) -> None:
     }
     for name, hook in hooks.items():
         object.__setattr__(model, name, hook)
+
+
+def _in_plain_tf_function() -> bool:
+    """True when tracing a tf.function that tfamp will not rewrite (e.g. the user's step)."""
+    if tf.executing_eagerly() or is_tracing_for_tfamp():
+        return False
+    from tensorflow.python.saved_model import save_context
+
+    return not save_context.in_save_context()  # saving traces call: not a training step
+
+
+def _user_stacklevel() -> int:
+    """The warnings stacklevel of the first frame outside TensorFlow, Keras and tfamp."""
+    library_dirs = tuple(str(Path(m.__file__).parent) for m in (tf, keras)) + (
+        str(Path(__file__).parent.parent),)
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(library_dirs) or "__autograph_generated" in name):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def _custom_loop_message(model) -> str:
+    return (f"tfamp: model {model.name!r} is called inside a tf.function that tfamp does "
+            f"not rewrite (your own training step?), so it runs in float32 there: "
+            f"tfamp.enable(model) converts only Keras's fit/evaluate/predict. For mixed "
+            f"precision in your own loop, decorate the step with @tfamp.function instead "
+            f"of @tf.function and scale the loss with model.optimizer.get_scaled_loss / "
+            f"get_unscaled_gradients (tfamp's LossScaleOptimizer), or run the script with "
+            f"TFAMP_ENABLE=1, which does both for you.")
 
 
 def _replicated(read):

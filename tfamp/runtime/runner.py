@@ -15,9 +15,11 @@ under a new name (an original name is already taken by the original body).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,35 @@ _FUNC_NAME_STRING_ATTRS = frozenset({
     "_forward_function_name", "_backward_function_name",
 })
 _rename_counter = itertools.count()
+# Names of the FunctionDefs tfamp has already handled in this process: the ones it
+# built from rewritten graphs, and originals it found nothing to convert in.
+# (TensorFlow allow-lists function attributes, so no attribute can mark them.)
+_handled_function_names: set[str] = set()
+# How many RewrittenFunction traces are in progress. Process-wide, not per
+# thread: MirroredStrategy traces each replica's step in a thread of its own.
+_tracing_depth = 0
+_tracing_lock = threading.Lock()
+
+
+def is_tracing_for_tfamp() -> bool:
+    """True while a ``RewrittenFunction`` traces its function (whose graph tfamp rewrites).
+
+    Lets code that runs at trace time (e.g. an enabled model's call) tell a
+    tfamp-rewritten trace from a plain ``tf.function`` one.
+    """
+    return _tracing_depth > 0
+
+
+@contextlib.contextmanager
+def _tracing_for_tfamp():
+    global _tracing_depth
+    with _tracing_lock:
+        _tracing_depth += 1
+    try:
+        yield
+    finally:
+        with _tracing_lock:
+            _tracing_depth -= 1
 
 
 def rewrite_concrete_function(
@@ -160,6 +191,53 @@ def _import_as_func_graph(graph_def: graph_pb2.GraphDef, old) -> func_graph_lib.
     return new
 
 
+def _function_name(concrete) -> str:
+    name = concrete.name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def only_calls_handled_functions(graph, config: AmpConfig) -> bool:
+    """True if `graph` calls a function tfamp already handled and has no allow-list op.
+
+    Args:
+      graph: a FuncGraph (a traced tf.function body).
+      config: the rewrite settings (their allow list decides what could convert).
+
+    The graph's own nodes and every library function it reaches, except the
+    handled ones, are searched for an allow-list op: with none, rewriting the
+    graph again would convert nothing and only log an empty summary.
+    """
+    called = getattr(graph, "_functions", {})
+    if not any(name in _handled_function_names for name in called):
+        return False  # the common case, decided without serialising the graph
+    graph_def = graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    allow = config.op_lists.allow
+    seen: set[str] = set()
+    calls_handled = False
+    pending = [list(graph_def.node)]
+    while pending:
+        for node in pending.pop():
+            if node.op in allow:
+                return False
+            for name in _called_names(node, library):
+                if name in _handled_function_names:
+                    calls_handled = True
+                elif name not in seen:
+                    seen.add(name)
+                    pending.append(list(library[name].node_def))
+    return calls_handled
+
+
+def _called_names(node, library) -> list[str]:
+    names = [node.op] if node.op in library else []
+    for value in node.attr.values():
+        if value.HasField("func"):
+            names.append(value.func.name)
+        names.extend(f.name for f in value.list.func)
+    return [n for n in names if n in library]
+
+
 class RewrittenFunction:
     """A tf.function whose every concrete function runs tfamp-rewritten.
 
@@ -197,7 +275,7 @@ class RewrittenFunction:
 
     @property
     def reports(self) -> list[RewriteReport]:
-        return [report for _, _, report in self._rewritten.values()]
+        return [report for _, _, report in self._rewritten.values() if report is not None]
 
     @property
     def python_function(self) -> Callable:
@@ -216,13 +294,24 @@ class RewrittenFunction:
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten ConcreteFunction for these arguments (traced if new)."""
-        concrete = self._tf_function.get_concrete_function(*args, **kwargs)
+        with _tracing_for_tfamp():
+            concrete = self._tf_function.get_concrete_function(*args, **kwargs)
         entry = self._rewritten.get(id(concrete))
         if entry is None or entry[0] is not concrete:
+            if only_calls_handled_functions(concrete.graph, self._config):
+                # e.g. Keras 3's multi_step_on_iterator around the rewritten step:
+                # nothing of its own to convert, so no second rewrite or log line.
+                log.debug("tfamp: %s only calls functions tfamp already rewrote; run as "
+                          "traced", _display_name(concrete.graph.name))
+                _handled_function_names.add(_function_name(concrete))
+                entry = (concrete, concrete, None)
+                self._rewritten[id(concrete)] = entry
+                return concrete
             rewritten, report = rewrite_concrete_function(
                 concrete, self._config, check=self._check)
             if not report.converted:
                 rewritten = concrete  # nothing to gain: run the original as traced
+            _handled_function_names.add(_function_name(rewritten))
             entry = (concrete, rewritten, report)
             self._rewritten[id(concrete)] = entry
             if self._on_report is not None:

@@ -9,8 +9,9 @@ then patches, once:
   (Keras fit/evaluate/predict and the user's own; tf.data builds its functions
   without the public ``tf.function``, so pipelines are left alone);
 * ``Model.compile`` of tf_keras and of Keras 3 calls ``tfamp.enable`` (tfamp's
-  loss-scale optimizer for each); a Keras 3 model that already uses Keras's
-  own mixed precision (a ``mixed_*`` policy or ``LossScaleOptimizer``) keeps it;
+  loss-scale optimizer for each); a Keras 3 model compiled with Keras's own
+  ``LossScaleOptimizer`` keeps it (its graphs are rewritten, its loss scaling
+  stays Keras's);
 * ``tf.GradientTape.gradient`` and the optimizers' ``apply_gradients`` (tf_keras)
   / ``apply`` (Keras 3), for custom training loops: backprop of a scalar loss
   is seeded with the loss scale, the gradients are unscaled in float32, and a
@@ -21,6 +22,11 @@ Loss scaling happens exactly once: a loss a loss-scale optimizer's
 ``scale_loss`` returned is marked and the tape leaves it alone; the inner
 optimizer of a loss-scale optimizer is marked and the apply patch leaves it
 alone (see ``tfamp.keras.loss_scale3``).
+
+A model that runs a Keras mixed policy (``mixed_float16`` / ``mixed_bfloat16``,
+tf_keras or Keras 3) is left to Keras: tfamp neither rewrites its functions nor
+scales its loss, and says so in one line. The exit notice (nothing was
+rewritten) stays silent after an uncaught exception or such a step-aside.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ class _Activation:
         self.report_files = 0
         self.no_tape_scaling = threading.local()
         self.scale_state = None  # created on first use, outside any trace
+        # Set while a model that runs a Keras mixed policy builds its functions:
+        # tf.function is then Keras's own (see _patch_keras_mixed_policies).
+        self.stepping_aside = threading.local()
+        self.stepped_aside: list[str] = []  # model names, for the exit notice
 
 
 _active: _Activation | None = None
@@ -85,6 +95,7 @@ def activate(environ=None, *, from_startup_hook: bool = False) -> bool:
     _patch_tf_function(_active)
     _patch_tf_keras(_active)
     _patch_keras3(_active)
+    _patch_keras_mixed_policies(_active)
     _patch_custom_loops(_active)
     _note_hardware()
     atexit.register(_exit_notice, _active)
@@ -118,6 +129,8 @@ def _patch_tf_function(active: _Activation) -> None:
             return lambda f: function(f, **kwargs)
         if isinstance(func, RewrittenFunction):
             return func
+        if getattr(active.stepping_aside, "on", False):
+            return original(func, **kwargs)
         return RewrittenFunction(original(func, **kwargs), active.settings.config,
                                  on_report=on_report)
 
@@ -159,6 +172,8 @@ def _patch_tf_keras(active: _Activation) -> None:
     @functools.wraps(original)
     def compile(self, *args, **kwargs):  # noqa: A001
         result = original(self, *args, **kwargs)
+        if activation.mixed_policy_name(self) is not None:
+            return result  # Keras's policy trains it: see _patch_keras_mixed_policies
         if not activation.is_enabled(self):
             activation.enable(self, config=active.settings.config,
                               loss_scale=active.settings.loss_scale)
@@ -173,9 +188,9 @@ def _patch_keras3(active: _Activation) -> None:
     ``Trainer.compile`` itself is patched, not ``keras.Model.compile``: Keras's
     loader only compiles a model from its saved config when ``compile`` is the
     base class's (a patched subclass attribute made it skip compiling, and so
-    drop the optimizer state). A model that already uses Keras's own mixed
-    precision (a ``mixed_*`` policy or Keras's ``LossScaleOptimizer``) keeps it:
-    its graphs are rewritten, its loss scaling stays Keras's.
+    drop the optimizer state). A model compiled with Keras's own
+    ``LossScaleOptimizer`` keeps it: its graphs are rewritten, its loss scaling
+    stays Keras's. A model under a Keras mixed policy is left to Keras entirely.
     """
     try:
         import keras
@@ -199,7 +214,9 @@ def _patch_keras3(active: _Activation) -> None:
     def compile(self, *args, **kwargs):  # noqa: A001
         result = original_compile(self, *args, **kwargs)
         if isinstance(self, keras.Model) and not activation.is_enabled(self):
-            if keras3_hooks.uses_keras_mixed_precision(self):
+            if activation.mixed_policy_name(self) is not None:
+                pass  # Keras's policy trains it: see _patch_keras_mixed_policies
+            elif keras3_hooks.uses_keras_mixed_precision(self):
                 log.info("tfamp: model %r uses Keras's own mixed precision (a mixed policy "
                          "or LossScaleOptimizer): tfamp rewrites its graphs and leaves loss "
                          "scaling to Keras.", self.name)
@@ -241,6 +258,79 @@ def _keras_scales_itself(active: _Activation):
         yield
     finally:
         active.no_tape_scaling.on = previous
+
+
+def _patch_keras_mixed_policies(active: _Activation) -> None:
+    """tfamp steps aside for a model that runs a Keras mixed policy.
+
+    Such a model already computes in 16-bit with Keras's own loss scaling
+    (``mixed_float16`` wraps its optimizer in Keras's LossScaleOptimizer), so
+    its train / test / predict functions are built with the plain tf.function
+    (not rewritten) and its train step is marked as scaling itself (the tape
+    does not scale again). One log line per model says so.
+    """
+    from tfamp.keras.activation import mixed_policy_name
+
+    classes = []
+    try:
+        import tf_keras
+
+        classes.append(tf_keras.Model)
+    except ImportError:
+        pass
+    try:
+        import keras
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+
+        if getattr(keras, "__version__", "0").startswith("3"):
+            classes.append(tf_trainer.TensorFlowTrainer)
+    except ImportError:
+        pass
+
+    def step_aside(model) -> bool:
+        policy = mixed_policy_name(model)
+        if policy is None:
+            return False
+        if not getattr(model, "_tfamp_stepped_aside", False):
+            object.__setattr__(model, "_tfamp_stepped_aside", True)
+            active.stepped_aside.append(model.name)
+            log.warning("tfamp: model %r runs Keras's %r policy, so tfamp steps aside for "
+                        "it: Keras's own mixed precision and loss scaling train it, tfamp "
+                        "neither rewrites nor scales it (for tfamp instead, set the policy "
+                        "to 'float32').", model.name, policy)
+        return True
+
+    def patch_maker(model_class, maker_name: str) -> None:
+        original = getattr(model_class, maker_name)
+
+        @functools.wraps(original)
+        def make(self, *args, **kwargs):
+            if not step_aside(self):
+                return original(self, *args, **kwargs)
+            previous = getattr(active.stepping_aside, "on", False)
+            active.stepping_aside.on = True
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                active.stepping_aside.on = previous
+
+        setattr(model_class, maker_name, make)
+
+    for model_class in classes:
+        for maker_name in ("make_train_function", "make_test_function",
+                           "make_predict_function"):
+            patch_maker(model_class, maker_name)
+        if model_class.__module__.startswith("tf_keras"):
+            original_step = model_class.train_step
+
+            @functools.wraps(original_step)
+            def train_step(self, data, _original=original_step):
+                if getattr(self, "_tfamp_stepped_aside", False):
+                    with _keras_scales_itself(active):
+                        return _original(self, data)
+                return _original(self, data)
+
+            model_class.train_step = train_step
 
 
 # -- custom training loops --------------------------------------------------------
@@ -447,9 +537,11 @@ def _note_hardware() -> None:
 
 
 def _exit_notice(active: _Activation) -> None:
+    if getattr(sys, "last_value", None) is not None:
+        return  # the script died of an uncaught exception: its traceback is the news
     converted = sum(sum(r.converted.values()) for r in active.reports)
-    if converted:
-        return
+    if converted or active.stepped_aside:
+        return  # a model that stepped aside was announced when it did
     if not active.reports:
         log.warning("tfamp: TFAMP_ENABLE is on but the script traced no tf.function, so "
                     "nothing was rewritten: eager code runs as written. Wrap the training "

@@ -1,0 +1,227 @@
+"""tfamp.enable(model) where users stumble: log lines, custom loops."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import tfamp
+from tfamp.keras import activation
+
+
+@pytest.fixture
+def tfamp_logger():
+    logger = logging.getLogger("tfamp")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    logger.handlers = [h for h in logger.handlers if not getattr(h, "_tfamp", False)]
+    logger.setLevel(logging.NOTSET)
+    yield logger
+    logger.handlers, level, logger.propagate = saved[0], saved[1], saved[2]
+    logger.setLevel(level)
+
+
+def small_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+def data():
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    return x, x[:, :1]
+
+
+ENABLE_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import tf_keras as keras
+    import tfamp
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    tfamp.enable(model)
+    x = np.ones((32, 8), "float32")
+    model.fit(x, x[:, :1], epochs=1, batch_size=16, verbose=0)
+    model.predict(x, verbose=0)
+    print("done")
+""")
+
+
+def test_enable_prints_one_line_per_rewritten_function_by_default(tmp_path):
+    script = tmp_path / "enable.py"
+    script.write_text(ENABLE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, cwd=str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [line for line in result.stderr.splitlines()
+                 if line.startswith("tfamp: ") and " ops -> float16" in line]
+    # fit's train function and predict's function, one line each.
+    assert len(summaries) == 2, result.stderr[-3000:]
+    assert any(line.startswith("tfamp: train_function: ") for line in summaries), summaries
+    assert any(line.startswith("tfamp: predict_function: ") for line in summaries), summaries
+    assert "tfamp: enabled float16 on model" in result.stderr
+
+
+@pytest.mark.parametrize("verbose, shown", [(True, True), (False, False)])
+def test_enable_verbose_controls_the_summary_lines(tfamp_logger, capsys, verbose, shown):
+    model = small_model()
+    tfamp.enable(model, verbose=verbose)
+    model.fit(*data(), epochs=1, batch_size=16, verbose=0)
+    err = capsys.readouterr().err
+    assert ("tfamp: train_function: " in err) is shown, err
+
+
+def test_enable_respects_logging_the_application_configured(tfamp_logger, caplog):
+    # pytest's caplog is a handler on the root logger: logging is configured,
+    # so tfamp adds no handler of its own and the lines go through it.
+    caplog.set_level(logging.INFO, logger="tfamp")
+    model = small_model()
+    tfamp.enable(model)
+    model.fit(*data(), epochs=1, batch_size=16, verbose=0)
+    assert not any(getattr(h, "_tfamp", False) for h in tfamp_logger.handlers)
+    messages = [r.getMessage() for r in caplog.records if r.name == "tfamp"]
+    assert any(m.startswith("tfamp: train_function: ") for m in messages), messages
+
+
+def test_enable_keeps_an_explicitly_quieter_tfamp_level(tfamp_logger, capsys):
+    tfamp_logger.setLevel(logging.WARNING)
+    activation._show_log_lines(None)
+    tfamp_logger.info("tfamp: hidden")
+    assert "tfamp: hidden" not in capsys.readouterr().err
+
+
+def custom_step(model, wrap):
+    @wrap
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        return loss, grads
+    return step
+
+
+def record_warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [w for w in caught if "tfamp" in str(w.message)]
+
+
+def test_enabled_model_in_a_plain_tf_function_warns_once_with_the_fix(tfamp_logger):
+    x, y = data()
+    model = small_model()
+    want, _ = custom_step(model, tf.function)(x, y)  # float32, before enable
+    tfamp.enable(model, verbose=False)
+    step = custom_step(model, tf.function)
+    (loss, _), caught = record_warnings(lambda: [step(x, y), step(x * 2, y)][0])
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "runs in float32" in message and f"model {model.name!r}" in message
+    assert "@tfamp.function" in message and "TFAMP_ENABLE=1" in message
+    assert caught[0].filename == __file__  # points at the user's code, not Keras's
+    assert float(loss) == float(want)  # it really did run float32, as the warning says
+
+
+def test_enabled_model_quiet_in_tfamp_function_fit_and_eager_calls(tfamp_logger):
+    x, y = data()
+    model = small_model()
+    tfamp.enable(model, verbose=False)
+    step = custom_step(model, tfamp.function)
+
+    def use():
+        step(x, y)
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        model.predict(x, verbose=0)
+        model(x)
+    _, caught = record_warnings(use)
+    assert caught == []
+    assert step.reports[0].converted.get("MatMul", 0) >= 2
+
+
+def test_disable_removes_the_call_hook(tfamp_logger):
+    x, y = data()
+    model = small_model()
+    tfamp.enable(model, verbose=False)
+    tfamp.disable(model)
+    _, caught = record_warnings(lambda: custom_step(model, tf.function)(x, y))
+    assert caught == [] and "call" not in model.__dict__
+
+
+MIRRORED_SCRIPT = textwrap.dedent("""
+    import warnings
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import tf_keras as keras
+    import tfamp
+    warnings.simplefilter("always")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    tfamp.enable(model)
+    x = np.ones((64, 8), "float32")
+    model.fit(x, x[:, :1], epochs=1, batch_size=16, verbose=0)
+    print("replicas", strategy.num_replicas_in_sync)
+""")
+
+
+@pytest.mark.slow  # ~20 s: a process with two logical CPUs
+def test_enabled_model_under_mirrored_strategy_does_not_warn(tmp_path):
+    # MirroredStrategy traces each replica in a thread of its own: the replica
+    # threads are still inside tfamp's trace of the train function.
+    script = tmp_path / "mirrored.py"
+    script.write_text(MIRRORED_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, cwd=str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replicas 2" in result.stdout
+    assert "tfamp: train_function: " in result.stderr
+    assert "is called inside a tf.function that tfamp does not rewrite" not in result.stderr
+
+
+def test_the_fix_the_warning_gives_trains_in_mixed_precision(tfamp_logger):
+    x, y = data()
+
+    def train(enable):
+        model = small_model()
+        if enable:
+            tfamp.enable(model, verbose=False)
+        optimizer = model.optimizer
+        wrap = tfamp.function if enable else tf.function
+
+        @wrap
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+                scaled = optimizer.get_scaled_loss(loss) if enable else loss
+            grads = tape.gradient(scaled, model.trainable_variables)
+            if enable:
+                grads = optimizer.get_unscaled_gradients(grads)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        losses = [float(step(x, y)) for _ in range(30)]
+        return losses, step, optimizer
+
+    (want, _, _), ((got, step, optimizer), caught) = train(False), record_warnings(
+        lambda: train(True))
+    assert caught == []
+    assert type(optimizer).__name__ == "LossScaleOptimizer"
+    assert float(optimizer.loss_scale) == 2.0 ** 15  # no overflow, nothing skipped
+    assert step.reports[0].converted.get("MatMul", 0) >= 4  # forward and backward
+    assert got != want  # 16-bit rounding is visible...
+    np.testing.assert_allclose(got, want, rtol=0.05)  # ...and small
+    assert got[-1] < 0.5 * got[0]

@@ -1,0 +1,126 @@
+"""TFAMP_ENABLE=1 next to what a script already does (subprocesses, as a user runs them).
+
+These need tfamp *installed* (the start-up hook lives in site-packages), as
+``bash scripts/setup.sh`` does.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed_hook():
+    hook = Path(sysconfig.get_paths()["purelib"]) / "tfamp_startup.pth"
+    assert hook.is_file(), f"tfamp's start-up hook is not installed at {hook}; run setup.sh"
+
+
+def run(args, tmp_path, **env):
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    environment.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": "", **env})
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=600, env=environment, cwd=str(tmp_path))
+
+
+def last_json(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def tfamp_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("tfamp:")
+            and "no GPU with fast 16-bit math" not in line]
+
+
+MIXED_POLICY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    if sys.argv[1] == "tf_keras":
+        import tf_keras as keras
+    else:
+        import keras
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    y = x[:, :4].sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    history = model.fit(x, y, epochs=3, batch_size=64, verbose=0)
+    scale = model.optimizer.loss_scale if sys.argv[1] == "tf_keras" else (
+        model.optimizer.dynamic_scale)
+    print(json.dumps({"loss": history.history["loss"], "scale": float(scale.numpy()),
+                      "optimizer": type(model.optimizer).__name__,
+                      "pred": model.predict(x[:4], verbose=0).ravel().tolist()}))
+""")
+
+
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
+def test_keras_mixed_policy_under_tfamp_enable_trains_as_keras_alone(tmp_path, flavour):
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED_POLICY_SCRIPT)
+    plain = last_json(run([str(script), flavour], tmp_path))
+    result = run([str(script), flavour], tmp_path, TFAMP_ENABLE="1")
+    amp = last_json(result)
+    # Keras's own mixed precision and loss scale, untouched: the same numbers exactly.
+    assert amp == plain
+    assert "LossScaleOptimizer" in amp["optimizer"] and amp["scale"] >= 2 ** 14
+    lines = tfamp_lines(result.stderr)
+    assert len(lines) == 1, lines
+    assert "model 'sequential' runs Keras's 'mixed_float16' policy" in lines[0]
+    assert "tfamp steps aside" in lines[0]
+
+
+def test_exit_notice_is_silent_after_a_crash(tmp_path):
+    # A crash before any tf.function: the notice "traced no tf.function" would
+    # be true, but after a traceback it is noise.
+    script = "import tensorflow as tf\nraise RuntimeError('the script fails early')\n"
+    result = run(["-c", script], tmp_path, TFAMP_ENABLE="1")
+    assert result.returncode == 1
+    assert "RuntimeError: the script fails early" in result.stderr
+    assert "TFAMP_ENABLE is on but" not in result.stderr
+
+
+def test_exit_notice_still_warns_when_nothing_was_traced(tmp_path):
+    result = run(["-c", "print('eager only')"], tmp_path, TFAMP_ENABLE="1")
+    assert result.returncode == 0
+    assert "the script traced no tf.function" in result.stderr
+
+
+KERAS3_FIT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import keras
+    x = np.random.default_rng(0).normal(size=(256, 16)).astype("float32")
+    y = x[:, :4].sum(axis=1, keepdims=True)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse", steps_per_execution=int(sys.argv[1]),
+                  jit_compile=True if sys.argv[2] == "jit" else "auto")
+    history = model.fit(x, y, epochs=3, batch_size=32, verbose=0)
+    print(json.dumps({"loss": history.history["loss"]}))
+""")
+
+
+@pytest.mark.parametrize("steps_per_execution, jit", [(1, "auto"), (4, "auto"), (4, "jit")])
+def test_keras3_fit_logs_one_summary_per_rewritten_step(tmp_path, steps_per_execution, jit):
+    script = tmp_path / "fit.py"
+    script.write_text(KERAS3_FIT)
+    reports = tmp_path / "reports"
+    result = run([str(script), str(steps_per_execution), jit], tmp_path, TFAMP_ENABLE="1",
+                 TFAMP_REPORT_DIR=str(reports))
+    loss = last_json(result)["loss"]
+    assert loss[-1] < loss[0]
+    summaries = [line for line in tfamp_lines(result.stderr) if " ops -> " in line]
+    # The train step, once; not Keras's multi_step_on_iterator wrapped around it.
+    assert len(summaries) == 1, summaries
+    assert "-> float16 (MatMul" in summaries[0]
+    assert not any("multi_step_on_iterator" in line for line in result.stderr.splitlines())
+    assert [p.name for p in reports.glob("*.json")] == ["001_" + summaries[0].split(":")[1]
+                                                       .strip() + ".json"]
