@@ -150,7 +150,7 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     instrumented, checked = _instrument(rewritten, body)
     flat_args = [a for a in tf.nest.flatten(args) if a is not None]
     try:
-        _run_imported(concrete, instrumented, [t.name for t in old.outputs], flat_args)
+        run_imported(concrete, instrumented, [t.name for t in old.outputs], flat_args)
         return None
     except tf.errors.InvalidArgumentError as err:
         found = _MESSAGE.search(err.message or "")
@@ -162,7 +162,7 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     node_def = body.nodes[node].node_def
     input_names = [i if ":" in i else f"{i}:0" for i in node_def.input
                    if not i.startswith("^")]
-    input_values = _run_imported(concrete, rewritten, input_names, flat_args) \
+    input_values = run_imported(concrete, rewritten, input_names, flat_args) \
         if input_names else []
     inputs = tuple(_magnitude(name, value_) for name, value_ in zip(input_names, input_values))
     dtype = body.nodes[node].outputs[port].dtype
@@ -267,9 +267,18 @@ def _instrument(graph_def: graph_pb2.GraphDef, body) -> tuple[graph_pb2.GraphDef
     return new, checked
 
 
-def _run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
-                  flat_args: list) -> list[np.ndarray]:
-    """Runs `graph_def` (a rewrite of concrete's graph) on its live captures."""
+def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
+                 flat_args: list, post=None) -> list[np.ndarray]:
+    """Runs `graph_def` (concrete's graph or a rewrite of it) on its live captures.
+
+    Args:
+      concrete: the ConcreteFunction whose captures (variables) to bind.
+      graph_def: its graph, possibly rewritten or instrumented.
+      fetches: tensor names to return.
+      flat_args: the tensor arguments, flattened.
+      post: optional; maps the fetched tensors to other tensors inside the
+        same graph (e.g. on-device histograms), so only its results leave.
+    """
     from tfamp.runtime.runner import _register_renamed_library
 
     graph_def_copy = graph_pb2.GraphDef()
@@ -290,7 +299,8 @@ def _run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
             input_map[name] = graph.capture(external)
         results = tf.graph_util.import_graph_def(
             graph_def_copy, input_map=input_map, return_elements=fetches, name="")
-        return [tf.identity(r) for r in results]
+        results = [tf.identity(r) for r in results]
+        return list(post(results)) if post is not None else results
 
     outputs = tf.function(run, autograph=False)(*flat_args)
     return [o.numpy() for o in outputs]
@@ -345,3 +355,25 @@ def _fixes(layer: str, op: str, config: AmpConfig) -> dict[str, str]:
         oplist_api = f"AmpConfig(deny_add={deny!r})"
     return dict(keep_fp32=pattern, fix_env=fix_env, fix_api=fix_api,
                 fix_oplist_env=oplist_env, fix_oplist_api=oplist_api)
+
+
+def diagnose_keras_model(model) -> str | None:
+    """For the stuck-at-floor warning: localise on the first batch ``fit`` was given.
+
+    Uses the batch ``tfamp.enable``'s fit hook kept, the model's tfamp config
+    and the optimizer's current loss scale. Returns a sentence, or None when no
+    batch is known.
+    """
+    from tfamp.keras.range_monitor import current_loss_scale, unpack_batch
+
+    source = getattr(model, "_tfamp_fit_batch", None)
+    batch = source() if source is not None else None
+    if batch is None:
+        return None
+    x, y, sample_weight = unpack_batch(batch)
+    scale = current_loss_scale(model) or 1.0
+    found = locate_keras_nonfinite(model, x, y, sample_weight, loss_scale=scale)
+    if found is None:
+        return (f"re-running the first batch of fit's data at loss scale {scale:g} gave no "
+                f"inf/nan, so the failing batches differ (check the data).")
+    return found.describe()

@@ -5,10 +5,10 @@ tensor into one small int32 vector: counts of ``floor(log2|x|)`` per exponent
 ``E_MIN..E_MAX`` (read exactly from the float32 exponent bits; values below
 ``2**E_MIN`` go to the lowest bin), then zeros, non-finite values and values
 below ``2**-126`` (subnormal in float32 and bfloat16). Only these vectors leave
-the device. ``KerasRangeProbe`` runs a model's forward and backward pass in
-float32 on a batch and buckets, per layer, the forward activations, the
-activation gradients (the tensors backprop passes between layers) and the
-weight gradients. ``collect_keras_ranges`` does that for a few batches.
+the device. ``tfamp.keras.range_monitor`` uses it on Keras models (forward
+activations, activation gradients and weight gradients per layer);
+``collect_graph_ranges`` here on traced inference graphs such as SavedModel
+signatures (forward activations of the ops tfamp converts).
 
 Summarising: ``RangeReport`` holds one ``TensorRange`` per tensor and answers
 what share of values would underflow float16 (below its smallest subnormal
@@ -304,12 +304,12 @@ class RangeReport:
         return 0, ""
 
     def worst_gradient(self) -> TensorRange | None:
-        """The gradient losing the largest share at scale 1 (activation gradients first)."""
-        candidates = self.of_kind("activation_gradient") or self.of_kind("weight_gradient")
-        candidates = [t for t in candidates if t.nonzero]
+        """The gradient losing the largest share at scale 1 (ties: activation gradients)."""
+        candidates = [t for t in self.gradients() if t.nonzero]
         if not candidates:
             return None
-        return max(candidates, key=lambda t: (t.underflow_share(1.0), t.nonzero))
+        return max(candidates, key=lambda t: (t.underflow_share(1.0),
+                                              t.kind == "activation_gradient", t.nonzero))
 
     def recommendation(self) -> str:
         """One actionable sentence (or two) about loss scaling for this model."""
@@ -375,7 +375,7 @@ class RangeReport:
                                  f"{_pct(_zero_share(t)):>6}")
                 continue
             header = "  ".join(f"{label:>10}" for label, _ in scale_cols)
-            lines.append(f"    {'tensor':<{width}}  {header}  {'head-room':>10}  "
+            lines.append(f"    {'tensor':<{width}}  {header}  {'room@rec.':>10}  "
                          f"{'max |g|':>10}  {'bf16 uf':>7}")
             for t in entries:
                 shares = "  ".join(f"{_pct(t.underflow_share(s)):>10}" for _, s in scale_cols)
@@ -452,3 +452,147 @@ def accumulate(report_tensors: list[TensorRange], step: Iterable[TensorRange]) -
             index[(entry.kind, entry.name)] = entry
         else:
             existing.merge(entry)
+
+
+FORWARD_ONLY_NOTE = ("a SavedModel holds the forward pass only: forward activations of the "
+                     "ops tfamp converts were collected, no gradients")
+
+
+def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
+                         name: str = "graph") -> RangeReport:
+    """Forward activations of the ops tfamp would convert, for a traced function.
+
+    For SavedModel signatures and other inference graphs: the float32 graph
+    runs on each batch with every float output of a top-graph node the rewrite
+    converts bucketed on the device (``bucket_counts``).
+
+    Args:
+      concrete: a ConcreteFunction (e.g. ``loaded.signatures["serving_default"]``).
+      batches: per batch, the flat list of tensor arguments.
+      config: the rewrite settings deciding which ops count (AmpConfig() if None).
+      name: the model name for the report.
+    """
+    import tensorflow as tf
+
+    from tfamp.config import AmpConfig
+    from tfamp.inspect.nonfinite import run_imported
+    from tfamp.rewrite import rewrite_graph_def
+    from tfamp.rewrite.graph import FLOAT_TYPES, build_view
+
+    config = config or AmpConfig()
+    graph_def = concrete.graph.as_graph_def()
+    _, report = rewrite_graph_def(graph_def, config,
+                                  outputs=[t.name for t in concrete.graph.outputs],
+                                  function_name=name)
+    converted = {n.name for n in report.nodes if n.converted and not n.function}
+    body = build_view(graph_def).bodies[0]
+    fetches = [f"{node}:{i}" for node in body.topological_order() if node in converted
+               for i, port in enumerate(body.nodes[node].outputs) if port.dtype in FLOAT_TYPES]
+    if not fetches:
+        raise ValueError(f"{name}: the rewrite converts no op, so there are no 16-bit "
+                         f"activations to measure")
+
+    def buckets(tensors):
+        return (tf.stack([bucket_counts(t) for t in tensors]),
+                tf.stack([finite_max_abs(t) for t in tensors]))
+
+    tensors: list[TensorRange] = []
+    steps = 0
+    for args in batches:
+        counts, maxes = run_imported(concrete, graph_def, fetches, list(args), post=buckets)
+        accumulate(tensors, [
+            TensorRange.from_vector(fetch.removesuffix(":0"), fetch.rsplit("/", 1)[0]
+                                    if "/" in fetch else "", "activation", row, top)
+            for fetch, row, top in zip(fetches, counts, maxes)])
+        steps += 1
+    return RangeReport(model=name, steps=steps, loss_scale=None, tensors=tensors,
+                       notes=[FORWARD_ONLY_NOTE])
+
+
+def synthetic_batches(specs: Sequence, count: int, *, batch: int = 8, seed: int = 0,
+                      classes: int | None = None) -> list[list]:
+    """`count` batches of random tensors for `specs` (tf.TensorSpec-like).
+
+    Float inputs are standard normal; integer ones are class labels below
+    `classes` (or zeros). An unknown dimension is `batch` if it is the first, else 1.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    result = []
+    for _ in range(count):
+        values = []
+        for spec in specs:
+            dims = spec.shape.as_list() if spec.shape.rank is not None else [None]
+            shape = [(batch if i == 0 else 1) if d is None else d for i, d in enumerate(dims)]
+            if spec.dtype.is_floating:
+                values.append(tf.constant(rng.standard_normal(shape), spec.dtype))
+            elif spec.dtype.is_integer:
+                high = classes or 1
+                values.append(tf.constant(rng.integers(0, high, size=shape), spec.dtype))
+            else:
+                values.append(tf.zeros(shape, spec.dtype))
+        result.append(values)
+    return result
+
+
+def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
+                        config=None) -> RangeReport:
+    """Ranges of a saved model on `steps` synthetic batches (``tfamp inspect --ranges``).
+
+    A compiled Keras file (.keras, .h5) gives activations, activation
+    gradients and weight gradients (random inputs, random targets shaped like
+    the outputs; integer labels for sparse losses). A SavedModel directory
+    gives forward activations only (FORWARD_ONLY_NOTE).
+
+    Raises:
+      ValueError: the path is neither, or the Keras model was saved uncompiled.
+    """
+    from pathlib import Path
+
+    import tensorflow as tf
+
+    path = Path(path)
+    if path.suffix.lower() in (".keras", ".h5"):
+        import tf_keras as keras
+
+        from tfamp.keras.range_monitor import collect_keras_ranges
+
+        model = keras.models.load_model(str(path))
+        if not getattr(model, "compiled_loss", None):
+            raise ValueError(f"{path} was saved without compile(): gradients need the "
+                             f"loss; compile the model before saving it")
+        loss_name = str(getattr(model.loss, "name", getattr(model.loss, "__name__",
+                                                                  model.loss)))
+        sparse = "sparse" in loss_name.lower()
+        x_specs = [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in model.inputs]
+        if sparse:
+            y_specs = [tf.TensorSpec([None, *t.shape[1:-1]], tf.int64) for t in model.outputs]
+        else:
+            y_specs = [tf.TensorSpec([None, *t.shape[1:]], tf.float32) for t in model.outputs]
+        classes = int(model.outputs[0].shape[-1]) if sparse else None
+        xs = synthetic_batches(x_specs, steps, seed=0)
+        ys = synthetic_batches(y_specs, steps, seed=1, classes=classes)
+        batches = [(x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
+                   for x, y in zip(xs, ys)]
+        report = collect_keras_ranges(model, batches, steps=steps)
+        report.notes.append("inputs and targets were random (synthetic batches)")
+        return report
+    if path.is_dir() and ((path / "saved_model.pb").is_file()
+                          or (path / "saved_model.pbtxt").is_file()):
+        loaded = tf.saved_model.load(str(path))
+        wanted = signature or "serving_default"
+        if wanted not in loaded.signatures:
+            raise ValueError(f"{path} has no signature {wanted!r}; available: "
+                             f"{', '.join(sorted(loaded.signatures)) or 'none'}")
+        concrete = loaded.signatures[wanted]
+        internal = {id(t) for _, t in concrete.graph.captures}
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.graph.inputs
+                 if id(t) not in internal]
+        report = collect_graph_ranges(concrete, synthetic_batches(specs, steps), config,
+                                      name=f"{path.name}:{wanted}")
+        report.notes.append("inputs were random (synthetic batches)")
+        return report
+    raise ValueError(f"--ranges needs a Keras model file (.keras, .h5) or a SavedModel "
+                     f"directory; {path} is neither")

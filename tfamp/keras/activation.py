@@ -28,7 +28,7 @@ from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
 
-_HOOKED_METHODS = ("compile", "make_train_function", "make_test_function",
+_HOOKED_METHODS = ("compile", "fit", "make_train_function", "make_test_function",
                    "make_predict_function", "train_step", "_validate_and_get_metrics_result")
 _LOG_KEYS = ("loss_scale", "skipped_steps")
 _FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
@@ -42,6 +42,7 @@ class _EnabledState:
     growth_interval: int
     min_scale: float
     check: bool
+    ranges: object = None  # None, True, or an output directory for RangeMonitor
 
     def wrap_optimizer(self, optimizer):
         if self.loss_scale is None or optimizer is None:
@@ -67,7 +68,7 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
            initial_scale: float = DEFAULT_INITIAL_SCALE,
            growth_interval: int = DEFAULT_GROWTH_INTERVAL,
            min_scale: float = DEFAULT_MIN_SCALE,
-           config: AmpConfig | None = None, check: bool = False):
+           config: AmpConfig | None = None, check: bool = False, ranges=None):
     """Turns a tf_keras model's training and inference into mixed precision.
 
     Works before or after ``model.compile``. From then on ``fit``, ``evaluate``,
@@ -84,6 +85,10 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
         (2**15, 2000 good steps, floor 1).
       config: a full AmpConfig (op-list changes, keep_fp32, ...).
       check: validate every rewritten graph (slower; for debugging).
+      ranges: True or a directory: the next ``fit`` also runs a
+        ``tfamp.RangeMonitor`` on its first 3 batches and writes where the
+        gradients sit against float16's limits there (ranges.txt / .json /
+        .html / .png; True: "tfamp_ranges"). Off (None) by default.
 
     Returns:
       `model` itself.
@@ -98,7 +103,8 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
     config = config or AmpConfig(dtype=dtype)
     if loss_scale == "default":
         loss_scale = "dynamic" if config.dtype == "float16" else None
-    state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check)
+    state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check,
+                          _check_ranges(ranges))
     if loss_scale is not None:  # fail now, not at the first fit
         validate_settings(loss_scale, initial_scale, growth_interval, min_scale)
     if getattr(model, "_tfamp_state", None) is not None:
@@ -147,6 +153,14 @@ def _check_model(model) -> None:
         raise TypeError(f"tfamp.enable expects a tf_keras.Model, received {kind}{hint}.")
 
 
+def _check_ranges(ranges):
+    if ranges is None or ranges is False:
+        return None
+    if ranges is True or (isinstance(ranges, str) and ranges) or hasattr(ranges, "__fspath__"):
+        return ranges
+    raise TypeError(f"ranges must be None, True or an output directory, received {ranges!r}")
+
+
 def _check_no_other_mixed_precision(model) -> None:
     policy = keras.mixed_precision.global_policy().name
     layer_policies = {getattr(layer, "dtype_policy", None) for layer in model.submodules
@@ -176,6 +190,19 @@ def _install_hooks(model, state: _EnabledState) -> None:
         result = cls.compile(model, *args, **kwargs)
         model.optimizer = state.wrap_optimizer(model.optimizer)
         return result
+
+    def fit(*args, **kwargs):
+        from tfamp.keras import range_monitor
+
+        # Kept for the stuck-at-floor diagnosis (a copy of one batch, or the dataset).
+        object.__setattr__(model, "_tfamp_fit_batch", range_monitor.fit_batch_source(args, kwargs))
+        if state.ranges is not None:
+            monitor = range_monitor.monitor_for_fit(state.ranges, args, kwargs)
+            if monitor is not None and len(args) > 5:  # callbacks given positionally
+                args = (*args[:5], [*(args[5] or []), monitor], *args[6:])
+            elif monitor is not None:
+                kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), monitor]
+        return cls.fit(model, *args, **kwargs)
 
     def train_step(data):
         logs = cls.train_step(model, data)
@@ -223,10 +250,11 @@ def _install_hooks(model, state: _EnabledState) -> None:
     def after_train_call(_outputs):
         optimizer = model.optimizer
         if isinstance(optimizer, LossScaleOptimizer):
-            optimizer.check_stuck()
+            optimizer.check_stuck(diagnose=lambda: _diagnose(model))
 
     hooks = {
         "compile": compile,
+        "fit": fit,
         "train_step": train_step,
         "_validate_and_get_metrics_result": validate_and_get_metrics_result,
         "make_train_function": hooked_maker("train_function", "make_train_function",
@@ -236,6 +264,12 @@ def _install_hooks(model, state: _EnabledState) -> None:
     }
     for name, hook in hooks.items():
         object.__setattr__(model, name, hook)
+
+
+def _diagnose(model):
+    from tfamp.inspect.nonfinite import diagnose_keras_model
+
+    return diagnose_keras_model(model)
 
 
 def _replicated(read):

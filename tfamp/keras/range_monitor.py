@@ -424,10 +424,31 @@ def monitor_for_fit(settings, args: Sequence, kwargs: dict) -> RangeMonitor | No
                     "tf.data.Dataset; add tfamp.RangeMonitor(data=...) to callbacks "
                     "yourself.")
         return None
-    callbacks = kwargs.get("callbacks") or []
+    callbacks = (args[5] if len(args) > 5 else kwargs.get("callbacks")) or []
     if any(isinstance(c, RangeMonitor) for c in callbacks):
         return None
     tensorboard = next((c for c in callbacks
                         if isinstance(c, keras.callbacks.TensorBoard)), None)
     return RangeMonitor(batches, steps=len(batches), output_dir=output_dir,
                         tensorboard_dir=getattr(tensorboard, "log_dir", None))
+
+
+def fit_batch_source(args: Sequence, kwargs: dict):
+    """A callable returning one batch of ``fit``'s data later (None if unusable).
+
+    Arrays: a copy of the first batch is kept now (not the caller's arrays). A
+    tf.data Dataset is only read when the callable is called.
+    """
+    x = args[0] if args else kwargs.get("x")
+    if isinstance(x, tf.data.Dataset):
+        def from_dataset():
+            for batch in x.take(1):
+                return batch
+            return None
+        return from_dataset
+    batches = batches_from_fit_args(args, kwargs, 1)
+    if not batches:
+        return lambda: None
+    batch = tf.nest.map_structure(
+        lambda a: None if a is None else np.array(a), batches[0])
+    return lambda: batch

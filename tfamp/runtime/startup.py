@@ -154,7 +154,8 @@ def _patch_tf_keras(active: _Activation) -> None:
         result = original(self, *args, **kwargs)
         if not activation.is_enabled(self):
             activation.enable(self, config=active.settings.config,
-                              loss_scale=active.settings.loss_scale)
+                              loss_scale=active.settings.loss_scale,
+                              ranges=active.settings.ranges_dir)
         return result
 
     model_class.compile = compile
