@@ -268,7 +268,7 @@ def _instrument(graph_def: graph_pb2.GraphDef, body) -> tuple[graph_pb2.GraphDef
 
 
 def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
-                 flat_args: list, post=None) -> list[np.ndarray]:
+                 flat_args: list, post=None, inner=None) -> list[np.ndarray]:
     """Runs `graph_def` (concrete's graph or a rewrite of it) on its live captures.
 
     Args:
@@ -278,6 +278,10 @@ def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
       flat_args: the tensor arguments, flattened.
       post: optional; maps the fetched tensors to other tensors inside the
         same graph (e.g. on-device histograms), so only its results leave.
+      inner: optional (call NodeDef, callee GraphDef, callee argument tensor
+        names): `fetches` name tensors of the callee, which is imported with
+        its arguments bound to the call's inputs (a SavedModel signature is a
+        single call of the model's function).
     """
     from tfamp.runtime.runner import _register_renamed_library
 
@@ -297,8 +301,19 @@ def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
         input_map = {ph.name: value for ph, value in zip(arguments, values)}
         for name, external in captures:
             input_map[name] = graph.capture(external)
-        results = tf.graph_util.import_graph_def(
-            graph_def_copy, input_map=input_map, return_elements=fetches, name="")
+        if inner is None:
+            results = tf.graph_util.import_graph_def(
+                graph_def_copy, input_map=input_map, return_elements=fetches, name="")
+        else:
+            call, callee, arg_names = inner
+            sources = [i if ":" in i else f"{i}:0" for i in call.input if not i.startswith("^")]
+            unbound = [s for s in sources if s not in input_map]
+            if unbound:
+                raise ValueError(f"call {call.name!r} takes inputs that are not arguments or "
+                                 f"captures ({unbound[:3]}); cannot run its body alone")
+            callee_map = {arg: input_map[src] for arg, src in zip(arg_names, sources)}
+            results = tf.graph_util.import_graph_def(
+                callee, input_map=callee_map, return_elements=fetches, name="")
         results = [tf.identity(r) for r in results]
         return list(post(results)) if post is not None else results
 

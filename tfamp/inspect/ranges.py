@@ -315,7 +315,19 @@ class RangeReport:
         """One actionable sentence (or two) about loss scaling for this model."""
         worst = self.worst_gradient()
         if worst is None:
-            return "no nonzero gradients were measured; nothing to recommend."
+            acts = [t for t in self.of_kind("activation") if t.nonzero]
+            if not acts:
+                return "no nonzero gradients were measured; nothing to recommend."
+            over = max(acts, key=lambda t: t.overflow_share())
+            under = max(acts, key=lambda t: t.underflow_share())
+            text = (f"no gradients were measured (forward pass only). Forward activations: "
+                    f"at most {_pct(over.overflow_share())} above 65504 ({over.name!r}), "
+                    f"at most {_pct(under.underflow_share())} below 2^-24 "
+                    f"({under.name!r}) in float16")
+            if over.overflow_share() > 0:
+                text += (f"; keep {over.name!r} float32 "
+                         f"(keep_fp32=[{_scope_pattern(over.layer)!r}]) or use bfloat16")
+            return text + "."
         recommended = self.recommended_scale()
         at_one = worst.underflow_share(1.0)
         if at_one <= NEGLIGIBLE and all(t.underflow_share(1.0) <= NEGLIGIBLE
@@ -484,8 +496,21 @@ def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
     _, report = rewrite_graph_def(graph_def, config,
                                   outputs=[t.name for t in concrete.graph.outputs],
                                   function_name=name)
-    converted = {n.name for n in report.nodes if n.converted and not n.function}
-    body = build_view(graph_def).bodies[0]
+    function, inner = "", None
+    calls = [n for n in graph_def.node if n.op in ("StatefulPartitionedCall", "PartitionedCall")]
+    if not any(n.converted and not n.function for n in report.nodes) and len(calls) == 1:
+        # A SavedModel signature: one call of the model's function. Measure its body.
+        from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
+
+        function = calls[0].attr["f"].func.name
+        fdef = next(f for f in graph_def.library.function if f.signature.name == function)
+        callee = function_def_to_graph(fdef)
+        inner = (calls[0], callee.as_graph_def(), [t.name for t in callee.inputs])
+        target = inner[1]
+    else:
+        target = graph_def
+    converted = {n.name for n in report.nodes if n.converted and n.function == function}
+    body = build_view(target).bodies[0]
     fetches = [f"{node}:{i}" for node in body.topological_order() if node in converted
                for i, port in enumerate(body.nodes[node].outputs) if port.dtype in FLOAT_TYPES]
     if not fetches:
@@ -499,7 +524,8 @@ def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
     tensors: list[TensorRange] = []
     steps = 0
     for args in batches:
-        counts, maxes = run_imported(concrete, graph_def, fetches, list(args), post=buckets)
+        counts, maxes = run_imported(concrete, graph_def, fetches, list(args), post=buckets,
+                                     inner=inner)
         accumulate(tensors, [
             TensorRange.from_vector(fetch.removesuffix(":0"), fetch.rsplit("/", 1)[0]
                                     if "/" in fetch else "", "activation", row, top)

@@ -71,11 +71,17 @@ def plot_ranges(report: RangeReport, scale: float | None = None):
                           "'tfamp[plot]' (or pip install matplotlib)") from err
 
     scale = after_scale(report) if scale is None else scale
-    figure = Figure(figsize=(10, 6.4), dpi=100)
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(2, 1, sharex=True)
     kinds = [k for k in ("activation_gradient", "weight_gradient") if report.of_kind(k)]
-    for ax, panel_scale in zip(axes, (1.0, scale)):
+    figure = Figure(figsize=(10, 6.4 if kinds else 3.6), dpi=100)
+    FigureCanvasAgg(figure)
+    if kinds:
+        axes = figure.subplots(2, 1, sharex=True)
+        scales = (1.0, scale)
+    else:  # forward activations only (SavedModel): nothing is loss-scaled
+        axes = [figure.subplots(1, 1)]
+        scales = (1.0,)
+        kinds = ["activation"]
+    for ax, panel_scale in zip(axes, scales):
         k = scale_exponent(panel_scale)
         for gid, label, start, stop, colour in FP16_SPANS:
             span = ax.axvspan(start, stop, color=colour, alpha=0.13, label=label, lw=0)
@@ -93,14 +99,16 @@ def plot_ranges(report: RangeReport, scale: float | None = None):
                 for kind in kinds]
         title = ("before loss scaling (scale 1)" if k == 0 else
                  f"after loss scaling by {format_scale(panel_scale)}")
+        if kinds == ["activation"]:
+            title = "forward activations (not loss-scaled)"
         ax.set_title(f"{title} - lost to 0 in float16: {', '.join(lost) or 'n/a'}",
                      fontsize=10, loc="left")
         ax.set_ylabel("% of nonzero values")
         ax.set_xlim(E_MIN + 20, E_MAX + 1)
-    axes[1].set_xlabel("log2 |gradient|   (float16: 0 below 2^-24, subnormal to 2^-14, "
-                       "max 65504 ~ 2^16)")
+    axes[-1].set_xlabel(f"log2 |{'x' if kinds == ['activation'] else 'gradient'}|   "
+                        f"(float16: 0 below 2^-24, subnormal to 2^-14, max 65504 ~ 2^16)")
     axes[0].legend(loc="upper left", fontsize=8, ncol=3)
-    figure.suptitle(f"tfamp: gradient magnitudes of {report.model!r} vs float16 "
+    figure.suptitle(f"tfamp: magnitudes in {report.model!r} vs float16 "
                     f"({report.steps} step(s))", fontsize=12)
     figure.tight_layout()
     return figure
