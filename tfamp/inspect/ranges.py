@@ -213,7 +213,7 @@ def format_scale(scale: float) -> str:
     k = scale_exponent(scale)
     if 2.0**k != scale:
         return f"{scale:g}"
-    return f"2^{k} ({scale:g})" if k else "1"
+    return f"2^{k} ({int(scale)})" if k > 0 else f"2^{k}" if k else "1"
 
 
 @dataclasses.dataclass
@@ -349,7 +349,7 @@ class RangeReport:
             text += "; dynamic scaling starts there"
         sufficient = self.smallest_sufficient_scale()
         if sufficient is not None:
-            text += f"; a fixed scale of {sufficient:g} would suffice"
+            text += f"; a fixed scale of {sufficient:.0f} would suffice"
         elif worst_rec.underflow_share(recommended) > NEGLIGIBLE:
             text += (f". Even at {format_scale(recommended)}, {worst_rec.name!r} loses "
                      f"{_pct(worst_rec.underflow_share(recommended))}: keep its layer "
