@@ -68,34 +68,70 @@ def bucket_counts(x):
 
     Returns:
       [bins E_MIN..E_MAX, zeros, non-finite, below 2**-126 (nonzero)].
+      TensorFlow's CPU kernels flush float32 subnormals to zero, so there they
+      count as zeros.
 
     Example:
       >>> counts = bucket_counts(tf.constant([0.0, 1.0, 3.0, 2.0**-30]))
       >>> int(counts[0 - E_MIN]), int(counts[1 - E_MIN]), int(counts[ZEROS_COL])
       (1, 1, 1)
     """
+    counts, _ = bucket_counts_many([x])
+    return counts[0]
+
+
+# Raw key of a float32 |x|: its biased exponent field (0: subnormal, 255: inf or
+# nan), or _ZERO_KEY for an exact zero.
+_ZERO_KEY = 256
+_RAW_KEYS = 257
+
+
+def _fold_index() -> list[int]:
+    """Column of each raw key in a bucket_counts vector."""
+    index = []
+    for key in range(_RAW_KEYS):
+        if key == _ZERO_KEY:
+            index.append(ZEROS_COL)
+        elif key == 255:
+            index.append(NONFINITE_COL)
+        else:  # subnormals (key 0) land in the lowest bin
+            index.append(min(max(key - 127, E_MIN), E_MAX) - E_MIN)
+    return index
+
+
+def bucket_counts_many(tensors):
+    """``bucket_counts`` and the largest finite |x| of many tensors, in one pass.
+
+    All tensors are flattened into one vector and one bincount counts the
+    float32 exponent field of every value (``tensor * 257 + key``), so the graph
+    has the same few ops however many tensors are measured; the small
+    [tensors, 257] count matrix is then folded into the histogram columns.
+
+    Returns:
+      (int32 counts [len(tensors), NUM_COLUMNS], float32 max |x| [len(tensors)];
+      a max is inf or nan when the tensor holds one).
+    """
     import tensorflow as tf
 
-    a = tf.abs(tf.reshape(tf.cast(x, tf.float32), [-1]))
-    finite = tf.math.is_finite(a)
-    zero = tf.equal(a, 0.0)
-    # floor(log2|a|) exactly: the biased exponent field of the float32 bits.
-    biased = tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(tf.bitcast(a, tf.int32), 23), 255)
-    exponent = tf.clip_by_value(biased - 127, E_MIN, E_MAX) - E_MIN
-    index = tf.where(zero, ZEROS_COL, tf.where(finite, exponent, NONFINITE_COL))
-    counts = tf.math.bincount(index, minlength=TINY_COL, maxlength=TINY_COL)
-    tiny = tf.reduce_sum(tf.cast(tf.logical_and(tf.equal(biased, 0),
-                                                tf.logical_not(zero)), tf.int32))
-    return tf.concat([counts, tf.reshape(tiny, [1])], 0)
+    n = len(tensors)
+    flat = [tf.abs(tf.reshape(tf.cast(t, tf.float32), [-1])) for t in tensors]
+    # One pass per tensor; inf or nan if the tensor has one (the counts say so).
+    maxes = tf.stack([tf.reduce_max(tf.concat([a, [0.0]], 0)) for a in flat])
+    sizes = tf.stack([tf.size(a) for a in flat])
+    bits = tf.bitcast(tf.concat(flat, 0), tf.int32)  # sign bit is 0 after abs
+    key = tf.where(tf.equal(bits, 0), _ZERO_KEY, tf.bitwise.right_shift(bits, 23))
+    offset = tf.repeat(tf.range(n) * _RAW_KEYS, sizes)
+    raw = tf.reshape(tf.math.bincount(offset + key, minlength=n * _RAW_KEYS,
+                                      maxlength=n * _RAW_KEYS), [n, _RAW_KEYS])
+    folded = tf.transpose(tf.math.unsorted_segment_sum(
+        tf.transpose(raw), tf.constant(_fold_index()), TINY_COL))
+    return tf.concat([folded, raw[:, :1]], 1), maxes
 
 
-def finite_max_abs(x):
-    """On-device max |x| over the finite values (0 if there are none)."""
-    import tensorflow as tf
-
-    a = tf.abs(tf.reshape(tf.cast(x, tf.float32), [-1]))
-    return tf.reduce_max(tf.concat([tf.where(tf.math.is_finite(a), a, 0.0), [0.0]], 0))
+def max_abs(x):
+    """On-device max |x| (0 for an empty tensor; inf/nan if it holds one)."""
+    _, maxes = bucket_counts_many([x])
+    return maxes[0]
 
 
 @dataclasses.dataclass
@@ -110,7 +146,7 @@ class TensorRange:
         E_MIN + i (the first bin also holds everything smaller).
       zeros, nonfinite: exact zeros; inf / nan values.
       tiny: nonzero values below 2**-126 (they are in counts[0] too).
-      max_abs: the largest finite |x| seen.
+      max_abs: the largest |x| seen (inf or nan when the tensor held one).
       steps: batches accumulated.
     """
 
@@ -518,8 +554,7 @@ def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
                          f"activations to measure")
 
     def buckets(tensors):
-        return (tf.stack([bucket_counts(t) for t in tensors]),
-                tf.stack([finite_max_abs(t) for t in tensors]))
+        return bucket_counts_many(tensors)
 
     tensors: list[TensorRange] = []
     steps = 0

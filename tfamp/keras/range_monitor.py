@@ -73,10 +73,16 @@ class KerasRangeProbe:
         if self._sub is None:
             self.notes.insert(0, SUBCLASSED_NOTE)
         self._fn = tf.function(self._step)
+        self._ready = False
 
     def _step(self, x, y, sample_weight):
         model = self.model
         variables = model.trainable_variables
+        # Restored in the same graph at the end (automatic control dependencies
+        # keep reads first and these assigns last): BatchNorm statistics and
+        # metric variables must not remember this pass.
+        state = _state_variables(model)
+        saved = [tf.identity(v.read_value()) for v in state]
         with tf.GradientTape() as tape:
             if self._sub is not None:
                 outputs = tf.nest.flatten(self._sub(x, training=True))
@@ -102,24 +108,27 @@ class KerasRangeProbe:
             if isinstance(grad, tf.IndexedSlices):
                 grad = grad.values
             tensors.append(("weight_gradient", _variable_label(var), grad))
-        counts = tf.stack([ranges_lib.bucket_counts(t) for _, _, t in tensors])
-        maxes = tf.stack([ranges_lib.finite_max_abs(t) for _, _, t in tensors])
+        counts, maxes = ranges_lib.bucket_counts_many([t for _, _, t in tensors])
         self._kinds = [(kind, label) for kind, label, _ in tensors]  # set while tracing
-        return counts, maxes
+        known = {id(v) for v in state}
+        restores = [v.assign(value) for v, value in zip(state, saved)]
+        # Metric variables compute_loss created while tracing start from zeros.
+        restores += [v.assign(tf.zeros_like(v)) for v in _state_variables(model)
+                     if id(v) not in known]
+        with tf.control_dependencies(restores):
+            return tf.identity(counts), tf.identity(maxes)
 
     def collect(self, x, y=None, sample_weight=None) -> list[TensorRange]:
         """Runs the probe on one batch; returns one TensorRange per tensor."""
-        state = _state_variables(self.model)
-        saved = [v.numpy() for v in state]
-        metrics_before = {id(m) for m in self.model.metrics}
-        try:
-            counts, maxes = self._fn(x, y, sample_weight)
-        finally:
-            for variable, value in zip(state, saved):
-                variable.assign(value)
-            for metric in self.model.metrics:  # created by this call: undo its update
-                if id(metric) not in metrics_before:
-                    metric.reset_state()
+        if not self._ready:
+            # compute_loss may create the loss metrics while tracing. The graph
+            # must list them among the variables it restores, so trace again.
+            before = len(_state_variables(self.model))
+            self._fn.get_concrete_function(x, y, sample_weight)
+            if len(_state_variables(self.model)) != before:
+                self._fn = tf.function(self._step)
+            self._ready = True
+        counts, maxes = self._fn(x, y, sample_weight)
         counts, maxes = counts.numpy(), maxes.numpy()
         return [TensorRange.from_vector(label, _layer_of(kind, label), kind, row, top)
                 for (kind, label), row, top in zip(self._kinds, counts, maxes)]
