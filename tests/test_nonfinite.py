@@ -1,4 +1,4 @@
-"""The first non-finite op: a planted float16 overflow is named, with its fix, and nothing changes."""
+"""The first non-finite op: a planted float16 overflow is named with its fix; nothing changes."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_localising_changes_no_variable():
                                    loss_scale=1024.0)
     assert found is not None and found.op == "Exp" and found.loss_scale == 1024.0
     after = [v.numpy() for v in tracked]
-    for variable, old, new in zip(tracked, before, after):
+    for variable, old, new in zip(tracked, before, after, strict=True):
         np.testing.assert_array_equal(old, new, err_msg=variable.name)
 
 
@@ -109,7 +109,7 @@ def test_stuck_at_floor_warning_names_the_op():
     assert "TFAMP_KEEP_FP32='planted/expo/'" in message
     assert float(model.optimizer.loss_scale) == 1.0
     assert int(model.optimizer.skipped_steps.numpy()) == 5
-    for old, variable in zip(weights, model.trainable_variables):
+    for old, variable in zip(weights, model.trainable_variables, strict=True):
         np.testing.assert_array_equal(old, variable.numpy())
 
 

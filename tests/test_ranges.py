@@ -206,7 +206,7 @@ def test_range_monitor_in_fit_changes_nothing_and_writes_the_files(tmp_path):
     history = watched.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False,
                           callbacks=[monitor])
     assert history.history["loss"] == plain_history.history["loss"]
-    for a, b in zip(plain.variables, watched.variables):
+    for a, b in zip(plain.variables, watched.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.name)
     assert monitor.report is not None and monitor.report.steps == 3
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [

@@ -164,7 +164,8 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
                    if not i.startswith("^")]
     input_values = run_imported(concrete, rewritten, input_names, flat_args) \
         if input_names else []
-    inputs = tuple(_magnitude(name, value_) for name, value_ in zip(input_names, input_values))
+    inputs = tuple(_magnitude(name, value_)
+                   for name, value_ in zip(input_names, input_values, strict=True))
     dtype = body.nodes[node].outputs[port].dtype
     inserted = "/tfamp_cast_" in node
     feeds = tuple(sorted({consumer for consumer, _ in body.consumers.get(
@@ -298,7 +299,8 @@ def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
 
     def run(*values):
         graph = tf.compat.v1.get_default_graph()
-        input_map = {ph.name: value for ph, value in zip(arguments, values)}
+        input_map = {ph.name: value
+                     for ph, value in zip(arguments, values, strict=True)}
         for name, external in captures:
             input_map[name] = graph.capture(external)
         if inner is None:
@@ -311,7 +313,8 @@ def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
             if unbound:
                 raise ValueError(f"call {call.name!r} takes inputs that are not arguments or "
                                  f"captures ({unbound[:3]}); cannot run its body alone")
-            callee_map = {arg: input_map[src] for arg, src in zip(arg_names, sources)}
+            callee_map = {arg: input_map[src]
+                          for arg, src in zip(arg_names, sources, strict=True)}
             results = tf.graph_util.import_graph_def(
                 callee, input_map=callee_map, return_elements=fetches, name="")
         results = [tf.identity(r) for r in results]

@@ -174,7 +174,7 @@ class TensorRange:
 
     def merge(self, other: TensorRange) -> None:
         """Adds `other`'s counts (another step of the same tensor) to this one."""
-        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
         self.zeros += other.zeros
         self.nonfinite += other.nonfinite
         self.tiny += other.tiny
@@ -520,7 +520,6 @@ def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
       config: the rewrite settings deciding which ops count (AmpConfig() if None).
       name: the model name for the report.
     """
-    import tensorflow as tf
 
     from tfamp.config import AmpConfig
     from tfamp.inspect.nonfinite import run_imported
@@ -564,7 +563,7 @@ def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
         accumulate(tensors, [
             TensorRange.from_vector(fetch.removesuffix(":0"), fetch.rsplit("/", 1)[0]
                                     if "/" in fetch else "", "activation", row, top)
-            for fetch, row, top in zip(fetches, counts, maxes)])
+            for fetch, row, top in zip(fetches, counts, maxes, strict=True)])
         steps += 1
     return RangeReport(model=name, steps=steps, loss_scale=None, tensors=tensors,
                        notes=[FORWARD_ONLY_NOTE])
@@ -636,7 +635,7 @@ def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
         xs = synthetic_batches(x_specs, steps, seed=0)
         ys = synthetic_batches(y_specs, steps, seed=1, classes=classes)
         batches = [(x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
-                   for x, y in zip(xs, ys)]
+                   for x, y in zip(xs, ys, strict=True)]
         report = collect_keras_ranges(model, batches, steps=steps)
         report.notes.append("inputs and targets were random (synthetic batches)")
         return report

@@ -81,7 +81,7 @@ def plot_ranges(report: RangeReport, scale: float | None = None):
         axes = [figure.subplots(1, 1)]
         scales = (1.0,)
         kinds = ["activation"]
-    for ax, panel_scale in zip(axes, scales):
+    for ax, panel_scale in zip(axes, scales, strict=True):
         k = scale_exponent(panel_scale)
         for gid, label, start, stop, colour in FP16_SPANS:
             span = ax.axvspan(start, stop, color=colour, alpha=0.13, label=label, lw=0)
@@ -95,7 +95,8 @@ def plot_ranges(report: RangeReport, scale: float | None = None):
                    edgecolor="white", linewidth=0.3)
         for limit in (FP16_SUBNORMAL_EXP, FP16_NORMAL_EXP, FP16_OVERFLOW_EXP):
             ax.axvline(limit, color="#333333", lw=0.8, ls="--")
-        lost = [f"{KIND_LABELS[kind]}: {100 * report.combined(kind).underflow_share(panel_scale):.1f}%"
+        lost = [f"{KIND_LABELS[kind]}: "
+                f"{100 * report.combined(kind).underflow_share(panel_scale):.1f}%"
                 for kind in kinds]
         title = ("before loss scaling (scale 1)" if k == 0 else
                  f"after loss scaling by {format_scale(panel_scale)}")
@@ -163,7 +164,8 @@ _TEMPLATE = r"""<!DOCTYPE html>
 <style>
 * { box-sizing: border-box; }
 body { margin: 0; color: #1f2430; background: #eef0f4;
-  font: 13px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
+  font: 13px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
+    sans-serif; }
 header { display: flex; align-items: center; gap: 18px; padding: 8px 16px;
   background: #22293d; color: #e9ecf5; }
 header h1 { font-size: 16px; margin: 0; font-weight: 600; }
@@ -254,7 +256,8 @@ function chart(t, kind, k, parent, height) {
                 fill: COLOURS[kind], "class": "bar"}, svg);
   });
   for (const e of [D.limits.zero, D.limits.normal, D.limits.overflow]) {
-    el("line", {x1: sx(e), x2: sx(e), y1: 0, y2: h, stroke: "#333", "stroke-dasharray": "3 2"}, svg);
+    el("line", {x1: sx(e), x2: sx(e), y1: 0, y2: h, stroke: "#333",
+                "stroke-dasharray": "3 2"}, svg);
   }
   for (let e = -40; e <= 20; e += 10) {
     const tx = el("text", {x: sx(e) - 8, y: h + 12}, svg); tx.textContent = "2^" + e;
@@ -289,15 +292,17 @@ function render(k) {
     table.appendChild(tr);
     for (const t of list) {
       const row = document.createElement("tr"); row.dataset.name = t.name;
+      const top = t.max_abs.toPrecision(3);
       const cells = grad ? [pct(below(t, D.limits.zero, 0)), pct(below(t, D.limits.zero, k)),
-                            pct(below(t, D.limits.normal, k)), pct(over(t, k)), t.max_abs.toPrecision(3)]
-                         : [pct(below(t, D.limits.zero, 0)), pct(over(t, 0)), t.max_abs.toPrecision(3)];
+                            pct(below(t, D.limits.normal, k)), pct(over(t, k)), top]
+                         : [pct(below(t, D.limits.zero, 0)), pct(over(t, 0)), top];
       const name = document.createElement("td"); name.className = "name"; name.textContent = t.name;
       row.appendChild(name);
       const hc = document.createElement("td"); row.appendChild(hc);
       chart(t, kind, kk, hc, 28).setAttribute("width", 260);
       cells.forEach((c, i) => { const td = document.createElement("td"); td.textContent = c;
-        if ((grad && i === 1 && below(t, D.limits.zero, k) > 0.001) || (i === (grad ? 3 : 1) && c !== "0%"))
+        const lostNow = grad && i === 1 && below(t, D.limits.zero, k) > 0.001;
+        if (lostNow || (i === (grad ? 3 : 1) && c !== "0%"))
           td.className = "bad";
         td.dataset.col = head[i + 2]; row.appendChild(td); });
       table.appendChild(row);

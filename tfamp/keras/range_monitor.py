@@ -97,12 +97,12 @@ class KerasRangeProbe:
         grads = tape.gradient(loss, list(outputs) + list(variables))
         act_grads, weight_grads = grads[:len(outputs)], grads[len(outputs):]
         tensors = []
-        for label, out, grad in zip(self._labels, outputs, act_grads):
+        for label, out, grad in zip(self._labels, outputs, act_grads, strict=True):
             if out.dtype.is_floating:
                 tensors.append(("activation", label, out))
                 if grad is not None:
                     tensors.append(("activation_gradient", label, grad))
-        for var, grad in zip(variables, weight_grads):
+        for var, grad in zip(variables, weight_grads, strict=True):
             if grad is None:
                 continue
             if isinstance(grad, tf.IndexedSlices):
@@ -111,7 +111,7 @@ class KerasRangeProbe:
         counts, maxes = ranges_lib.bucket_counts_many([t for _, _, t in tensors])
         self._kinds = [(kind, label) for kind, label, _ in tensors]  # set while tracing
         known = {id(v) for v in state}
-        restores = [v.assign(value) for v, value in zip(state, saved)]
+        restores = [v.assign(value) for v, value in zip(state, saved, strict=True)]
         # Metric variables compute_loss created while tracing start from zeros.
         restores += [v.assign(tf.zeros_like(v)) for v in _state_variables(model)
                      if id(v) not in known]
@@ -131,7 +131,7 @@ class KerasRangeProbe:
         counts, maxes = self._fn(x, y, sample_weight)
         counts, maxes = counts.numpy(), maxes.numpy()
         return [TensorRange.from_vector(label, _layer_of(kind, label), kind, row, top)
-                for (kind, label), row, top in zip(self._kinds, counts, maxes)]
+                for (kind, label), row, top in zip(self._kinds, counts, maxes, strict=True)]
 
 
 def _state_variables(model) -> list:
