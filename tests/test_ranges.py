@@ -360,3 +360,38 @@ def test_cli_ranges_on_a_keras_file_and_a_saved_model(tmp_path, capsys):
     (tmp_path / "g.pbtxt").write_text("")
     assert cli.main(["inspect", str(tmp_path / "g.pbtxt"), "--ranges"]) == 2
     assert "needs a Keras model file" in capsys.readouterr().err
+
+
+# ----------------------------------------------------- TFAMP_RANGES end to end
+
+RANGES_SCRIPT = """
+import numpy as np
+import tf_keras as keras
+keras.utils.set_random_seed(0)
+x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+y = x[:, :2].sum(axis=1, keepdims=True)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(1)])
+model.compile(optimizer="adam", loss="mse")
+model.fit(x, y, epochs=1, batch_size=64, verbose=0)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter importing TensorFlow: ~25 s on 2 busy cores
+def test_tfamp_ranges_with_tfamp_enable_writes_the_picture(tmp_path):
+    import sysconfig
+    from pathlib import Path
+
+    from tests.test_env_activation import run
+
+    hook = Path(sysconfig.get_paths()["purelib"]) / "tfamp_startup.pth"
+    assert hook.is_file(), "run `bash scripts/setup.sh`: this test uses the installed package"
+    script = tmp_path / "train.py"
+    script.write_text(RANGES_SCRIPT)
+    result = run(script, tmp_path, TFAMP_ENABLE="1", TFAMP_RANGES="ranges_out")
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "ranges_out"
+    assert "value ranges of 'sequential' written to" in result.stderr
+    data = json.loads((folder / "ranges.json").read_text())
+    assert data["steps"] == 3 and data["loss_scale"] == 2.0**15
+    assert (folder / "ranges.png").stat().st_size > 20_000
