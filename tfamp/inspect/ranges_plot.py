@@ -239,7 +239,8 @@ function merge(list, name) {
 function sx(e) { return 30 + (e - X0) / (X1 - X0) * (W - 40); }
 function chart(t, kind, k, parent, height) {
   const h = height || H;
-  const svg = el("svg", {width: W, height: h + 16, "class": "hist", "data-k": k}, parent);
+  const svg = el("svg", {width: W, height: h + 16, viewBox: "0 0 " + W + " " + (h + 16),
+                         preserveAspectRatio: "none", "class": "hist", "data-k": k}, parent);
   for (const s of D.spans) {
     const a = Math.max(s[2], X0), b = Math.min(s[3], X1);
     el("rect", {x: sx(a), y: 0, width: sx(b) - sx(a), height: h, fill: s[4],
