@@ -433,6 +433,9 @@ class RangeReport:
                              f"{t.max_abs:>10.3g}  {_pct(t.bf16_underflow_share()):>7}")
         if current is not None:
             lines.append(f"  loss scale while collecting: {format_scale(current)}")
+        if self.gradients():
+            lines.append("  room@rec.: doublings of the recommended scale left before the "
+                         "largest value overflows float16")
         lines.append(f"  bfloat16: same range as float32 ({BF16_MAX:.3g}), "
                      f"{BF16_MANTISSA_BITS}-bit precision; 'bf16 uf' = values below 2^-126")
         for note in self.notes:
