@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  tfamp inspect graph.pbtxt --why 'attn/Softmax'\n"
                "  tfamp inspect graph.pb --format html -o graph.html\n"
                "  tfamp inspect graph.pb --dtype bfloat16 --deny-add Tanh --format json\n"
-               "  tfamp inspect report.json              # a TFAMP_REPORT_DIR report",
+               "  tfamp inspect report.json              # a TFAMP_REPORT_DIR report\n"
+               "  tfamp inspect model.keras --ranges -o ranges   # gradients vs 16-bit limits",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     inspect.add_argument("path", help="a SavedModel directory, a Keras model file (.keras, "
                                       ".h5), a GraphDef (.pb, .pbtxt) or a tfamp JSON report")
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="show function names as the graph has them (default: "
                               "shortened, e.g. __inference__wrapped_model_1428 -> "
                               "_wrapped_model)")
+    inspect.add_argument("--ranges", action="store_true",
+                         help="run a few synthetic batches and show where activations and "
+                              "gradients sit against float16's limits; writes ranges.txt/"
+                              ".json/.html/.png to -o DIR (default tfamp_ranges)")
+    inspect.add_argument("--batches", type=_positive_int, default=3,
+                         help="with --ranges: synthetic batches to run (3)")
     inspect.add_argument("--format", choices=["text", "json", "html"], default="text")
     inspect.add_argument("-o", "--output", help="file to write (required with --format html)")
 
@@ -166,9 +173,11 @@ def _inspect(args) -> int:
     from tfamp.rewrite import rewrite_graph_def
 
     config = _config_from_args(args)
+    _import_modules(args.imports)
+    if args.ranges:
+        return _inspect_ranges(args, config)
     if args.format == "html" and not args.output:
         raise UserError("--format html writes a page: give its path with -o FILE")
-    _import_modules(args.imports)
     loaded = load_inspectable(Path(args.path), signature=args.signature, graph=args.graph)
     if loaded.report is not None:
         report = loaded.report
@@ -215,6 +224,24 @@ def _import_modules(names: list[str]) -> None:
         except ImportError as err:
             raise UserError(f"--import {name}: {err}; expected an importable module (check "
                             f"the spelling, the environment, or PYTHONPATH)") from err
+
+
+def _inspect_ranges(args, config) -> int:
+    from tfamp.inspect.ranges import collect_file_ranges
+    from tfamp.keras.range_monitor import write_outputs
+
+    try:
+        report = collect_file_ranges(Path(args.path), steps=args.batches,
+                                     signature=args.signature, config=config)
+    except (ValueError, OSError) as err:
+        raise UserError(str(err).splitlines()[0]) from None
+    written = write_outputs(report, args.output or "tfamp_ranges")
+    if args.format == "json":
+        print(report.to_json())
+    else:
+        print(report.summary_text())
+        print("wrote " + ", ".join(str(p) for p in written.values()))
+    return 0
 
 
 def _emit(text: str, output: str | None) -> None:

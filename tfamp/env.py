@@ -13,6 +13,8 @@ Variables:
   TFAMP_KEEP_FP32     comma-separated regular expressions on node names
   TFAMP_REPORT_DIR    write each rewritten function's JSON report there
   TFAMP_VERBOSITY     0/quiet | 1/info | 2/debug                  (1)
+  TFAMP_RANGES        off | on (writes to ./tfamp_ranges) | a directory: Keras fit
+                      also shows where gradients sit against 16-bit limits (off)
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ LIST_VARIABLES = {
 }
 KNOWN_VARIABLES = frozenset({
     "TFAMP_ENABLE", "TFAMP_DTYPE", "TFAMP_LOSS_SCALE", "TFAMP_KEEP_FP32",
-    "TFAMP_REPORT_DIR", "TFAMP_VERBOSITY", *LIST_VARIABLES,
+    "TFAMP_REPORT_DIR", "TFAMP_VERBOSITY", "TFAMP_RANGES", *LIST_VARIABLES,
 })
 
 
@@ -49,6 +51,7 @@ class EnvSettings:
     loss_scale: object  # "dynamic", a float, or None
     report_dir: str | None
     verbosity: int
+    ranges_dir: str | None = None  # TFAMP_RANGES: where RangeMonitor writes; None = off
 
 
 def is_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -86,6 +89,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         raise EnvError(f"TFAMP_REPORT_DIR={report_dir!r} is a file; accepted values: a "
                        f"directory path (created if missing)")
 
+    ranges_dir = _parse_ranges(environ.get("TFAMP_RANGES", ""))
+
     from tfamp.config import AmpConfig
 
     try:
@@ -93,7 +98,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
     except (ValueError, TypeError) as err:
         raise EnvError(_env_message(str(err))) from err
     return EnvSettings(enabled=enabled, config=config, loss_scale=loss_scale,
-                       report_dir=report_dir, verbosity=VERBOSITY_WORDS[verbosity_text])
+                       report_dir=report_dir, verbosity=VERBOSITY_WORDS[verbosity_text],
+                       ranges_dir=ranges_dir)
 
 
 def _parse_enable(text: str) -> bool:
@@ -104,6 +110,22 @@ def _parse_enable(text: str) -> bool:
         return False
     raise EnvError(f"TFAMP_ENABLE={text!r} is not valid; accepted values: "
                    f"{'/'.join(TRUE_WORDS)} to enable, {'/'.join(FALSE_WORDS)} to disable")
+
+
+DEFAULT_RANGES_DIR = "tfamp_ranges"
+
+
+def _parse_ranges(text: str) -> str | None:
+    word = text.strip()
+    if word.lower() in FALSE_WORDS or word == "":
+        return None
+    if word.lower() in TRUE_WORDS:
+        return DEFAULT_RANGES_DIR
+    if os.path.exists(word) and not os.path.isdir(word):
+        raise EnvError(f"TFAMP_RANGES={text!r} is a file; accepted values: "
+                       f"{'/'.join(TRUE_WORDS)} (write to ./{DEFAULT_RANGES_DIR}), "
+                       f"{'/'.join(FALSE_WORDS)}, or a directory path (created if missing)")
+    return word
 
 
 def _parse_loss_scale(text: str, dtype: str):

@@ -37,7 +37,7 @@ from tfamp.runtime.runner import RewrittenFunction, is_tracing_for_tfamp
 
 log = logging.getLogger("tfamp")
 
-_HOOKED_METHODS = ("compile", "make_train_function", "make_test_function",
+_HOOKED_METHODS = ("compile", "fit", "make_train_function", "make_test_function",
                    "make_predict_function", "train_step", "_validate_and_get_metrics_result",
                    "call")
 _LOG_KEYS = ("loss_scale", "skipped_steps")
@@ -53,6 +53,7 @@ class _EnabledState:
     min_scale: float
     check: bool
     warned_custom_loop: bool = False
+    ranges: object = None  # None, True, or an output directory for RangeMonitor
 
     def wrap_optimizer(self, optimizer):
         if self.loss_scale is None or optimizer is None:
@@ -79,7 +80,7 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
            growth_interval: int = DEFAULT_GROWTH_INTERVAL,
            min_scale: float = DEFAULT_MIN_SCALE,
            config: AmpConfig | None = None, check: bool = False,
-           verbose: bool | None = None):
+           verbose: bool | None = None, ranges=None):
     """Turns a Keras model's training and inference into mixed precision.
 
     Works before or after ``model.compile``. From then on ``fit``, ``evaluate``,
@@ -103,6 +104,10 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
         case the lines go wherever that configuration sends them. True:
         always; False: never add tfamp's handler (the lines still reach any
         handler the application set up). Process-wide, like all logging.
+      ranges: True or a directory: the next ``fit`` also runs a
+        ``tfamp.RangeMonitor`` on its first 3 batches and writes where the
+        gradients sit against float16's limits there (ranges.txt / .json /
+        .html / .png; True: "tfamp_ranges"). Off (None) by default.
 
     Returns:
       `model` itself.
@@ -119,14 +124,20 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
         loss_scale = "dynamic" if config.dtype == "float16" else None
     if loss_scale is not None:  # fail now, not at the first fit
         validate_settings(loss_scale, initial_scale, growth_interval, min_scale)
+    ranges = _check_ranges(ranges)
     if keras3 is not None:
+        if ranges is not None:
+            raise NotImplementedError(
+                "tfamp.enable(ranges=...) is not supported on Keras 3 models yet; use "
+                "tfamp.RangeMonitor on a tf_keras model, or tfamp inspect --ranges.")
         keras3.enable(model, keras3.Keras3State(
             config, loss_scale, initial_scale, growth_interval, min_scale, check))
         log.info("tfamp: enabled %s on Keras 3 model %r (loss scale: %s)", config.dtype,
                  model.name, loss_scale)
         return model
     _check_no_other_mixed_precision(model)
-    state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check)
+    state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check,
+                          ranges=ranges)
     if getattr(model, "_tfamp_state", None) is not None:
         disable(model)
     _install_hooks(model, state)
@@ -244,6 +255,14 @@ def mixed_policy_name(model) -> str | None:
     return None
 
 
+def _check_ranges(ranges):
+    if ranges is None or ranges is False:
+        return None
+    if ranges is True or (isinstance(ranges, str) and ranges) or hasattr(ranges, "__fspath__"):
+        return ranges
+    raise TypeError(f"ranges must be None, True or an output directory, received {ranges!r}")
+
+
 def _check_no_other_mixed_precision(model) -> None:
     policy = keras.mixed_precision.global_policy().name
     mixed = mixed_policy_name(model)
@@ -271,6 +290,19 @@ def _install_hooks(model, state: _EnabledState) -> None:
         result = cls.compile(model, *args, **kwargs)
         model.optimizer = state.wrap_optimizer(model.optimizer)
         return result
+
+    def fit(*args, **kwargs):
+        from tfamp.keras import range_monitor
+
+        # Kept for the stuck-at-floor diagnosis (a copy of one batch, or the dataset).
+        object.__setattr__(model, "_tfamp_fit_batch", range_monitor.fit_batch_source(args, kwargs))
+        if state.ranges is not None:
+            monitor = range_monitor.monitor_for_fit(state.ranges, args, kwargs)
+            if monitor is not None and len(args) > 5:  # callbacks given positionally
+                args = (*args[:5], [*(args[5] or []), monitor], *args[6:])
+            elif monitor is not None:
+                kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), monitor]
+        return cls.fit(model, *args, **kwargs)
 
     def train_step(data):
         logs = cls.train_step(model, data)
@@ -318,7 +350,7 @@ def _install_hooks(model, state: _EnabledState) -> None:
     def after_train_call(_outputs):
         optimizer = model.optimizer
         if isinstance(optimizer, LossScaleOptimizer):
-            optimizer.check_stuck()
+            optimizer.check_stuck(diagnose=lambda: _diagnose(model))
 
     class_call = cls.call
 
@@ -337,6 +369,7 @@ def _install_hooks(model, state: _EnabledState) -> None:
     hooks = {
         "call": call,
         "compile": compile,
+        "fit": fit,
         "train_step": train_step,
         "_validate_and_get_metrics_result": validate_and_get_metrics_result,
         "make_train_function": hooked_maker("train_function", "make_train_function",
@@ -378,6 +411,12 @@ def _custom_loop_message(model) -> str:
             f"of @tf.function and scale the loss with model.optimizer.get_scaled_loss / "
             f"get_unscaled_gradients (tfamp's LossScaleOptimizer), or run the script with "
             f"TFAMP_ENABLE=1, which does both for you.")
+
+
+def _diagnose(model):
+    from tfamp.inspect.nonfinite import diagnose_keras_model
+
+    return diagnose_keras_model(model)
 
 
 def _replicated(read):

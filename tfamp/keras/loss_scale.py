@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 
 import tensorflow as tf
 from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso
@@ -192,11 +193,16 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         self._variable_names = [v.name for g, v in grads_and_vars if g is not None]
         return super().apply_gradients(grads_and_vars, *args, **kwargs)
 
-    def check_stuck(self) -> bool:
+    def check_stuck(self, diagnose: Callable[[], str | None] | None = None) -> bool:
         """Warns once if steps keep being skipped with the scale at its floor.
 
         Called by tfamp after each training step (a few scalar reads). Returns
         True if the warning was issued now.
+
+        Args:
+          diagnose: called once, when warning, to name the first op that made
+            an inf/nan (``tfamp.inspect.nonfinite``); its answer goes into the
+            warning. It must not change any state.
         """
         if self._warned_stuck or int(self._loss_scale.floor_skips.numpy()) < STUCK_PATIENCE:
             return False
@@ -210,6 +216,13 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
             f"First non-finite gradients: {', '.join(names) or 'unknown'}. Check the "
             f"data and learning rate, keep the op producing them float32 "
             f"(keep_fp32=...), or try dtype='bfloat16'.")
+        if diagnose is not None:
+            try:
+                found = diagnose()
+            except Exception as err:  # the warning matters more than the diagnosis
+                found = f"tfamp could not localise the op ({type(err).__name__}: {err})"
+            if found:
+                message += f" Localised: {found}"
         log.error("%s", message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         return True

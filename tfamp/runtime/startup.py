@@ -176,7 +176,8 @@ def _patch_tf_keras(active: _Activation) -> None:
             return result  # Keras's policy trains it: see _patch_keras_mixed_policies
         if not activation.is_enabled(self):
             activation.enable(self, config=active.settings.config,
-                              loss_scale=active.settings.loss_scale)
+                              loss_scale=active.settings.loss_scale,
+                              ranges=active.settings.ranges_dir)
         return result
 
     model_class.compile = compile

@@ -1,0 +1,146 @@
+"""The first non-finite op: a planted float16 overflow is named with its fix; nothing changes."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+import tfamp
+from tfamp.config import AmpConfig
+from tfamp.inspect import nonfinite
+from tfamp.inspect.nonfinite import locate_keras_nonfinite
+
+
+def overflow_model(batch_norm: bool = False):
+    """Dense -> exp -> Dense. The Dense output is exactly 12 for all-ones inputs:
+    exp(12) = 162755 is finite in float32 and inf in float16 (max 65504)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    h = keras.layers.Dense(8, name="boost", kernel_initializer=keras.initializers.Constant(3.0))(
+        inputs)
+    if batch_norm:
+        h = keras.layers.BatchNormalization(name="bn", center=False, scale=False)(h)
+        h = keras.layers.Lambda(lambda t: t + 12.0, name="shift")(h)
+    h = keras.layers.Lambda(lambda t: tf.exp(t), name="expo")(h)
+    out = keras.layers.Dense(1, name="head",
+                             kernel_initializer=keras.initializers.Constant(1e-6))(h)
+    model = keras.Model(inputs, out, name="planted")
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+X = np.ones((16, 4), "float32")
+Y = np.zeros((16, 1), "float32")
+EXP_16BIT = AmpConfig(allow_add=["Exp"])  # Exp forced onto the allow list
+
+
+def test_planted_exp_overflow_is_named_with_its_fix():
+    model = overflow_model()
+    found = locate_keras_nonfinite(model, X, Y, config=EXP_16BIT)
+    assert found is not None
+    assert (found.node, found.op, found.phase) == ("planted/expo/Exp", "Exp", "forward")
+    assert found.layer == "planted/expo" and found.value == "inf"
+    assert found.ran_16bit and found.dtype == "float16" and not found.inserted_cast
+    [source] = found.inputs
+    assert source.tensor == "planted/boost/BiasAdd:0" and source.dtype == "float16"
+    assert source.max_abs == pytest.approx(12.0) and source.nonfinite == 0
+    assert found.fix_env == "TFAMP_KEEP_FP32='planted/expo/'"
+    assert found.fix_api == "AmpConfig(keep_fp32=['planted/expo/'])"
+    # Exp was put on the allow list by the user: the op-list fix is to drop it there.
+    assert "allow_add=[]" in found.fix_oplist_api and "Exp" in found.fix_oplist_api
+    assert "Exp 'planted/expo/Exp'" in found.describe()
+    # The suggested keep_fp32 pattern removes this overflow; exp(12) in float32 is
+    # then too big for the Cast to float16 in front of the head, the next finding,
+    # and its fix (which keeps the first one) leaves every value finite.
+    fixed = EXP_16BIT.replace(keep_fp32=(found.keep_fp32,))
+    second = locate_keras_nonfinite(model, X, Y, config=fixed)
+    assert second is not None and second.inserted_cast and second.layer == "planted/head"
+    assert second.fix_api == "AmpConfig(keep_fp32=['planted/expo/', 'planted/head/'])"
+    both = EXP_16BIT.replace(keep_fp32=("planted/expo/", "planted/head/"))
+    assert locate_keras_nonfinite(model, X, Y, config=both) is None
+
+
+def test_value_too_big_for_an_inserted_cast_names_the_cast_and_its_consumer():
+    # Default lists: Exp stays float32 and gives 162755; tfamp's Cast to float16
+    # in front of the converted head MatMul is where inf first appears.
+    model = overflow_model()
+    found = locate_keras_nonfinite(model, X, Y, config=AmpConfig())
+    assert found is not None and found.inserted_cast
+    assert found.node.startswith("planted/expo/Exp/tfamp_cast_")
+    assert found.feeds[0] == "planted/head/MatMul" and found.layer == "planted/head"
+    assert found.inputs[0].dtype == "float32"
+    assert found.inputs[0].max_abs == pytest.approx(np.exp(12.0), rel=1e-5)
+    assert found.fix_oplist_api == "AmpConfig(deny_add=['MatMul'])"
+
+
+def test_finite_step_returns_none():
+    model = overflow_model()
+    assert locate_keras_nonfinite(model, X * 0.1, Y, config=EXP_16BIT) is None
+
+
+def test_localising_changes_no_variable():
+    model = overflow_model(batch_norm=True)
+    model.optimizer.build(model.trainable_variables)
+    tracked = [*model.variables, *model.optimizer.variables]
+    before = [v.numpy().copy() for v in tracked]
+    found = locate_keras_nonfinite(model, X + np.arange(16)[:, None], Y, config=EXP_16BIT,
+                                   loss_scale=1024.0)
+    assert found is not None and found.op == "Exp" and found.loss_scale == 1024.0
+    after = [v.numpy() for v in tracked]
+    for variable, old, new in zip(tracked, before, after, strict=True):
+        np.testing.assert_array_equal(old, new, err_msg=variable.name)
+
+
+def test_stuck_at_floor_warning_names_the_op():
+    model = overflow_model()
+    tfamp.enable(model, config=EXP_16BIT, initial_scale=2.0, min_scale=1.0)
+    weights = [v.numpy().copy() for v in model.trainable_variables]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(X, Y, batch_size=16, epochs=5, verbose=0)
+    stuck = [w for w in caught if "stuck at its floor" in str(w.message)]
+    assert len(stuck) == 1, [str(w.message) for w in caught]
+    message = str(stuck[0].message)
+    assert "Localised: first non-finite value (inf) comes from Exp 'planted/expo/Exp'" in message
+    assert "TFAMP_KEEP_FP32='planted/expo/'" in message
+    assert float(model.optimizer.loss_scale) == 1.0
+    assert int(model.optimizer.skipped_steps.numpy()) == 5
+    for old, variable in zip(weights, model.trainable_variables, strict=True):
+        np.testing.assert_array_equal(old, variable.numpy())
+
+
+@pytest.mark.parametrize("name, gradient, scope", [
+    ("model/dense_3/MatMul", False, "model/dense_3"),
+    ("gradient_tape/model/dense_3/MatMul/MatMul_1", True, "model/dense_3"),
+    ("gradients/dense/BiasAdd_grad/BiasAddGrad", True, "dense"),
+    ("loss", False, ""),
+])
+def test_scopes(name, gradient, scope):
+    assert nonfinite._is_gradient(name) is gradient
+    assert nonfinite._layer_scope(name) == scope
+
+
+def test_instrumented_graph_checks_every_float_output_in_order():
+    @tf.function
+    def f(x):
+        return tf.exp(tf.matmul(x, x)) + 1.0
+
+    concrete = f.get_concrete_function(tf.TensorSpec([2, 2]))
+    graph_def = concrete.graph.as_graph_def()
+    from tfamp.rewrite.graph import build_view
+
+    body = build_view(graph_def).bodies[0]
+    new, checked = nonfinite._instrument(graph_def, body)
+    names = [name for name, _ in checked]
+    assert names.index("MatMul") < names.index("Exp") < names.index("add")
+    checks = {n.name: n for n in new.node if n.op == "CheckNumericsV2"}
+    assert len(checks) == len(checked)
+    by_name = {n.name: n for n in new.node}
+    # consumers read the checked tensor, so a failing op cannot be overtaken
+    assert by_name["Exp"].input[0].startswith("tfamp_nonfinite_check/")
+    # the input GraphDef is not modified
+    assert not any(n.op == "CheckNumericsV2" for n in graph_def.node)

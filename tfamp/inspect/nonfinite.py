@@ -1,0 +1,397 @@
+"""The first op that produced an inf or nan: ``locate_nonfinite`` / ``locate_keras_nonfinite``.
+
+How: the traced step (forward and backward, no optimizer update) is rewritten
+exactly as tfamp would rewrite it, then a ``CheckNumericsV2`` node is placed
+after every float output of the top graph and every consumer is rewired to
+read the checked tensor. A consumer therefore cannot run before its inputs
+were checked, so the check that fails names an op whose inputs were all
+finite: the origin, in execution order, not one of the many ops the inf
+spread to. A second run of the same rewritten graph fetches that op's inputs
+for their magnitudes.
+
+Why not ``tf.debugging.enable_check_numerics``: it instruments ops through op
+callbacks while Python traces them, i.e. the float32 graph before tfamp's
+rewrite; the ops that overflow are the 16-bit ones only the rewritten GraphDef
+has. The same kernel (CheckNumericsV2) is inserted into that GraphDef instead.
+
+Nothing changes: the graph applies no gradients, and the Keras entry point
+restores the model's non-trainable and metric variables afterwards (BatchNorm
+statistics update in a training-mode forward pass).
+
+Limits: ops inside library functions (loop bodies, nested calls) are checked
+only through the call op's outputs; an intentional inf (e.g. a -inf mask that
+is not a constant) is reported like any other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import re
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2, types_pb2
+
+from tfamp.config import AmpConfig
+from tfamp.rewrite import rewrite_graph_def
+from tfamp.rewrite.graph import FLOAT_TYPES, build_view, dtype_name
+
+log = logging.getLogger("tfamp")
+
+_CHECK_PREFIX = "tfamp_nonfinite_check"
+_MESSAGE = re.compile(r"tfamp_check:(\d+)")
+_SIXTEEN_BIT = (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)
+_SKIPPED_OPS = frozenset({"Const", "Placeholder"})  # a constant inf is intentional
+_counter = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class InputMagnitude:
+    """An input of the failing op: its dtype and largest / smallest nonzero |x|."""
+
+    tensor: str
+    dtype: str
+    max_abs: float
+    min_nonzero_abs: float
+    nonfinite: int
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteOp:
+    """The first op that produced an inf or nan, and what to change.
+
+    Attributes:
+      node: node name in the (rewritten) graph; op: its op type.
+      output: the output index that was not finite; value: "inf", "nan" or both.
+      phase: "forward" or "backward" (gradient ops).
+      layer: the name scope of the forward op (without "gradient_tape/").
+      dtype: the dtype of that output in the rewritten graph.
+      ran_16bit: True if the op computed in float16/bfloat16.
+      inserted_cast: True if the op is a Cast tfamp inserted (the value did not
+        fit the 16-bit type); `feeds` then names the converted ops it feeds.
+      inputs: magnitudes of its data inputs.
+      loss_scale: the loss scale the step ran with.
+      keep_fp32: the keep_fp32 pattern that keeps this layer float32.
+      fix_env / fix_api: the same fix as TFAMP_* settings and as AmpConfig
+        arguments; fix_oplist_env / fix_oplist_api: the op-list alternative.
+    """
+
+    node: str
+    op: str
+    output: int
+    value: str
+    phase: str
+    layer: str
+    dtype: str
+    ran_16bit: bool
+    inserted_cast: bool
+    feeds: tuple[str, ...]
+    inputs: tuple[InputMagnitude, ...]
+    loss_scale: float
+    keep_fp32: str
+    fix_env: str
+    fix_api: str
+    fix_oplist_env: str
+    fix_oplist_api: str
+
+    def describe(self) -> str:
+        """A few sentences for logs and warnings."""
+        what = (f"tfamp's Cast to {self.dtype} of '{self.node.rsplit('/tfamp_cast_', 1)[0]}' "
+                f"(feeding {', '.join(self.feeds) or 'nothing'})" if self.inserted_cast
+                else f"{self.op} '{self.node}'")
+        where = f"layer/scope '{self.layer}'" if self.layer else "the top scope"
+        inputs = "; ".join(
+            f"{i.tensor} ({i.dtype}) max |x| {i.max_abs:.4g}, min nonzero {i.min_nonzero_abs:.3g}"
+            for i in self.inputs) or "none"
+        text = (f"first non-finite value ({self.value}) comes from {what} in the {self.phase} "
+                f"pass, {where}, computing in {self.dtype}"
+                f"{' (16-bit)' if self.ran_16bit else ''} at loss scale {self.loss_scale:g}; "
+                f"its inputs: {inputs}.")
+        if self.ran_16bit:
+            text += (f" Fix: keep it float32 with {self.fix_env} or {self.fix_api}; or "
+                     f"{self.fix_oplist_env} / {self.fix_oplist_api}.")
+        else:
+            text += (" It ran in float32, so 16-bit is not the cause: check the data, the "
+                     "learning rate and the loss scale.")
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
+                     loss_scale: float = 1.0) -> NonFiniteOp | None:
+    """Runs a traced step once, rewritten by tfamp, and finds the first inf/nan op.
+
+    Args:
+      concrete: a ConcreteFunction computing forward and backward (it must not
+        update variables: compute gradients, do not apply them).
+      args: the arguments to call it with (the same structure it was traced for).
+      config: the rewrite settings (``AmpConfig()`` if None).
+      loss_scale: recorded in the answer (the step's own scale is in `args`).
+
+    Returns:
+      the origin, or None if every value was finite.
+
+    Example:
+      >>> step = tf.function(loss_and_grads).get_concrete_function(x, y)
+      >>> found = locate_nonfinite(step, (x, y), AmpConfig(allow_add=["Exp"]))
+      >>> print(found.describe())
+    """
+    config = config or AmpConfig()
+    old = concrete.graph
+    rewritten, report = rewrite_graph_def(
+        old.as_graph_def(), config, outputs=[t.name for t in old.outputs],
+        function_name=old.name)
+    body = build_view(rewritten).bodies[0]
+    instrumented, checked = _instrument(rewritten, body)
+    flat_args = [a for a in tf.nest.flatten(args) if a is not None]
+    try:
+        run_imported(concrete, instrumented, [t.name for t in old.outputs], flat_args)
+        return None
+    except tf.errors.InvalidArgumentError as err:
+        found = _MESSAGE.search(err.message or "")
+        if found is None:
+            raise
+        node, port = checked[int(found.group(1))]
+        value = ("nan and inf" if "NaN" in err.message and "Inf" in err.message
+                 else "nan" if "NaN" in err.message else "inf")
+    node_def = body.nodes[node].node_def
+    input_names = [i if ":" in i else f"{i}:0" for i in node_def.input
+                   if not i.startswith("^")]
+    input_values = run_imported(concrete, rewritten, input_names, flat_args) \
+        if input_names else []
+    inputs = tuple(_magnitude(name, value_)
+                   for name, value_ in zip(input_names, input_values, strict=True))
+    dtype = body.nodes[node].outputs[port].dtype
+    inserted = "/tfamp_cast_" in node
+    feeds = tuple(sorted({consumer for consumer, _ in body.consumers.get(
+        _ref(node, port), ())}, key=lambda n: (_is_gradient(n), n))) if inserted else ()
+    scope_source = feeds[0] if inserted and feeds else node
+    layer = _layer_scope(scope_source)
+    op = body.nodes[feeds[0]].op if inserted and feeds else body.nodes[node].op
+    del report  # the decision is read from the rewritten graph's dtypes
+    return NonFiniteOp(
+        node=node, op=body.nodes[node].op, output=port, value=value,
+        phase="backward" if _is_gradient(node) else "forward", layer=layer,
+        dtype=dtype_name(dtype), ran_16bit=dtype in _SIXTEEN_BIT, inserted_cast=inserted,
+        feeds=feeds, inputs=inputs, loss_scale=float(loss_scale),
+        **_fixes(layer, op, config))
+
+
+def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
+                           config: AmpConfig | None = None,
+                           loss_scale: float = 1.0) -> NonFiniteOp | None:
+    """The first inf/nan op of a tf_keras model's training step on one batch.
+
+    Computes the loss (times `loss_scale`) and its gradients in the graph tfamp
+    would run, applies nothing, and restores the model's non-trainable and
+    metric variables, so weights, optimizer state and loss scale are unchanged.
+
+    Args:
+      model: a compiled tf_keras model.
+      x, y, sample_weight: one batch.
+      config: the rewrite settings (the model's ``tfamp.enable`` config if None).
+      loss_scale: the loss scale to run the step at.
+    """
+    from tfamp.keras.range_monitor import _state_variables
+
+    if config is None:
+        state = getattr(model, "_tfamp_state", None)
+        config = state.config if state is not None else AmpConfig()
+    variables = model.trainable_variables
+
+    def loss_and_grads(x, y, sample_weight, scale):
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x, y, y_pred, sample_weight)
+            scaled = loss * tf.cast(scale, loss.dtype)
+        grads = tape.gradient(scaled, variables)
+        return loss, [g for g in grads if g is not None]
+
+    scale = tf.constant(float(loss_scale), tf.float32)
+    saved = [(v, v.numpy()) for v in _state_variables(model)]
+    metrics_before = {id(m) for m in model.metrics}
+    try:
+        concrete = tf.function(loss_and_grads).get_concrete_function(x, y, sample_weight,
+                                                                     scale)
+        return locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
+                                loss_scale=loss_scale)
+    finally:
+        for variable, value in saved:
+            variable.assign(value)
+        for metric in model.metrics:
+            if id(metric) not in metrics_before:
+                metric.reset_state()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _instrument(graph_def: graph_pb2.GraphDef, body) -> tuple[graph_pb2.GraphDef,
+                                                               list[tuple[str, int]]]:
+    """A copy with CheckNumericsV2 after every float output, consumers rewired."""
+    new = graph_pb2.GraphDef()
+    new.CopyFrom(graph_def)
+    checked: list[tuple[str, int]] = []
+    check_of: dict[tuple[str, int], str] = {}
+    for name in body.topological_order():
+        node = body.nodes[name]
+        if node.op in _SKIPPED_OPS:
+            continue
+        for port, out in enumerate(node.outputs):
+            if out.dtype not in FLOAT_TYPES:
+                continue
+            index = len(checked)
+            checked.append((name, port))
+            check_of[(name, port)] = f"{_CHECK_PREFIX}/{index}"
+    for node_def in new.node:
+        for i, text in enumerate(node_def.input):
+            if text.startswith("^"):
+                continue
+            source, _, port = text.partition(":")
+            key = (source, int(port) if port else 0)
+            if key in check_of:
+                node_def.input[i] = check_of[key]
+    for index, (name, port) in enumerate(checked):
+        check = new.node.add()
+        check.name = check_of[(name, port)]
+        check.op = "CheckNumericsV2"
+        check.input.append(name if port == 0 else f"{name}:{port}")
+        check.attr["T"].type = body.nodes[name].outputs[port].dtype
+        check.attr["message"].s = f"tfamp_check:{index}".encode()
+        if body.nodes[name].node_def.device:
+            check.device = body.nodes[name].node_def.device
+    return new, checked
+
+
+def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
+                 flat_args: list, post=None, inner=None) -> list[np.ndarray]:
+    """Runs `graph_def` (concrete's graph or a rewrite of it) on its live captures.
+
+    Args:
+      concrete: the ConcreteFunction whose captures (variables) to bind.
+      graph_def: its graph, possibly rewritten or instrumented.
+      fetches: tensor names to return.
+      flat_args: the tensor arguments, flattened.
+      post: optional; maps the fetched tensors to other tensors inside the
+        same graph (e.g. on-device histograms), so only its results leave.
+      inner: optional (call NodeDef, callee GraphDef, callee argument tensor
+        names): `fetches` name tensors of the callee, which is imported with
+        its arguments bound to the call's inputs (a SavedModel signature is a
+        single call of the model's function).
+    """
+    from tfamp.runtime.runner import _register_renamed_library
+
+    graph_def_copy = graph_pb2.GraphDef()
+    graph_def_copy.CopyFrom(graph_def)
+    _register_renamed_library(graph_def_copy, f"_tfamp_nf{next(_counter)}")
+    old = concrete.graph
+    internal_ids = {id(internal) for _, internal in old.captures}
+    arguments = [t for t in old.inputs if id(t) not in internal_ids]
+    captures = [(internal.name, external) for external, internal in old.captures]
+    if len(arguments) != len(flat_args):
+        raise ValueError(f"the step takes {len(arguments)} tensor arguments, received "
+                         f"{len(flat_args)}")
+
+    def run(*values):
+        graph = tf.compat.v1.get_default_graph()
+        input_map = {ph.name: value
+                     for ph, value in zip(arguments, values, strict=True)}
+        for name, external in captures:
+            input_map[name] = graph.capture(external)
+        if inner is None:
+            results = tf.graph_util.import_graph_def(
+                graph_def_copy, input_map=input_map, return_elements=fetches, name="")
+        else:
+            call, callee, arg_names = inner
+            sources = [i if ":" in i else f"{i}:0" for i in call.input if not i.startswith("^")]
+            unbound = [s for s in sources if s not in input_map]
+            if unbound:
+                raise ValueError(f"call {call.name!r} takes inputs that are not arguments or "
+                                 f"captures ({unbound[:3]}); cannot run its body alone")
+            callee_map = {arg: input_map[src]
+                          for arg, src in zip(arg_names, sources, strict=True)}
+            results = tf.graph_util.import_graph_def(
+                callee, input_map=callee_map, return_elements=fetches, name="")
+        results = [tf.identity(r) for r in results]
+        return list(post(results)) if post is not None else results
+
+    outputs = tf.function(run, autograph=False)(*flat_args)
+    return [o.numpy() for o in outputs]
+
+
+def _magnitude(name: str, value: np.ndarray) -> InputMagnitude:
+    array = np.asarray(value)
+    dtype = str(array.dtype) if array.dtype.kind == "f" else str(array.dtype)
+    if array.dtype.kind not in "fc":
+        return InputMagnitude(name, dtype, float("nan"), float("nan"), 0)
+    a = np.abs(array.astype(np.float64)).ravel()
+    finite = a[np.isfinite(a)]
+    nonzero = finite[finite > 0]
+    return InputMagnitude(
+        name, dtype, float(finite.max()) if finite.size else float("nan"),
+        float(nonzero.min()) if nonzero.size else 0.0, int(a.size - finite.size))
+
+
+def _ref(node: str, port: int):
+    from tfamp.rewrite.graph import TensorRef
+
+    return TensorRef(node, port)
+
+
+def _is_gradient(name: str) -> bool:
+    return name.startswith(("gradient_tape/", "gradients/")) or "/gradients/" in name
+
+
+def _layer_scope(name: str) -> str:
+    """The name scope of the forward op: gradient ops are named
+    "gradient_tape/<forward op>/<gradient op>", so they lose one more part."""
+    if _is_gradient(name):
+        for prefix in ("gradient_tape/", "gradients/"):
+            name = name.removeprefix(prefix)
+        name = name.rsplit("/", 1)[0] if "/" in name else name
+    return name.rsplit("/", 1)[0] if "/" in name else ""
+
+
+def _fixes(layer: str, op: str, config: AmpConfig) -> dict[str, str]:
+    pattern = f"{re.escape(layer)}/" if layer else f"^{re.escape(op)}$"
+    keep = [*config.keep_fp32, pattern]
+    fix_env = f"TFAMP_KEEP_FP32={','.join(keep)!r}"
+    fix_api = f"AmpConfig(keep_fp32={keep!r})"
+    if op in config.allow_add:
+        rest = [o for o in config.allow_add if o != op]
+        oplist_env = (f"TFAMP_ALLOWLIST_ADD={','.join(rest)!r}" if rest
+                      else "unset TFAMP_ALLOWLIST_ADD")
+        oplist_api = f"AmpConfig(allow_add={rest!r})  # drop {op!r}"
+    else:
+        deny = [*config.deny_add, op] if op not in config.deny_add else list(config.deny_add)
+        oplist_env = f"TFAMP_DENYLIST_ADD={','.join(deny)!r}"
+        oplist_api = f"AmpConfig(deny_add={deny!r})"
+    return dict(keep_fp32=pattern, fix_env=fix_env, fix_api=fix_api,
+                fix_oplist_env=oplist_env, fix_oplist_api=oplist_api)
+
+
+def diagnose_keras_model(model) -> str | None:
+    """For the stuck-at-floor warning: localise on the first batch ``fit`` was given.
+
+    Uses the batch ``tfamp.enable``'s fit hook kept, the model's tfamp config
+    and the optimizer's current loss scale. Returns a sentence, or None when no
+    batch is known.
+    """
+    from tfamp.keras.range_monitor import current_loss_scale, unpack_batch
+
+    source = getattr(model, "_tfamp_fit_batch", None)
+    batch = source() if source is not None else None
+    if batch is None:
+        return None
+    x, y, sample_weight = unpack_batch(batch)
+    scale = current_loss_scale(model) or 1.0
+    found = locate_keras_nonfinite(model, x, y, sample_weight, loss_scale=scale)
+    if found is None:
+        return (f"re-running the first batch of fit's data at loss scale {scale:g} gave no "
+                f"inf/nan, so the failing batches differ (check the data).")
+    return found.describe()

@@ -1,0 +1,661 @@
+"""Where a model's numbers sit against float16's and bfloat16's limits.
+
+Collecting: ``bucket_counts(x)`` runs inside the graph and turns any float
+tensor into one small int32 vector: counts of ``floor(log2|x|)`` per exponent
+``E_MIN..E_MAX`` (read exactly from the float32 exponent bits; values below
+``2**E_MIN`` go to the lowest bin), then zeros, non-finite values and values
+below ``2**-126`` (subnormal in float32 and bfloat16). Only these vectors leave
+the device. ``tfamp.keras.range_monitor`` uses it on Keras models (forward
+activations, activation gradients and weight gradients per layer);
+``collect_graph_ranges`` here on traced inference graphs such as SavedModel
+signatures (forward activations of the ops tfamp converts).
+
+Summarising: ``RangeReport`` holds one ``TensorRange`` per tensor and answers
+what share of values would underflow float16 (below its smallest subnormal
+``2**-24``, or below its smallest normal ``2**-14``) at a given loss scale,
+the overflow head-room, the loss scale tfamp recommends and a sentence saying
+so. Loss scales are powers of 2, so scaling shifts exponents exactly and the
+shares at any scale come from the same counts. The magnitudes are float32
+reference values: what the 16-bit run would have to represent.
+
+JSON schema (``to_dict``): version, model, dtype, steps, loss_scale,
+growth_interval, initial_scale, e_min, e_max, notes, tensors (name, layer,
+kind, counts, zeros, nonfinite, tiny, max_abs, steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+log = logging.getLogger("tfamp")
+
+SCHEMA_VERSION = 1
+# Exponent range of the histogram. 2**-64 is far below anything a loss scale up
+# to 2**MAX_SCALE_EXP can lift into float16 (2**-24 / 2**24 = 2**-48).
+E_MIN, E_MAX = -64, 20
+NUM_BINS = E_MAX - E_MIN + 1
+# Columns of a bucket_counts vector after the exponent bins.
+ZEROS_COL, NONFINITE_COL, TINY_COL = NUM_BINS, NUM_BINS + 1, NUM_BINS + 2
+NUM_COLUMNS = NUM_BINS + 3
+
+FP16_MAX = 65504.0
+FP16_SUBNORMAL_EXP = -24  # smallest positive float16: 2**-24; below it rounds to 0
+FP16_NORMAL_EXP = -14     # smallest normal float16: 2**-14; below it precision drops
+FP16_OVERFLOW_EXP = 16    # 2**16 > 65504: from this exponent on, float16 gives inf
+BF16_NORMAL_EXP = -126    # bfloat16 keeps float32's exponent range
+BF16_MAX = 3.3895313892515355e38
+BF16_MANTISSA_BITS = 8    # (7 stored + 1 implicit): relative rounding error 2**-8
+
+MAX_SCALE_EXP = 24        # largest scale tfamp recommends: 2**24
+HEADROOM_BITS = 1         # recommended scale keeps max|g| * S below 65504 / 2
+NEGLIGIBLE = 0.001        # a share below 0.1% counts as "no loss"
+
+KINDS = ("activation_gradient", "weight_gradient", "activation")
+KIND_LABELS = {"activation_gradient": "activation gradients",
+               "weight_gradient": "weight gradients", "activation": "forward activations"}
+
+
+def bucket_counts(x):
+    """On-device log2 histogram of |x|: an int32 vector of NUM_COLUMNS counts.
+
+    Args:
+      x: a float tensor (any shape, float16 / bfloat16 / float32 / float64).
+
+    Returns:
+      [bins E_MIN..E_MAX, zeros, non-finite, below 2**-126 (nonzero)].
+      TensorFlow's CPU kernels flush float32 subnormals to zero, so there they
+      count as zeros.
+
+    Example:
+      >>> counts = bucket_counts(tf.constant([0.0, 1.0, 3.0, 2.0**-30]))
+      >>> int(counts[0 - E_MIN]), int(counts[1 - E_MIN]), int(counts[ZEROS_COL])
+      (1, 1, 1)
+    """
+    counts, _ = bucket_counts_many([x])
+    return counts[0]
+
+
+# Raw key of a float32 |x|: its biased exponent field (0: subnormal, 255: inf or
+# nan), or _ZERO_KEY for an exact zero.
+_ZERO_KEY = 256
+_RAW_KEYS = 257
+
+
+def _fold_index() -> list[int]:
+    """Column of each raw key in a bucket_counts vector."""
+    index = []
+    for key in range(_RAW_KEYS):
+        if key == _ZERO_KEY:
+            index.append(ZEROS_COL)
+        elif key == 255:
+            index.append(NONFINITE_COL)
+        else:  # subnormals (key 0) land in the lowest bin
+            index.append(min(max(key - 127, E_MIN), E_MAX) - E_MIN)
+    return index
+
+
+def bucket_counts_many(tensors):
+    """``bucket_counts`` and the largest finite |x| of many tensors, in one pass.
+
+    All tensors are flattened into one vector and one bincount counts the
+    float32 exponent field of every value (``tensor * 257 + key``), so the graph
+    has the same few ops however many tensors are measured; the small
+    [tensors, 257] count matrix is then folded into the histogram columns.
+
+    Returns:
+      (int32 counts [len(tensors), NUM_COLUMNS], float32 max |x| [len(tensors)];
+      a max is inf or nan when the tensor holds one).
+    """
+    import tensorflow as tf
+
+    n = len(tensors)
+    flat = [tf.abs(tf.reshape(tf.cast(t, tf.float32), [-1])) for t in tensors]
+    # One pass per tensor; inf or nan if the tensor has one (the counts say so).
+    maxes = tf.stack([tf.reduce_max(tf.concat([a, [0.0]], 0)) for a in flat])
+    sizes = tf.stack([tf.size(a) for a in flat])
+    bits = tf.bitcast(tf.concat(flat, 0), tf.int32)  # sign bit is 0 after abs
+    key = tf.where(tf.equal(bits, 0), _ZERO_KEY, tf.bitwise.right_shift(bits, 23))
+    offset = tf.repeat(tf.range(n) * _RAW_KEYS, sizes)
+    raw = tf.reshape(tf.math.bincount(offset + key, minlength=n * _RAW_KEYS,
+                                      maxlength=n * _RAW_KEYS), [n, _RAW_KEYS])
+    folded = tf.transpose(tf.math.unsorted_segment_sum(
+        tf.transpose(raw), tf.constant(_fold_index()), TINY_COL))
+    return tf.concat([folded, raw[:, :1]], 1), maxes
+
+
+def max_abs(x):
+    """On-device max |x| (0 for an empty tensor; inf/nan if it holds one)."""
+    _, maxes = bucket_counts_many([x])
+    return maxes[0]
+
+
+@dataclasses.dataclass
+class TensorRange:
+    """Accumulated log2 histogram of one tensor (or one layer's tensors).
+
+    Attributes:
+      name: what was measured, e.g. "dense_3" or "dense_3/kernel".
+      layer: the layer / name scope it belongs to.
+      kind: "activation_gradient", "weight_gradient" or "activation".
+      counts: NUM_BINS counts; counts[i] holds values with floor(log2|x|) ==
+        E_MIN + i (the first bin also holds everything smaller).
+      zeros, nonfinite: exact zeros; inf / nan values.
+      tiny: nonzero values below 2**-126 (they are in counts[0] too).
+      max_abs: the largest |x| seen (inf or nan when the tensor held one).
+      steps: batches accumulated.
+    """
+
+    name: str
+    layer: str
+    kind: str
+    counts: list[int]
+    zeros: int = 0
+    nonfinite: int = 0
+    tiny: int = 0
+    max_abs: float = 0.0
+    steps: int = 1
+
+    @classmethod
+    def from_vector(cls, name: str, layer: str, kind: str, vector: Sequence[int],
+                    max_abs: float) -> TensorRange:
+        """Builds one from a ``bucket_counts`` vector (host copy)."""
+        vector = [int(v) for v in vector]
+        if len(vector) != NUM_COLUMNS:
+            raise ValueError(f"expected a bucket_counts vector of {NUM_COLUMNS} counts, "
+                             f"received {len(vector)}")
+        return cls(name, layer, kind, vector[:NUM_BINS], zeros=vector[ZEROS_COL],
+                   nonfinite=vector[NONFINITE_COL], tiny=vector[TINY_COL],
+                   max_abs=float(max_abs))
+
+    def merge(self, other: TensorRange) -> None:
+        """Adds `other`'s counts (another step of the same tensor) to this one."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.zeros += other.zeros
+        self.nonfinite += other.nonfinite
+        self.tiny += other.tiny
+        self.max_abs = max(self.max_abs, other.max_abs)
+        self.steps += other.steps
+
+    @property
+    def nonzero(self) -> int:
+        """Finite nonzero values counted."""
+        return sum(self.counts)
+
+    @property
+    def total(self) -> int:
+        return self.nonzero + self.zeros + self.nonfinite
+
+    @property
+    def max_exponent(self) -> int | None:
+        """floor(log2) of the largest finite nonzero value, None if there is none."""
+        for index in range(NUM_BINS - 1, -1, -1):
+            if self.counts[index]:
+                return E_MIN + index
+        return None
+
+    def share_below(self, exponent: int, scale: float = 1.0) -> float:
+        """Share of nonzero finite values with |x| * scale below 2**exponent."""
+        if not self.nonzero:
+            return 0.0
+        k = scale_exponent(scale)
+        below = sum(c for i, c in enumerate(self.counts) if E_MIN + i + 1 + k <= exponent)
+        return below / self.nonzero
+
+    def underflow_share(self, scale: float = 1.0) -> float:
+        """Share of nonzero values float16 turns into 0 at this loss scale."""
+        return self.share_below(FP16_SUBNORMAL_EXP, scale)
+
+    def subnormal_share(self, scale: float = 1.0) -> float:
+        """Share of nonzero values below float16's smallest normal (incl. those lost)."""
+        return self.share_below(FP16_NORMAL_EXP, scale)
+
+    def overflow_share(self, scale: float = 1.0) -> float:
+        """Share of nonzero values float16 turns into inf at this loss scale."""
+        if not self.nonzero:
+            return 0.0
+        k = scale_exponent(scale)
+        over = sum(c for i, c in enumerate(self.counts) if E_MIN + i + k >= FP16_OVERFLOW_EXP)
+        return over / self.nonzero
+
+    def headroom_bits(self, scale: float = 1.0) -> int | None:
+        """How many doublings of `scale` are left before the largest value overflows."""
+        top = self.max_exponent
+        if top is None:
+            return None
+        return FP16_OVERFLOW_EXP - 1 - (top + scale_exponent(scale))
+
+    def bf16_underflow_share(self) -> float:
+        """Share of nonzero values below bfloat16's (= float32's) smallest normal."""
+        return self.tiny / self.nonzero if self.nonzero else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def scale_exponent(scale: float) -> int:
+    """floor(log2(scale)): loss scales are powers of two, others are rounded down."""
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"a loss scale must be a positive finite number, received {scale!r}")
+    return math.floor(math.log2(scale) + 1e-12)
+
+
+def format_scale(scale: float) -> str:
+    """'2^12 (4096)' style text for a power-of-two scale."""
+    k = scale_exponent(scale)
+    if 2.0**k != scale:
+        return f"{scale:g}"
+    return f"2^{k} ({int(scale)})" if k > 0 else f"2^{k}" if k else "1"
+
+
+@dataclasses.dataclass
+class RangeReport:
+    """Ranges of a model's tensors over a few steps, and what they mean for float16.
+
+    Attributes:
+      model: the model's name.
+      steps: batches collected.
+      loss_scale: the loss scale in force while collecting (None: no scaling).
+      tensors: one TensorRange per measured tensor.
+      notes: facts a reader must know (e.g. "subclassed model: weight
+        gradients only").
+      growth_interval, initial_scale: the dynamic loss-scale settings used for
+        the "dynamic scaling reaches it after N steps" estimate.
+    """
+
+    model: str
+    steps: int
+    loss_scale: float | None
+    tensors: list[TensorRange]
+    notes: list[str] = dataclasses.field(default_factory=list)
+    dtype: str = "float16"
+    growth_interval: int = 2000
+    initial_scale: float = 2.0**15
+
+    # -- questions -----------------------------------------------------------
+
+    def of_kind(self, kind: str) -> list[TensorRange]:
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {list(KINDS)}, received {kind!r}")
+        return [t for t in self.tensors if t.kind == kind]
+
+    def tensor(self, name: str, kind: str) -> TensorRange:
+        """The entry measuring `name` of `kind`."""
+        for entry in self.tensors:
+            if entry.name == name and entry.kind == kind:
+                return entry
+        known = sorted(t.name for t in self.tensors if t.kind == kind)
+        raise KeyError(f"no {kind} entry named {name!r}; entries of that kind: {known}")
+
+    def combined(self, kind: str) -> TensorRange:
+        """All tensors of `kind` in one histogram (for the picture)."""
+        entries = self.of_kind(kind)
+        merged = TensorRange(f"all {KIND_LABELS[kind]}", "", kind, [0] * NUM_BINS, steps=0)
+        for entry in entries:
+            merged.merge(dataclasses.replace(entry, steps=0))
+        merged.steps = self.steps
+        return merged
+
+    def gradients(self) -> list[TensorRange]:
+        return [t for t in self.tensors if t.kind != "activation"]
+
+    def recommended_scale(self) -> float:
+        """The largest power of 2 that keeps every gradient's max * S below 65504 / 2.
+
+        Capped at 2**MAX_SCALE_EXP; 1 if the gradients already leave no head-room
+        (or are all zero).
+        """
+        tops = [t.max_exponent for t in self.gradients() if t.max_exponent is not None]
+        if not tops:
+            return 1.0
+        k = FP16_OVERFLOW_EXP - 1 - HEADROOM_BITS - max(tops)
+        return 2.0 ** min(max(k, 0), MAX_SCALE_EXP)
+
+    def smallest_sufficient_scale(self, threshold: float = NEGLIGIBLE) -> float | None:
+        """The smallest power of 2 (up to the recommended scale) at which no gradient
+        loses more than `threshold` of its values; None if even that one does not."""
+        limit = scale_exponent(self.recommended_scale())
+        for k in range(0, limit + 1):
+            if all(t.underflow_share(2.0**k) <= threshold for t in self.gradients()):
+                return 2.0**k
+        return None
+
+    def dynamic_steps_to(self, scale: float) -> tuple[int, str]:
+        """How dynamic loss scaling gets from `initial_scale` to `scale`.
+
+        Returns:
+          (steps, "skipped") when it must halve (each overflowing step is
+          skipped), (steps, "good") when it must grow (one doubling per
+          `growth_interval` good steps), (0, "") when it starts there.
+        """
+        diff = scale_exponent(scale) - scale_exponent(self.initial_scale)
+        if diff < 0:
+            return -diff, "skipped"
+        if diff > 0:
+            return diff * self.growth_interval, "good"
+        return 0, ""
+
+    def worst_gradient(self) -> TensorRange | None:
+        """The gradient losing the largest share at scale 1 (ties: activation gradients)."""
+        candidates = [t for t in self.gradients() if t.nonzero]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda t: (t.underflow_share(1.0),
+                                              t.kind == "activation_gradient", t.nonzero))
+
+    def recommendation(self) -> str:
+        """One actionable sentence (or two) about loss scaling for this model."""
+        worst = self.worst_gradient()
+        if worst is None:
+            acts = [t for t in self.of_kind("activation") if t.nonzero]
+            if not acts:
+                return "no nonzero gradients were measured; nothing to recommend."
+            over = max(acts, key=lambda t: t.overflow_share())
+            under = max(acts, key=lambda t: t.underflow_share())
+            text = (f"no gradients were measured (forward pass only). Forward activations: "
+                    f"at most {_pct(over.overflow_share())} above 65504 ({over.name!r}), "
+                    f"at most {_pct(under.underflow_share())} below 2^-24 "
+                    f"({under.name!r}) in float16")
+            if over.overflow_share() > 0:
+                text += (f"; keep {over.name!r} float32 "
+                         f"(keep_fp32=[{_scope_pattern(over.layer)!r}]) or use bfloat16")
+            return text + "."
+        recommended = self.recommended_scale()
+        at_one = worst.underflow_share(1.0)
+        if at_one <= NEGLIGIBLE and all(t.underflow_share(1.0) <= NEGLIGIBLE
+                                        for t in self.gradients()):
+            return (f"gradients fit float16 without loss scaling (at most "
+                    f"{_pct(max(t.underflow_share(1.0) for t in self.gradients()))} of any "
+                    f"tensor's values below 2^-24); scaling is optional.")
+        worst_rec = max(self.gradients(), key=lambda t: t.underflow_share(recommended))
+        text = (f"gradients of {worst.name!r} lose {_pct(at_one)} of values at scale 1 and "
+                f"{_pct(worst.underflow_share(recommended))} at {format_scale(recommended)}")
+        steps, how = self.dynamic_steps_to(recommended)
+        if how == "skipped":
+            text += (f"; dynamic scaling (from {format_scale(self.initial_scale)}) reaches "
+                     f"it after {steps} skipped steps")
+        elif how == "good":
+            text += (f"; dynamic scaling (from {format_scale(self.initial_scale)}) reaches "
+                     f"it after {steps} good steps")
+        else:
+            text += "; dynamic scaling starts there"
+        sufficient = self.smallest_sufficient_scale()
+        if sufficient is not None:
+            text += f"; a fixed scale of {sufficient:.0f} would suffice"
+        elif worst_rec.underflow_share(recommended) > NEGLIGIBLE:
+            text += (f". Even at {format_scale(recommended)}, {worst_rec.name!r} loses "
+                     f"{_pct(worst_rec.underflow_share(recommended))}: keep its layer "
+                     f"float32 (keep_fp32=[{_scope_pattern(worst_rec.layer)!r}]) or use "
+                     f"dtype='bfloat16'")
+        return text + "."
+
+    # -- rendering -----------------------------------------------------------
+
+    def summary_text(self) -> str:
+        """A per-tensor table plus the recommendation, for logs and the CLI."""
+        recommended = self.recommended_scale()
+        current = self.loss_scale
+        head = (f"tfamp ranges: {self.model}, {self.steps} step(s); float16 limits: "
+                f"smallest subnormal 2^-24, smallest normal 2^-14, max 65504")
+        lines = [head]
+        scale_cols = [("scale 1", 1.0)]
+        if current is not None and current != 1.0:
+            scale_cols.append((f"now {format_scale(current).split(' ')[0]}", current))
+        scale_cols.append((f"rec. {format_scale(recommended).split(' ')[0]}", recommended))
+        for kind in KINDS:
+            entries = self.of_kind(kind)
+            if not entries:
+                continue
+            lines.append(f"  {KIND_LABELS[kind]} (share of nonzero values below 2^-24 "
+                         f"{'/ above 65504 ' if kind == 'activation' else ''}in float16):")
+            width = max(len(t.name) for t in entries)
+            if kind == "activation":
+                cols = "  ".join(f"{'overflow':>10}" for _ in range(1))
+                lines.append(f"    {'tensor':<{width}}  {'underflow':>10}  {cols}  "
+                             f"{'max |x|':>10}  {'zeros':>6}")
+                for t in entries:
+                    lines.append(f"    {t.name:<{width}}  {_pct(t.underflow_share()):>10}  "
+                                 f"{_pct(t.overflow_share()):>10}  {t.max_abs:>10.3g}  "
+                                 f"{_pct(_zero_share(t)):>6}")
+                continue
+            header = "  ".join(f"{label:>10}" for label, _ in scale_cols)
+            lines.append(f"    {'tensor':<{width}}  {header}  {'room@rec.':>10}  "
+                         f"{'max |g|':>10}  {'bf16 uf':>7}")
+            for t in entries:
+                shares = "  ".join(f"{_pct(t.underflow_share(s)):>10}" for _, s in scale_cols)
+                room = t.headroom_bits(recommended)
+                room_text = "-" if room is None else f"2^{room}"
+                lines.append(f"    {t.name:<{width}}  {shares}  {room_text:>10}  "
+                             f"{t.max_abs:>10.3g}  {_pct(t.bf16_underflow_share()):>7}")
+        if current is not None:
+            lines.append(f"  loss scale while collecting: {format_scale(current)}")
+        if self.gradients():
+            lines.append("  room@rec.: doublings of the recommended scale left before the "
+                         "largest value overflows float16")
+        lines.append(f"  bfloat16: same range as float32 ({BF16_MAX:.3g}), "
+                     f"{BF16_MANTISSA_BITS}-bit precision; 'bf16 uf' = values below 2^-126")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        lines.append("  recommendation: " + self.recommendation())
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": SCHEMA_VERSION, "model": self.model, "dtype": self.dtype,
+            "steps": self.steps, "loss_scale": self.loss_scale,
+            "growth_interval": self.growth_interval, "initial_scale": self.initial_scale,
+            "e_min": E_MIN, "e_max": E_MAX, "notes": list(self.notes),
+            "recommended_scale": self.recommended_scale(),
+            "recommendation": self.recommendation(),
+            "tensors": [t.to_dict() for t in self.tensors],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RangeReport:
+        """Reads `to_dict` output back (derived fields are recomputed)."""
+        if data.get("version") != SCHEMA_VERSION or (data.get("e_min"), data.get("e_max")) \
+                != (E_MIN, E_MAX):
+            raise ValueError(
+                f"expected a tfamp range report version {SCHEMA_VERSION} with exponents "
+                f"{E_MIN}..{E_MAX}, received version {data.get('version')!r} with "
+                f"{data.get('e_min')!r}..{data.get('e_max')!r}")
+        tensors = [TensorRange(**t) for t in data["tensors"]]
+        return cls(model=data["model"], steps=data["steps"], loss_scale=data["loss_scale"],
+                   tensors=tensors, notes=list(data.get("notes", ())),
+                   dtype=data.get("dtype", "float16"),
+                   growth_interval=data.get("growth_interval", 2000),
+                   initial_scale=data.get("initial_scale", 2.0**15))
+
+
+def _pct(share: float) -> str:
+    if share == 0:
+        return "0%"
+    if share < 0.001:
+        return "<0.1%"
+    return f"{100 * share:.1f}%" if share < 0.995 or share == 1 else ">99.5%"
+
+
+def _zero_share(t: TensorRange) -> float:
+    return t.zeros / t.total if t.total else 0.0
+
+
+def _scope_pattern(layer: str) -> str:
+    """A keep_fp32 regular expression matching a layer's forward and gradient nodes."""
+    import re
+
+    return f"(^|/){re.escape(layer)}/" if layer else ".*"
+
+
+def accumulate(report_tensors: list[TensorRange], step: Iterable[TensorRange]) -> None:
+    """Merges one step's entries into `report_tensors` (matched by kind and name)."""
+    index = {(t.kind, t.name): t for t in report_tensors}
+    for entry in step:
+        existing = index.get((entry.kind, entry.name))
+        if existing is None:
+            report_tensors.append(entry)
+            index[(entry.kind, entry.name)] = entry
+        else:
+            existing.merge(entry)
+
+
+FORWARD_ONLY_NOTE = ("a SavedModel holds the forward pass only: forward activations of the "
+                     "ops tfamp converts were collected, no gradients")
+
+
+def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
+                         name: str = "graph") -> RangeReport:
+    """Forward activations of the ops tfamp would convert, for a traced function.
+
+    For SavedModel signatures and other inference graphs: the float32 graph
+    runs on each batch with every float output of a top-graph node the rewrite
+    converts bucketed on the device (``bucket_counts``).
+
+    Args:
+      concrete: a ConcreteFunction (e.g. ``loaded.signatures["serving_default"]``).
+      batches: per batch, the flat list of tensor arguments.
+      config: the rewrite settings deciding which ops count (AmpConfig() if None).
+      name: the model name for the report.
+    """
+
+    from tfamp.config import AmpConfig
+    from tfamp.inspect.nonfinite import run_imported
+    from tfamp.rewrite import rewrite_graph_def
+    from tfamp.rewrite.graph import FLOAT_TYPES, build_view
+
+    config = config or AmpConfig()
+    graph_def = concrete.graph.as_graph_def()
+    _, report = rewrite_graph_def(graph_def, config,
+                                  outputs=[t.name for t in concrete.graph.outputs],
+                                  function_name=name)
+    function, inner = "", None
+    calls = [n for n in graph_def.node if n.op in ("StatefulPartitionedCall", "PartitionedCall")]
+    if not any(n.converted and not n.function for n in report.nodes) and len(calls) == 1:
+        # A SavedModel signature: one call of the model's function. Measure its body.
+        from tensorflow.python.framework.function_def_to_graph import function_def_to_graph
+
+        function = calls[0].attr["f"].func.name
+        fdef = next(f for f in graph_def.library.function if f.signature.name == function)
+        callee = function_def_to_graph(fdef)
+        inner = (calls[0], callee.as_graph_def(), [t.name for t in callee.inputs])
+        target = inner[1]
+    else:
+        target = graph_def
+    converted = {n.name for n in report.nodes if n.converted and n.function == function}
+    body = build_view(target).bodies[0]
+    fetches = [f"{node}:{i}" for node in body.topological_order() if node in converted
+               for i, port in enumerate(body.nodes[node].outputs) if port.dtype in FLOAT_TYPES]
+    if not fetches:
+        raise ValueError(f"{name}: the rewrite converts no op, so there are no 16-bit "
+                         f"activations to measure")
+
+    def buckets(tensors):
+        return bucket_counts_many(tensors)
+
+    tensors: list[TensorRange] = []
+    steps = 0
+    for args in batches:
+        counts, maxes = run_imported(concrete, graph_def, fetches, list(args), post=buckets,
+                                     inner=inner)
+        accumulate(tensors, [
+            TensorRange.from_vector(fetch.removesuffix(":0"), fetch.rsplit("/", 1)[0]
+                                    if "/" in fetch else "", "activation", row, top)
+            for fetch, row, top in zip(fetches, counts, maxes, strict=True)])
+        steps += 1
+    return RangeReport(model=name, steps=steps, loss_scale=None, tensors=tensors,
+                       notes=[FORWARD_ONLY_NOTE])
+
+
+def synthetic_batches(specs: Sequence, count: int, *, batch: int = 8, seed: int = 0,
+                      classes: int | None = None) -> list[list]:
+    """`count` batches of random tensors for `specs` (tf.TensorSpec-like).
+
+    Float inputs are standard normal; integer ones are class labels below
+    `classes` (or zeros). An unknown dimension is `batch` if it is the first, else 1.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(seed)
+    result = []
+    for _ in range(count):
+        values = []
+        for spec in specs:
+            dims = spec.shape.as_list() if spec.shape.rank is not None else [None]
+            shape = [(batch if i == 0 else 1) if d is None else d for i, d in enumerate(dims)]
+            if spec.dtype.is_floating:
+                values.append(tf.constant(rng.standard_normal(shape), spec.dtype))
+            elif spec.dtype.is_integer:
+                high = classes or 1
+                values.append(tf.constant(rng.integers(0, high, size=shape), spec.dtype))
+            else:
+                values.append(tf.zeros(shape, spec.dtype))
+        result.append(values)
+    return result
+
+
+def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
+                        config=None) -> RangeReport:
+    """Ranges of a saved model on `steps` synthetic batches (``tfamp inspect --ranges``).
+
+    A compiled Keras file (.keras, .h5) gives activations, activation
+    gradients and weight gradients (random inputs, random targets shaped like
+    the outputs; integer labels for sparse losses). A SavedModel directory
+    gives forward activations only (FORWARD_ONLY_NOTE).
+
+    Raises:
+      ValueError: the path is neither, or the Keras model was saved uncompiled.
+    """
+    from pathlib import Path
+
+    import tensorflow as tf
+
+    path = Path(path)
+    if path.suffix.lower() in (".keras", ".h5"):
+        import tf_keras as keras
+
+        from tfamp.keras.range_monitor import collect_keras_ranges
+
+        model = keras.models.load_model(str(path))
+        if not getattr(model, "compiled_loss", None):
+            raise ValueError(f"{path} was saved without compile(): gradients need the "
+                             f"loss; compile the model before saving it")
+        loss_name = str(getattr(model.loss, "name", getattr(model.loss, "__name__",
+                                                                  model.loss)))
+        sparse = "sparse" in loss_name.lower()
+        x_specs = [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in model.inputs]
+        if sparse:
+            y_specs = [tf.TensorSpec([None, *t.shape[1:-1]], tf.int64) for t in model.outputs]
+        else:
+            y_specs = [tf.TensorSpec([None, *t.shape[1:]], tf.float32) for t in model.outputs]
+        classes = int(model.outputs[0].shape[-1]) if sparse else None
+        xs = synthetic_batches(x_specs, steps, seed=0)
+        ys = synthetic_batches(y_specs, steps, seed=1, classes=classes)
+        batches = [(x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
+                   for x, y in zip(xs, ys, strict=True)]
+        report = collect_keras_ranges(model, batches, steps=steps)
+        report.notes.append("inputs and targets were random (synthetic batches)")
+        return report
+    if path.is_dir() and ((path / "saved_model.pb").is_file()
+                          or (path / "saved_model.pbtxt").is_file()):
+        loaded = tf.saved_model.load(str(path))
+        wanted = signature or "serving_default"
+        if wanted not in loaded.signatures:
+            raise ValueError(f"{path} has no signature {wanted!r}; available: "
+                             f"{', '.join(sorted(loaded.signatures)) or 'none'}")
+        concrete = loaded.signatures[wanted]
+        internal = {id(t) for _, t in concrete.graph.captures}
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.graph.inputs
+                 if id(t) not in internal]
+        report = collect_graph_ranges(concrete, synthetic_batches(specs, steps), config,
+                                      name=f"{path.name}:{wanted}")
+        report.notes.append("inputs were random (synthetic batches)")
+        return report
+    raise ValueError(f"--ranges needs a Keras model file (.keras, .h5) or a SavedModel "
+                     f"directory; {path} is neither")

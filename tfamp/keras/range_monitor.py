@@ -1,0 +1,463 @@
+"""Collecting a Keras model's value ranges: ``KerasRangeProbe`` and ``tfamp.RangeMonitor``.
+
+The probe runs, for one batch, a separate tf.function that computes the
+model's loss in float32 and back-propagates it, and buckets on the device (see
+``tfamp.inspect.ranges.bucket_counts``) every layer's forward output, the
+gradient of the loss with respect to that output (the activation gradient
+backprop hands to the layer below) and every weight gradient. For Sequential
+and Functional models the layer outputs come from a functional sub-model that
+returns every layer's output, so the gradients are taken on the same tensors
+that feed the next layer. Subclassed models have no such graph of layers:
+only weight gradients are collected (the report says so).
+
+The probe changes nothing: it applies no gradients, and restores the model's
+non-trainable variables (BatchNorm statistics) and metric variables it touched.
+
+``RangeMonitor`` is a Keras callback that runs the probe on the first `steps`
+training batches and then writes the text summary (log), JSON, HTML page and
+PNG to `output_dir`, and log2 histograms to TensorBoard when a log directory
+is known. ``tfamp.enable(model, ranges=...)`` and ``TFAMP_RANGES`` add it to
+``fit`` with batches taken from ``fit``'s own data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from tfamp.inspect import ranges as ranges_lib
+from tfamp.inspect.ranges import RangeReport, TensorRange
+
+log = logging.getLogger("tfamp")
+
+DEFAULT_STEPS = 3
+DEFAULT_OUTPUT_DIR = "tfamp_ranges"
+SUBCLASSED_NOTE = ("subclassed model: no graph of layers to take outputs from, so only "
+                   "weight gradients were collected (build it as a Sequential or "
+                   "Functional model to see activation gradients)")
+FLOAT32_NOTE = ("magnitudes are float32 reference values (the probe runs unconverted); "
+                "shares say what float16 would do to them at each scale")
+
+
+class KerasRangeProbe:
+    """Buckets a tf_keras model's activations and gradients for one batch at a time.
+
+    Args:
+      model: a built tf_keras model compiled with a loss.
+
+    Example:
+      >>> probe = KerasRangeProbe(model)
+      >>> entries = probe.collect(x_batch, y_batch)   # list[TensorRange]
+    """
+
+    def __init__(self, model):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"KerasRangeProbe expects a tf_keras.Model, received "
+                            f"{type(model).__module__}.{type(model).__name__}")
+        if not getattr(model, "compiled_loss", None) and type(model).compute_loss is \
+                keras.Model.compute_loss:
+            raise ValueError(
+                f"model {model.name!r} has no loss: compile it first "
+                f"(model.compile(optimizer=..., loss=...)); the ranges of gradients need "
+                f"the loss the model trains on")
+        self.model = model
+        self.notes = [FLOAT32_NOTE]
+        self._labels, self._sub, self._pred_index = _intermediate_outputs(model)
+        if self._sub is None:
+            self.notes.insert(0, SUBCLASSED_NOTE)
+        self._fn = tf.function(self._step)
+        self._ready = False
+
+    def _step(self, x, y, sample_weight):
+        model = self.model
+        variables = model.trainable_variables
+        # Restored in the same graph at the end (automatic control dependencies
+        # keep reads first and these assigns last): BatchNorm statistics and
+        # metric variables must not remember this pass.
+        state = _state_variables(model)
+        saved = [tf.identity(v.read_value()) for v in state]
+        with tf.GradientTape() as tape:
+            if self._sub is not None:
+                outputs = tf.nest.flatten(self._sub(x, training=True))
+                tape.watch(outputs)
+                y_pred = tf.nest.pack_sequence_as(
+                    model.outputs if len(model.outputs) > 1 else model.outputs[0],
+                    [outputs[i] for i in self._pred_index])
+            else:
+                outputs = []
+                y_pred = model(x, training=True)
+            loss = model.compute_loss(x, y, y_pred, sample_weight)
+        grads = tape.gradient(loss, list(outputs) + list(variables))
+        act_grads, weight_grads = grads[:len(outputs)], grads[len(outputs):]
+        tensors = []
+        for label, out, grad in zip(self._labels, outputs, act_grads, strict=True):
+            if out.dtype.is_floating:
+                tensors.append(("activation", label, out))
+                if grad is not None:
+                    tensors.append(("activation_gradient", label, grad))
+        for var, grad in zip(variables, weight_grads, strict=True):
+            if grad is None:
+                continue
+            if isinstance(grad, tf.IndexedSlices):
+                grad = grad.values
+            tensors.append(("weight_gradient", _variable_label(var), grad))
+        counts, maxes = ranges_lib.bucket_counts_many([t for _, _, t in tensors])
+        self._kinds = [(kind, label) for kind, label, _ in tensors]  # set while tracing
+        known = {id(v) for v in state}
+        restores = [v.assign(value) for v, value in zip(state, saved, strict=True)]
+        # Metric variables compute_loss created while tracing start from zeros.
+        restores += [v.assign(tf.zeros_like(v)) for v in _state_variables(model)
+                     if id(v) not in known]
+        with tf.control_dependencies(restores):
+            return tf.identity(counts), tf.identity(maxes)
+
+    def collect(self, x, y=None, sample_weight=None) -> list[TensorRange]:
+        """Runs the probe on one batch; returns one TensorRange per tensor."""
+        if not self._ready:
+            # compute_loss may create the loss metrics while tracing. The graph
+            # must list them among the variables it restores, so trace again.
+            before = len(_state_variables(self.model))
+            self._fn.get_concrete_function(x, y, sample_weight)
+            if len(_state_variables(self.model)) != before:
+                self._fn = tf.function(self._step)
+            self._ready = True
+        counts, maxes = self._fn(x, y, sample_weight)
+        counts, maxes = counts.numpy(), maxes.numpy()
+        return [TensorRange.from_vector(label, _layer_of(kind, label), kind, row, top)
+                for (kind, label), row, top in zip(self._kinds, counts, maxes, strict=True)]
+
+
+def _state_variables(model) -> list:
+    """Variables a forward pass in training mode or compute_loss may update."""
+    seen, result = set(), []
+    for variable in [*model.non_trainable_variables,
+                     *(v for m in model.metrics for v in m.variables)]:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            result.append(variable)
+    return result
+
+
+def _intermediate_outputs(model):
+    """(labels, sub-model returning every layer's outputs, index of each model output).
+
+    (labels=[], None, None) for models without a graph of layers.
+    """
+    if not getattr(model, "_is_graph_network", False) or not model.inputs:
+        return [], None, None
+    labels, tensors = [], []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        try:
+            output = layer.output
+        except (AttributeError, RuntimeError, ValueError):
+            continue  # a layer used at several places has no single output
+        flat = tf.nest.flatten(output)
+        for i, tensor in enumerate(flat):
+            labels.append(layer.name if len(flat) == 1 else f"{layer.name}:{i}")
+            tensors.append(tensor)
+    position = {id(t): i for i, t in enumerate(tensors)}
+    pred_index = []
+    for output in model.outputs:
+        if id(output) not in position:  # e.g. an output that is an input
+            return [], None, None
+        pred_index.append(position[id(output)])
+    sub = keras.Model(model.inputs, tensors, name=f"{model.name}_tfamp_ranges")
+    return labels, sub, pred_index
+
+
+def _variable_label(variable) -> str:
+    return variable.name.split(":")[0]
+
+
+def _layer_of(kind: str, label: str) -> str:
+    if kind == "weight_gradient":
+        return label.rsplit("/", 1)[0] if "/" in label else label
+    return label.split(":")[0]
+
+
+def current_loss_scale(model) -> float | None:
+    """The loss scale of the model's optimizer now, None if it does not scale."""
+    optimizer = getattr(model, "optimizer", None)
+    scale = getattr(optimizer, "loss_scale", None) if optimizer is not None else None
+    if scale is None:
+        scale = getattr(optimizer, "dynamic_scale", None)  # Keras 3
+    if scale is None:
+        return None
+    try:
+        return float(scale.numpy() if hasattr(scale, "numpy") else scale)
+    except (TypeError, ValueError):
+        return None
+
+
+def collect_keras_ranges(model, batches: Iterable, *, steps: int = DEFAULT_STEPS,
+                         loss_scale: float | None = None) -> RangeReport:
+    """Collects ranges for up to `steps` batches (weights are not changed).
+
+    Args:
+      model: a compiled tf_keras model.
+      batches: an iterable of (x, y) or (x, y, sample_weight) tuples, e.g. a
+        batched tf.data.Dataset.
+      steps: how many batches to use.
+      loss_scale: the scale to report as current; the optimizer's if None.
+
+    Returns:
+      The RangeReport.
+
+    Example:
+      >>> report = collect_keras_ranges(model, [(x[:32], y[:32])], steps=1)
+      >>> print(report.summary_text())
+    """
+    probe = KerasRangeProbe(model)
+    tensors: list[TensorRange] = []
+    done = 0
+    for batch in batches:
+        if done >= steps:
+            break
+        x, y, sample_weight = unpack_batch(batch)
+        ranges_lib.accumulate(tensors, probe.collect(x, y, sample_weight))
+        done += 1
+    if not done:
+        raise ValueError("collect_keras_ranges received no batches; pass at least one "
+                         "(x, y) batch")
+    scale = loss_scale if loss_scale is not None else current_loss_scale(model)
+    return RangeReport(model=model.name, steps=done, loss_scale=scale, tensors=tensors,
+                       notes=list(probe.notes), **_dynamic_settings(model))
+
+
+def _dynamic_settings(model) -> dict[str, Any]:
+    optimizer = getattr(model, "optimizer", None)
+    growth = getattr(optimizer, "dynamic_growth_steps", None)
+    settings = {}
+    if isinstance(growth, (int, np.integer)):
+        settings["growth_interval"] = int(growth)
+    return settings
+
+
+def unpack_batch(batch) -> tuple[Any, Any, Any]:
+    """(x, y, sample_weight) from a batch tuple, as Keras unpacks it."""
+    return keras.utils.unpack_x_y_sample_weight(batch)
+
+
+def write_outputs(report: RangeReport, output_dir: str | os.PathLike, *,
+                  png: bool = True) -> dict[str, Path]:
+    """Writes ranges.txt, ranges.json, ranges.html and (with matplotlib) ranges.png.
+
+    Returns:
+      kind ("text", "json", "html", "png") -> path written.
+    """
+    from tfamp.inspect import ranges_plot
+
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {"text": folder / "ranges.txt", "json": folder / "ranges.json",
+               "html": folder / "ranges.html"}
+    written["text"].write_text(report.summary_text() + "\n")
+    written["json"].write_text(report.to_json() + "\n")
+    written["html"].write_text(ranges_plot.render_ranges_html(report))
+    if png:
+        try:
+            ranges_plot.write_png(report, folder / "ranges.png")
+            written["png"] = folder / "ranges.png"
+        except ImportError as err:
+            log.warning("tfamp: %s; the PNG was not written (the HTML page was).", err)
+    return written
+
+
+def write_tensorboard(report: RangeReport, log_dir: str | os.PathLike, step: int = 0) -> None:
+    """Writes each tensor's log2 histogram to TensorBoard's Histograms tab.
+
+    The values are log2|x| (x axis: exponent), written in the histogram
+    plugin's own tensor format (what ``tf.summary.histogram`` writes), because
+    only the on-device bucket counts exist, not the raw values.
+    """
+    from tensorboard.plugins.histogram import metadata as histogram_metadata
+
+    writer = tf.summary.create_file_writer(str(Path(log_dir) / "tfamp_ranges"))
+    with writer.as_default():
+        for entry in report.tensors:
+            edges = np.arange(ranges_lib.E_MIN, ranges_lib.E_MAX + 2, dtype=np.float64)
+            buckets = np.stack([edges[:-1], edges[1:], np.asarray(entry.counts, np.float64)],
+                               axis=1)
+            tag = f"tfamp_ranges/{entry.kind}/{entry.name}"
+            metadata = histogram_metadata.create_summary_metadata(
+                display_name=tag, description=f"log2|x| of {entry.name} ({entry.kind})")
+            tf.summary.write(tag, tf.constant(buckets), step=step, metadata=metadata)
+    writer.flush()
+    writer.close()
+
+
+class RangeMonitor(keras.callbacks.Callback):
+    """Shows where a model's gradients sit against float16's limits (Keras callback).
+
+    For the first `steps` training batches it runs ``KerasRangeProbe`` (a
+    separate float32 forward and backward pass, no weight change) on a batch of
+    `data`, then writes ranges.txt / .json / .html / .png to `output_dir` and
+    logs the summary. ``report`` holds the RangeReport afterwards.
+
+    Args:
+      data: batches to probe: (x, y) arrays (split into `batch_size` rows), a
+        batched tf.data.Dataset, or a list of (x, y[, sample_weight]) tuples.
+      steps: batches to collect (3).
+      batch_size: rows per batch when `data` is arrays (32).
+      output_dir: where the files go ("tfamp_ranges"); None writes no files.
+      tensorboard_dir: also write log2 histograms there (a TensorBoard
+        callback's log_dir; ``tfamp.enable(ranges=...)`` finds it in ``fit``).
+      png: write the PNG (needs matplotlib).
+
+    Example:
+      >>> model.fit(x, y, callbacks=[tfamp.RangeMonitor((x, y), output_dir="ranges")])
+      >>> # then open ranges/ranges.html, or look at ranges/ranges.png
+    """
+
+    def __init__(self, data, *, steps: int = DEFAULT_STEPS, batch_size: int = 32,
+                 output_dir: str | os.PathLike | None = DEFAULT_OUTPUT_DIR,
+                 tensorboard_dir: str | os.PathLike | None = None, png: bool = True):
+        super().__init__()
+        if not isinstance(steps, int) or steps <= 0:
+            raise ValueError(f"steps must be a positive integer, received {steps!r}")
+        self._batches = _batches_from(data, batch_size, steps)
+        self.steps = steps
+        self.output_dir = output_dir
+        self.tensorboard_dir = tensorboard_dir
+        self.png = png
+        self.report: RangeReport | None = None
+        self.written: dict[str, Path] = {}
+        self._probe: KerasRangeProbe | None = None
+        self._tensors: list[TensorRange] = []
+        self._done = 0
+        self._scale: float | None = None
+
+    def on_train_begin(self, logs=None):
+        self._probe, self._tensors, self._done, self.report = None, [], 0, None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._done >= self.steps or self._done >= len(self._batches):
+            return
+        if self._probe is None:
+            self._probe = KerasRangeProbe(self.model)
+        x, y, sample_weight = unpack_batch(self._batches[self._done])
+        self._scale = current_loss_scale(self.model)
+        ranges_lib.accumulate(self._tensors, self._probe.collect(x, y, sample_weight))
+        self._done += 1
+        if self._done == min(self.steps, len(self._batches)):
+            self._finish()
+
+    def on_train_end(self, logs=None):
+        if self.report is None and self._done:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.report = RangeReport(
+            model=self.model.name, steps=self._done, loss_scale=self._scale,
+            tensors=self._tensors, notes=list(self._probe.notes),
+            **_dynamic_settings(self.model))
+        log.info("%s", self.report.summary_text())
+        if self.output_dir is not None:
+            self.written = write_outputs(self.report, self.output_dir, png=self.png)
+            log.warning("tfamp: value ranges of %r written to %s (open ranges.html; "
+                        "picture: ranges.png). %s", self.model.name,
+                        Path(self.output_dir).resolve(), self.report.recommendation())
+        if self.tensorboard_dir is not None:
+            write_tensorboard(self.report, self.tensorboard_dir)
+
+
+def _batches_from(data, batch_size: int, steps: int) -> list:
+    """Up to `steps` batches from arrays, a dataset or a list of batches."""
+    if isinstance(data, tf.data.Dataset):
+        return list(data.take(steps))
+    if isinstance(data, list) and data and isinstance(data[0], tuple):
+        return data[:steps]
+    if isinstance(data, tuple) and 2 <= len(data) <= 3:
+        x, y, *rest = data
+        sample_weight = rest[0] if rest else None
+        size = len(tf.nest.flatten(x)[0])
+        batches = []
+        for start in range(0, size, batch_size):
+            if len(batches) == steps:
+                break
+            part = slice(start, start + batch_size)
+            cut = (lambda a, part=part: None if a is None else a[part])  # noqa: E731
+            batch = (tf.nest.map_structure(cut, x), tf.nest.map_structure(cut, y))
+            if sample_weight is not None:
+                batch += (cut(sample_weight),)
+            batches.append(batch)
+        return batches
+    raise TypeError(
+        f"RangeMonitor data must be (x, y) arrays, a batched tf.data.Dataset or a list of "
+        f"(x, y) tuples, received {type(data).__name__}")
+
+
+def batches_from_fit_args(args: Sequence, kwargs: dict, steps: int) -> list | None:
+    """Batches for the probe taken from ``fit``'s own arguments (None if unusable).
+
+    Arrays are cut into ``fit``'s batch_size (32 by default); a tf.data
+    Dataset is read for its first `steps` batches (it must be re-iterable, as
+    ``fit`` also needs it); generators and Sequences are not read.
+    """
+    x = args[0] if args else kwargs.get("x")
+    y = args[1] if len(args) > 1 else kwargs.get("y")
+    batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
+    if isinstance(x, tf.data.Dataset):
+        return list(x.take(steps))
+    if y is not None and all(isinstance(a, (np.ndarray, tf.Tensor))
+                             for a in tf.nest.flatten(x) + tf.nest.flatten(y)):
+        sample_weight = kwargs.get("sample_weight")
+        data = (x, y) if sample_weight is None else (x, y, sample_weight)
+        return _batches_from(data, int(batch_size), steps)
+    return None
+
+
+def monitor_for_fit(settings, args: Sequence, kwargs: dict) -> RangeMonitor | None:
+    """A RangeMonitor for ``fit(*args, **kwargs)`` per ``tfamp.enable(ranges=...)``.
+
+    Args:
+      settings: the output directory (str / Path) or True for the default one.
+      args, kwargs: fit's arguments (data and callbacks are read, not changed).
+
+    Returns:
+      the monitor, or None (with a warning) when fit's data cannot be re-read.
+    """
+    output_dir = DEFAULT_OUTPUT_DIR if settings is True else settings
+    batches = batches_from_fit_args(args, kwargs, DEFAULT_STEPS)
+    if not batches:
+        log.warning("tfamp: ranges were requested but fit's data is not arrays or a "
+                    "tf.data.Dataset; add tfamp.RangeMonitor(data=...) to callbacks "
+                    "yourself.")
+        return None
+    callbacks = (args[5] if len(args) > 5 else kwargs.get("callbacks")) or []
+    if any(isinstance(c, RangeMonitor) for c in callbacks):
+        return None
+    tensorboard = next((c for c in callbacks
+                        if isinstance(c, keras.callbacks.TensorBoard)), None)
+    return RangeMonitor(batches, steps=len(batches), output_dir=output_dir,
+                        tensorboard_dir=getattr(tensorboard, "log_dir", None))
+
+
+def fit_batch_source(args: Sequence, kwargs: dict):
+    """A callable returning one batch of ``fit``'s data later (None if unusable).
+
+    Arrays: a copy of the first batch is kept now (not the caller's arrays). A
+    tf.data Dataset is only read when the callable is called.
+    """
+    x = args[0] if args else kwargs.get("x")
+    if isinstance(x, tf.data.Dataset):
+        def from_dataset():
+            for batch in x.take(1):
+                return batch
+            return None
+        return from_dataset
+    batches = batches_from_fit_args(args, kwargs, 1)
+    if not batches:
+        return lambda: None
+    batch = tf.nest.map_structure(
+        lambda a: None if a is None else np.array(a), batches[0])
+    return lambda: batch
