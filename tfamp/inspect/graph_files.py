@@ -92,7 +92,7 @@ def _from_concrete(name: str, concrete) -> Inspectable:
     from tfamp.inspect.flops import matrix_flops
 
     flops, unknown = matrix_flops(concrete.graph)
-    return Inspectable(name=name, graph_def=concrete.graph.as_graph_def(),
+    return Inspectable(name=name, graph_def=concrete.graph.as_graph_def(add_shapes=True),
                        outputs=[t.name for t in concrete.graph.outputs],
                        flops=flops, flops_unknown=unknown)
 

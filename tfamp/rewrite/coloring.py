@@ -9,8 +9,10 @@ grappler's AMP pass:
 2. deny spreads forward from deny ops through infer ops and through clear ops
    that lead to a deny or infer op;
 3. infer and clear slots on a path between two 16-bit slots go 16-bit;
-4. an infer slot fed by a 16-bit slot goes 16-bit where that needs fewer casts;
-5. clear slots next to 16-bit slots follow them;
+4. an infer slot fed by a 16-bit slot goes 16-bit where that moves fewer bytes
+   (with tensor shapes; else where it needs fewer casts);
+5. clear slots next to 16-bit slots follow them, unless (with shapes) that
+   moves more bytes, e.g. a Cast moved onto a larger tensor;
 6. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
    instead, so no second Cast is needed.
 
@@ -31,6 +33,7 @@ from tensorflow.core.framework import types_pb2
 from tfamp.rewrite import kernels
 from tfamp.config import AmpConfig
 from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
+from tfamp.rewrite.shapes import Bytes, TensorShapes, elements_of, format_elements
 
 # Type attributes that never change, whatever list the op is on. A TensorList's
 # element type must agree with every op that touches the list, and lists flow
@@ -80,7 +83,7 @@ class Coloring:
 
 
 def color(view: GraphView, config: AmpConfig,
-          outputs: Iterable[str] = ()) -> Coloring:
+          outputs: Iterable[str] = (), shapes: TensorShapes | None = None) -> Coloring:
     """Decides, for every node of `view`, whether it computes in 16-bit.
 
     Args:
@@ -88,6 +91,9 @@ def color(view: GraphView, config: AmpConfig,
       config: target dtype, op lists, overrides.
       outputs: tensor names ("node:0") of the top graph whose dtype callers
         rely on; their producers keep their types.
+      shapes: tensor shapes (``shapes.tensor_shapes``). Where known, the choices
+        the rules leave open go to the option that moves fewer bytes; without
+        them, to the one with fewer Casts.
 
     Returns:
       A Coloring with one Decision per node.
@@ -96,7 +102,8 @@ def color(view: GraphView, config: AmpConfig,
     decisions: dict[tuple[str, str], Decision] = {}
     for body in view.bodies:
         body_pins = pinned_outputs if not body.is_function else set()
-        decisions.update(_BodyColoring(body, config, body_pins).run())
+        body_shapes = shapes.shapes.get(body.name, {}) if shapes is not None else {}
+        decisions.update(_BodyColoring(body, config, body_pins, body_shapes).run())
     return Coloring(target=config.target_enum, decisions=decisions)
 
 
@@ -108,8 +115,11 @@ def _parse_tensor_name(name: str) -> TensorRef:
 class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
-    def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef]):
+    def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
+                 shapes: dict | None = None):
         self.body = body
+        self.shapes = shapes or {}
+        self.kept: dict[int, tuple[str, str]] = {}  # slot -> (why float32, cause)
         self.config = config
         self.lists = config.op_lists
         self.target = config.target_enum
@@ -255,11 +265,104 @@ class _BodyColoring:
             sixteen = [s for s in fanin if s in self.allow]
             if not sixteen:
                 continue
-            if self._casts_if_16bit(slot) < self._casts_if_fp32(slot):
-                cause = self.slot_node[sixteen[0]]
+            cause = self.slot_node[sixteen[0]]
+            by_bytes = self._cheaper_in_16bit(slot)
+            if by_bytes is not None:
+                convert, detail = by_bytes
+            else:
+                convert, detail = self._casts_if_16bit(slot) < self._casts_if_fp32(slot), ""
+            if convert:
+                why = f"converted: {detail}" if detail else "converting saves a cast"
                 self.allow[slot] = (
-                    f"infer: follows {self.target_name} op {cause!r}; "
-                    f"converting saves a cast", cause)
+                    f"infer: follows {self.target_name} op {cause!r}; {why}", cause)
+            elif detail:
+                self.kept[slot] = (
+                    f"infer: stays float32 after {self.target_name} op {cause!r}: "
+                    f"{detail}", cause)
+
+    # -- choices by bytes -----------------------------------------------------
+
+    def _cheaper_in_16bit(self, slot: int, ties_convert: bool = False
+                          ) -> tuple[bool, str] | None:
+        """Does converting `slot` move fewer bytes, given its neighbours now?
+
+        Compares the local traffic of the two options: the slot's own reads and
+        writes at 2 or 4 bytes, plus the Casts each option needs on its inputs
+        and outputs (a Cast another consumer already needs is free). Ties go
+        by Cast count, then by `ties_convert`.
+
+        Returns:
+          (convert?, "a Cast of 64 elements instead of 524,288"), or None when
+          a size is unknown (the caller falls back to counting Casts).
+        """
+        as16 = self._option_cost(slot, True)
+        as32 = self._option_cost(slot, False)
+        if as16 is None or as32 is None:
+            return None
+        (bytes16, casts16), (bytes32, casts32) = as16, as32
+        if bytes16 == bytes32:
+            convert = len(casts16) < len(casts32) or (
+                len(casts16) == len(casts32) and ties_convert)
+        else:
+            convert = bytes16 < bytes32
+        chosen, other = (casts16, casts32) if convert else (casts32, casts16)
+        if len(chosen) == 1 and len(other) == 1:
+            detail = (f"a Cast of {format_elements(chosen[0])} elements instead of "
+                      f"{format_elements(other[0])}")
+        else:
+            detail = f"{_describe_casts(chosen)} instead of {_describe_casts(other)}"
+        return convert, detail
+
+    def _slot_output_refs(self, slot: int) -> list[TensorRef]:
+        name, attr = self.slot_node[slot], self.slot_attr[slot]
+        return [TensorRef(name, index)
+                for index, port in enumerate(self.body.nodes[name].outputs)
+                if port.type_attr == attr]
+
+    def _consumer_is_16bit(self, consumer: str, index: int) -> bool:
+        node = self.body.nodes[consumer]
+        if index >= len(node.inputs):
+            return False
+        return self.slot_index.get((consumer, node.inputs[index].type_attr)) in self.allow
+
+    def _option_cost(self, slot: int, as16: bool):
+        """(local Bytes, [elements of each Cast needed]) of one option, or None."""
+        own = 2 if as16 else 4
+        name = self.slot_node[slot]
+        total = Bytes()
+        casts: list[tuple[int, int]] = []
+        for ref in self._input_refs(slot):
+            elements = elements_of(self.shapes.get(ref))
+            if elements is None:
+                return None
+            total = total + Bytes.of(elements, own)
+            have16 = self._ref_is_16bit(ref)
+            if have16 == as16:
+                continue
+            # Is the Cast there anyway, for another consumer of `ref`?
+            shared = any(c != name and self._consumer_is_16bit(c, i) == as16
+                         for c, i in self.body.consumers.get(ref, ()))
+            if not shared:
+                total = total + Bytes.of(elements, own + (2 if have16 else 4))
+                casts.append(elements)
+        rets = {ref for ref, _, _ in self.body.rets.values()}
+        for ref in self._slot_output_refs(slot):
+            consumers = self.body.consumers.get(ref, ())
+            if not consumers and ref not in rets:
+                continue
+            elements = elements_of(self.shapes.get(ref))
+            if elements is None:
+                return None
+            total = total + Bytes.of(elements, own)
+            wants = {self._consumer_is_16bit(c, i) for c, i in consumers}
+            if ref in rets:
+                wants.add(False)
+            for want16 in wants:
+                total = total + Bytes.of(elements, 2 if want16 else 4)
+                if want16 != as16:
+                    total = total + Bytes.of(elements, own + (2 if want16 else 4))
+                    casts.append(elements)
+        return total, casts
 
     def _input_refs(self, slot: int) -> list[TensorRef]:
         node = self.body.nodes[self.slot_node[slot]]
@@ -292,13 +395,32 @@ class _BodyColoring:
         return casts
 
     def _propagate_through_clear(self) -> None:
+        """Clear slots next to 16-bit slots follow them, unless that moves more bytes.
+
+        Grown outward from each 16-bit slot; each candidate is judged with its
+        neighbours as decided so far, so along a chain of clear ops the Cast
+        ends up on the smallest tensor. Without sizes every candidate follows
+        (grappler's rule).
+        """
         neighbours = [a + b for a, b in zip(self.fanin, self.fanout, strict=True)]
         for root in list(self.allow):
             cause = self.slot_node[root]
-            for slot in _dfs([root], neighbours, lambda s: self._is_free(s, ("clear",))):
-                if slot not in self.allow:
+            stack = [root]
+            while stack:
+                current = stack.pop()
+                for slot in neighbours[current]:
+                    if not self._is_free(slot, ("clear",)):
+                        continue
+                    verdict = self._cheaper_in_16bit(slot, ties_convert=True)
+                    if verdict is not None and not verdict[0]:
+                        self.kept[slot] = (
+                            f"clear: stays float32 next to {self.target_name} op "
+                            f"{cause!r}: {verdict[1]}", cause)
+                        continue
+                    self.kept.pop(slot, None)
                     self.allow[slot] = (
                         f"clear: next to {self.target_name} op {cause!r}", cause)
+                    stack.append(slot)
 
     def _retarget_casts(self) -> None:
         """Existing Casts meet 16-bit neighbours directly instead of via another Cast.
@@ -362,6 +484,8 @@ class _BodyColoring:
         primary = slots[0]
         if primary in self.deny:
             return self.deny[primary]
+        if primary in self.kept:
+            return self.kept[primary]
         if primary in self.blocked:
             prefix = "" if list_name == "unlisted" else f"{list_name}: "
             return f"{prefix}{self.blocked[primary]}", ""
@@ -370,6 +494,14 @@ class _BodyColoring:
         if list_name == "clear":
             return f"clear: stays float32, no {self.target_name} neighbour", ""
         return "unlisted: stays float32", ""
+
+
+def _describe_casts(casts: list[tuple[int, int]]) -> str:
+    """'no Cast', 'a Cast of 64 elements', 'Casts of 64 + 128 elements'."""
+    if not casts:
+        return "no Cast"
+    sizes = " + ".join(format_elements(c) for c in casts)
+    return f"a Cast of {sizes} elements" if len(casts) == 1 else f"Casts of {sizes} elements"
 
 
 def _dfs(roots: list[int], edges: list[list[int]], enter) -> list[int]:

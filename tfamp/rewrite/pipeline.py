@@ -13,6 +13,8 @@ from tfamp.rewrite.coloring import color
 from tfamp.config import AmpConfig
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.report import NodeReport, RewriteReport
+from tfamp.rewrite.shapes import tensor_shapes
+from tfamp.rewrite.traffic import body_weights, estimate_traffic
 
 log = logging.getLogger("tfamp")
 
@@ -35,6 +37,12 @@ def rewrite_graph_def(
         rely on. None means every float tensor that nothing in the graph
         consumes.
       function_name: a name for the report (e.g. the tf.function's name).
+
+    Tensor shapes are read from ``_output_shapes`` attributes (write them with
+    ``graph.as_graph_def(add_shapes=True)``). With them, open choices go to the
+    option that moves fewer bytes and the report carries the estimated float
+    memory traffic per step before and after; without them, choices go by Cast
+    count and the traffic is None.
 
     Returns:
       (the rewritten GraphDef, a RewriteReport).
@@ -69,8 +77,10 @@ def _rewrite(graph_def, config, outputs, function_name):
     view = build_view(graph_def)
     if outputs is None:
         outputs = _unconsumed_float_outputs(view.bodies[0])
-    coloring = color(view, config, outputs)
+    shapes = tensor_shapes(graph_def, view)
+    coloring = color(view, config, outputs, shapes)
     new_graph_def, casts = insert_casts(graph_def, view, coloring)
+    traffic = _traffic_fields(view, shapes, coloring)
     nodes = [
         NodeReport(name=name, function=body.name, op=node.op,
                    **_decision_fields(coloring.decisions[(body.name, name)]))
@@ -80,9 +90,38 @@ def _rewrite(graph_def, config, outputs, function_name):
         function=function_name, dtype=config.dtype,
         nodes_before=view.node_count(),
         nodes_after=view.node_count() + len(casts),
-        nodes=nodes, casts=casts)
+        nodes=nodes, casts=casts, **traffic)
     log.debug("%s", report.summary_line())
     return new_graph_def, report
+
+
+def _traffic_fields(view, shapes, coloring) -> dict:
+    """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown."""
+    if not shapes.any_known():
+        return dict(traffic_note="no shapes")
+    weights = body_weights(view)
+    target = coloring.target
+
+    def converted(body, node, port) -> int:
+        attrs = coloring.decisions[(body.name, node.name)].converted_attrs
+        return target if attrs and port.type_attr in attrs else port.dtype
+
+    before = estimate_traffic(view, shapes, weights)
+    after = estimate_traffic(
+        view, shapes, weights,
+        out_dtype=lambda body, node, i: converted(body, node, node.outputs[i]),
+        in_dtype=lambda body, node, i: converted(body, node, node.inputs[i]))
+    notes = []
+    if after.total is None:
+        notes.append(f"{after.unknown_tensors} float tensors of unknown rank")
+    elif after.total_bytes() is None:
+        notes.append("unknown dimensions")
+    if weights.not_static:
+        notes.append(f"{len(weights.not_static)} loops without a static trip count "
+                     f"counted once")
+    return dict(traffic_before_bytes=before.total_bytes(),
+                traffic_after_bytes=after.total_bytes(),
+                cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes))
 
 
 def _decision_fields(decision) -> dict:
