@@ -172,7 +172,34 @@ def tensor_shapes(graph_def, view: GraphView,
     for body in view.bodies:
         old = fallback.shapes.get(body.name) if fallback is not None else None
         result[body.name] = _body_shapes(body, arg_shapes.get(body.name, {}), old)
+    _args_from_callers(view, result)
     return TensorShapes(result)
+
+
+_FIRST_INPUT_IS_NOT_AN_ARG = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
+
+
+def _args_from_callers(view: GraphView, result) -> None:
+    """An argument without a recorded shape takes the shape its caller passes.
+
+    (Functions loaded from a SavedModel often lack ``_output_shapes`` in
+    ``arg_attr``.) The first caller with a known shape wins.
+    """
+    bodies = {body.name: body for body in view.bodies}
+    for body in view.bodies:
+        shapes = result[body.name]
+        for node in body.nodes.values():
+            skip = 1 if node.op in _FIRST_INPUT_IS_NOT_AN_ARG else 0
+            for callee in node.called_functions:
+                target = bodies.get(callee)
+                if target is None:
+                    continue
+                callee_shapes = result[callee]
+                for arg, (ref, _) in zip(target.arg_dtypes, node.data_inputs[skip:],
+                                         strict=False):
+                    arg_ref = TensorRef(arg, 0, is_arg=True)
+                    if callee_shapes.get(arg_ref) is None and shapes.get(ref) is not None:
+                        callee_shapes[arg_ref] = shapes[ref]
 
 
 def _first_shape(attr_value) -> Shape | None:
