@@ -113,7 +113,7 @@ def _traffic_fields(view, shapes, coloring) -> dict:
         in_dtype=lambda body, node, i: converted(body, node, node.inputs[i]))
     notes = []
     if after.total is None:
-        notes.append(f"{after.unknown_tensors} float tensors of unknown rank")
+        notes.append(f"shapes unknown for {after.unknown_tensors} float tensors")
     elif after.total_bytes() is None:
         notes.append("unknown dimensions")
     if weights.not_static:
