@@ -113,9 +113,12 @@ def _traffic_fields(view, shapes, coloring) -> dict:
         in_dtype=lambda body, node, i: converted(body, node, node.inputs[i]))
     notes = []
     if after.total is None:
-        notes.append(f"shapes unknown for {after.unknown_tensors} float tensors")
+        notes.append(f"shapes unknown for {after.unknown_tensors} of "
+                     f"{after.unknown_tensors + after.known_tensors} float tensors")
     elif after.total_bytes() is None:
         notes.append("unknown dimensions")
+    elif after.unknown_tensors:
+        notes.append(f"{after.unknown_tensors} float tensors of unknown shape left out")
     if weights.not_static:
         notes.append(f"{len(weights.not_static)} loops without a static trip count "
                      f"counted once")

@@ -14,7 +14,10 @@ The model (deliberately simple, the same for every graph it compares):
   call, a ``While``/``StatelessWhile`` body and cond once per iteration where the
   trip count is static (``static_trip_count``), else ``default_trips`` times
   (1 unless the caller knows better) and the loop is listed as not static;
-  both branches of an ``If``/``Case`` count (an upper bound).
+  both branches of an ``If``/``Case`` count (an upper bound);
+* a float tensor whose shape is unknown (e.g. FusedBatchNormV3's reserve
+  space) is left out and counted in ``unknown_tensors``; the figure is given
+  only when at most ``MAX_UNKNOWN_SHARE`` of the float tensors are left out.
 
 ``estimate_traffic`` works on any GraphView (the original graph, tfamp's or
 grappler's result) and, given a Coloring, on the graph tfamp is about to write
@@ -36,6 +39,7 @@ NO_COPY_OPS = frozenset({
 })
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
 _LESS_OPS = {"Less": 0, "LessEqual": 1}
+MAX_UNKNOWN_SHARE = 0.05
 
 
 @dataclasses.dataclass
@@ -56,16 +60,19 @@ class Traffic:
     """Estimated float bytes written + read per step.
 
     Attributes:
-      total: all float tensors, Casts included; None if a shape is unknown.
-      cast: what the float-to-float Casts read and write; None if unknown.
+      total: all float tensors, Casts included; None if too many shapes are
+        unknown (see the module docstring).
+      cast: what the float-to-float Casts read and write; None likewise.
       casts: number of float-to-float Casts (per graph, not per run).
-      unknown_tensors: float tensors (that run) whose element count is unknown.
+      unknown_tensors: float tensors (that run) whose shape is unknown.
+      known_tensors: float tensors (that run) counted.
     """
 
     total: Bytes | None
     cast: Bytes | None
     casts: int
     unknown_tensors: int
+    known_tensors: int = 0
 
     def total_bytes(self) -> int | None:
         return None if self.total is None else self.total.known()
@@ -229,8 +236,7 @@ def estimate_traffic(view: GraphView, shapes: TensorShapes, weights: CallWeights
     out_dtype = out_dtype or _port_out
     in_dtype = in_dtype or _port_in
     total, cast_total = Bytes(), Bytes()
-    known = True
-    casts = unknown = 0
+    casts = unknown = counted = 0
     for body in view.bodies:
         weight = weights.weights.get(body.name, 0)
         if not weight:
@@ -239,10 +245,12 @@ def estimate_traffic(view: GraphView, shapes: TensorShapes, weights: CallWeights
         acc.run()
         casts += acc.casts
         unknown += acc.unknown
-        known = known and not acc.unknown
+        counted += acc.known
         total = total + _scale(acc.total, weight)
         cast_total = cast_total + _scale(acc.cast, weight)
-    return Traffic(total if known else None, cast_total if known else None, casts, unknown)
+    known = unknown <= MAX_UNKNOWN_SHARE * (unknown + counted)
+    return Traffic(total if known else None, cast_total if known else None, casts,
+                   unknown, counted)
 
 
 def _scale(value: Bytes, factor: int) -> Bytes:
@@ -273,6 +281,7 @@ class _BodyTraffic:
         self.cast_sums: dict[int, int] = {}
         self.casts = 0
         self.unknown = 0
+        self.known = 0
         self.ret_dtypes: dict[TensorRef, list[int]] = {}
         for ref, _, dtype in body.rets.values():
             self.ret_dtypes.setdefault(ref, []).append(dtype)
@@ -331,6 +340,7 @@ class _BodyTraffic:
             if ref in body.consumers or write:
                 self.unknown += 1
             return
+        self.known += 1
         sums = self.sums
         if write:
             self._add(sums, ref, dtype_bytes(have))
