@@ -120,6 +120,8 @@ class _BodyColoring:
         self.body = body
         self.shapes = shapes or {}
         self.kept: dict[int, tuple[str, str]] = {}  # slot -> (why float32, cause)
+        self._refs_by_slot: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
+        self._ret_refs = {ref for ref, _, _ in body.rets.values()}
         self.config = config
         self.lists = config.op_lists
         self.target = config.target_enum
@@ -313,11 +315,36 @@ class _BodyColoring:
             detail = f"{_describe_casts(chosen)} instead of {_describe_casts(other)}"
         return convert, detail
 
+    def _slot_refs(self, slot: int) -> tuple[list[TensorRef], list[TensorRef]]:
+        """(distinct input refs, output refs) of `slot`, cached per node.
+
+        All slots of a node are filled in one pass over its ports: a node with a
+        list type attribute (IdentityN with hundreds of T[k]) has a slot per
+        element, so filtering its inputs per slot would be quadratic.
+        """
+        cached = self._refs_by_slot.get(slot)
+        if cached is not None:
+            return cached
+        name = self.slot_node[slot]
+        node = self.body.nodes[name]
+        found: dict[int, tuple[list, list]] = {}
+        slot_index = self.slot_index
+        ports = node.inputs
+        for i, (ref, _) in enumerate(node.data_inputs):
+            if i < len(ports):
+                s = slot_index.get((name, ports[i].type_attr))
+                if s is not None:
+                    found.setdefault(s, ([], []))[0].append(ref)
+        for index, port in enumerate(node.outputs):
+            s = slot_index.get((name, port.type_attr))
+            if s is not None:
+                found.setdefault(s, ([], []))[1].append(TensorRef(name, index))
+        for s, (inputs, outputs) in found.items():
+            self._refs_by_slot[s] = (list(dict.fromkeys(inputs)), outputs)
+        return self._refs_by_slot.setdefault(slot, ([], []))
+
     def _slot_output_refs(self, slot: int) -> list[TensorRef]:
-        name, attr = self.slot_node[slot], self.slot_attr[slot]
-        return [TensorRef(name, index)
-                for index, port in enumerate(self.body.nodes[name].outputs)
-                if port.type_attr == attr]
+        return self._slot_refs(slot)[1]
 
     def _consumer_is_16bit(self, consumer: str, index: int) -> bool:
         node = self.body.nodes[consumer]
@@ -345,7 +372,7 @@ class _BodyColoring:
             if not shared:
                 total = total + Bytes.of(elements, own + (2 if have16 else 4))
                 casts.append(elements)
-        rets = {ref for ref, _, _ in self.body.rets.values()}
+        rets = self._ret_refs
         for ref in self._slot_output_refs(slot):
             consumers = self.body.consumers.get(ref, ())
             if not consumers and ref not in rets:
@@ -365,11 +392,7 @@ class _BodyColoring:
         return total, casts
 
     def _input_refs(self, slot: int) -> list[TensorRef]:
-        node = self.body.nodes[self.slot_node[slot]]
-        attr = self.slot_attr[slot]
-        return list(dict.fromkeys(
-            ref for i, (ref, _) in enumerate(node.data_inputs)
-            if i < len(node.inputs) and node.inputs[i].type_attr == attr))
+        return self._slot_refs(slot)[0]
 
     def _ref_is_16bit(self, ref: TensorRef) -> bool:
         port = self.body.producer_port(ref)

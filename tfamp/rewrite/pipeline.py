@@ -14,7 +14,7 @@ from tfamp.config import AmpConfig
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.report import NodeReport, RewriteReport
 from tfamp.rewrite.shapes import tensor_shapes
-from tfamp.rewrite.traffic import body_weights, estimate_traffic
+from tfamp.rewrite.traffic import body_weights, estimate_traffic_before_after
 
 log = logging.getLogger("tfamp")
 
@@ -100,17 +100,10 @@ def _traffic_fields(view, shapes, coloring) -> dict:
     if not shapes.any_known():
         return dict(traffic_note="no shapes")
     weights = body_weights(view)
-    target = coloring.target
-
-    def converted(body, node, port) -> int:
-        attrs = coloring.decisions[(body.name, node.name)].converted_attrs
-        return target if attrs and port.type_attr in attrs else port.dtype
-
-    before = estimate_traffic(view, shapes, weights)
-    after = estimate_traffic(
-        view, shapes, weights,
-        out_dtype=lambda body, node, i: converted(body, node, node.outputs[i]),
-        in_dtype=lambda body, node, i: converted(body, node, node.inputs[i]))
+    converted = {key: d.converted_attrs for key, d in coloring.decisions.items()
+                 if d.converted_attrs}
+    before, after = estimate_traffic_before_after(
+        view, shapes, weights, converted, coloring.target)
     notes = []
     if after.total is None:
         notes.append(f"shapes unknown for {after.unknown_tensors} of "

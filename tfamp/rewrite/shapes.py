@@ -134,6 +134,14 @@ class TensorShapes:
     """Static shapes of tensors, per body: shapes[body name][TensorRef]."""
 
     shapes: dict[str, dict[TensorRef, Shape | None]]
+    _counts: dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
+
+    def counts(self, body: str) -> dict[TensorRef, tuple[int, int] | None]:
+        """Element counts (see ``elements_of``) of one body's tensors, computed once."""
+        if body not in self._counts:
+            self._counts[body] = {ref: elements_of(shape)
+                                  for ref, shape in self.shapes.get(body, {}).items()}
+        return self._counts[body]
 
     def shape(self, body: str, ref: TensorRef) -> Shape | None:
         return self.shapes.get(body, {}).get(ref)
@@ -217,16 +225,26 @@ def _body_shapes(body: Body, args: dict[str, Shape | None],
                  old: dict[TensorRef, Shape | None] | None) -> dict[TensorRef, Shape | None]:
     shapes: dict[TensorRef, Shape | None] = {
         TensorRef(name, 0, is_arg=True): shape for name, shape in args.items()}
-    for name in body.topological_order():
-        node = body.nodes[name]
-        node_def = node.node_def
-        attr = node_def.attr
-        if "_output_shapes" in attr:
-            listed = attr["_output_shapes"].list.shape
-            for index in range(len(node.outputs)):
-                shapes[TensorRef(name, index)] = (
-                    _shape_proto(listed[index]) if index < len(listed) else None)
+    missing = []
+    for name, node in body.nodes.items():
+        attr = node.node_def.attr
+        if "_output_shapes" not in attr:
+            if node.outputs:  # nodes without outputs (NoOp) carry no shapes
+                missing.append(name)
             continue
+        listed = attr["_output_shapes"].list.shape
+        for index in range(len(node.outputs)):
+            shapes[TensorRef(name, index)] = (
+                _shape_proto(listed[index]) if index < len(listed) else None)
+    if not missing:
+        return shapes
+    # Some nodes carry no shapes: fill them in producer-first order.
+    missing_set = set(missing)
+    order = body.topological_order() if len(missing) > 1 else missing
+    for name in order:
+        if name not in missing_set:
+            continue
+        node = body.nodes[name]
         if old is not None and TensorRef(name, 0) in old:
             for index in range(len(node.outputs)):
                 shapes[TensorRef(name, index)] = old.get(TensorRef(name, index))

@@ -28,8 +28,6 @@ Linear in the number of nodes and edges.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
 from tfamp.rewrite.shapes import Bytes, TensorShapes, dtype_bytes
 
@@ -211,58 +209,61 @@ def _scalar_const(node: Node | None) -> int | None:
     return None
 
 
-# Given (body, node, port index), the dtype an output / input has in the graph
-# being measured.
-DtypeOf = Callable[[Body, Node, int], int]
-
-
 def estimate_traffic(view: GraphView, shapes: TensorShapes, weights: CallWeights,
-                     out_dtype: DtypeOf | None = None,
-                     in_dtype: DtypeOf | None = None) -> Traffic:
+                     converted: dict[tuple[str, str], tuple[str, ...]] | None = None,
+                     target: int = 0) -> Traffic:
     """Estimated float bytes written and read per step (see the module docstring).
 
     Args:
       view: the graph.
       shapes: its tensor shapes.
       weights: runs per step of each body (``body_weights``).
-      out_dtype, in_dtype: the dtype of a node's output / input in the graph
-        to measure; by default the dtypes `view` has. Given (e.g. from a
-        Coloring), a Cast is counted wherever an edge's two ends disagree, one
-        per (tensor, dtype), as ``insert_casts`` adds them.
+      converted: to measure the graph tfamp is about to write instead of
+        `view` itself: (function, node) -> the type attributes switched to
+        `target` (a Coloring's decisions). A Cast is then counted wherever an
+        edge's two ends disagree, one per (tensor, dtype), as ``insert_casts``
+        adds them.
+      target: the 16-bit DataType enum `converted` switches to.
 
     Returns:
       A Traffic.
     """
-    out_dtype = out_dtype or _port_out
-    in_dtype = in_dtype or _port_in
-    total, cast_total = Bytes(), Bytes()
-    casts = unknown = counted = 0
+    return estimate_traffic_before_after(view, shapes, weights, converted or {}, target)[1]
+
+
+def estimate_traffic_before_after(
+        view: GraphView, shapes: TensorShapes, weights: CallWeights,
+        converted: dict[tuple[str, str], tuple[str, ...]], target: int,
+) -> tuple[Traffic, Traffic]:
+    """(traffic of `view` as it is, traffic with `converted` applied), in one pass."""
+    by_body: dict[str, dict[str, tuple[str, ...]]] = {}
+    for (function, node), attrs in converted.items():
+        if attrs:
+            by_body.setdefault(function, {})[node] = attrs
+    totals = [[Bytes(), Bytes(), 0] for _ in range(2)]  # total, cast, casts
+    unknown = counted = 0
     for body in view.bodies:
         weight = weights.weights.get(body.name, 0)
         if not weight:
             continue
-        acc = _BodyTraffic(body, shapes, out_dtype, in_dtype)
+        acc = _BodyTraffic(body, shapes, by_body.get(body.name, {}), target)
         acc.run()
-        casts += acc.casts
         unknown += acc.unknown
         counted += acc.known
-        total = total + _scale(acc.total, weight)
-        cast_total = cast_total + _scale(acc.cast, weight)
+        for mode, result in enumerate(totals):
+            result[0] = result[0] + _scale(acc.sums[mode], weight)
+            result[1] = result[1] + _scale(acc.cast_sums[mode], weight)
+            result[2] += acc.casts[mode]
     known = unknown <= MAX_UNKNOWN_SHARE * (unknown + counted)
-    return Traffic(total if known else None, cast_total if known else None, casts,
-                   unknown, counted)
+    before, after = (
+        Traffic(total if known else None, cast if known else None, casts, unknown, counted)
+        for total, cast, casts in totals)
+    return before, after
 
 
-def _scale(value: Bytes, factor: int) -> Bytes:
-    return Bytes(tuple((d, c * factor) for d, c in value.terms))
-
-
-def _port_out(body: Body, node: Node, index: int) -> int:
-    return node.outputs[index].dtype
-
-
-def _port_in(body: Body, node: Node, index: int) -> int:
-    return node.inputs[index].dtype
+def _scale(sums: dict[int, int], factor: int) -> Bytes:
+    return Bytes(tuple(sorted(((d, c * factor) for d, c in sums.items() if c),
+                              reverse=True)))
 
 
 def _passes_through(node: Node) -> bool:
@@ -270,105 +271,110 @@ def _passes_through(node: Node) -> bool:
 
 
 class _BodyTraffic:
-    """Accumulates one body's bytes as plain (degree -> bytes) sums."""
+    """One body's bytes as {degree: bytes} sums, for two modes at once.
 
-    def __init__(self, body: Body, shapes: TensorShapes, out_dtype, in_dtype):
+    Mode 0 is the body as it is; mode 1 applies `converted` (node -> type
+    attributes now `target`). Lookups by tensor are shared by both.
+    """
+
+    def __init__(self, body: Body, shapes: TensorShapes,
+                 converted: dict[str, tuple[str, ...]], target: int):
         self.body = body
-        self.shapes = shapes.shapes.get(body.name, {})
-        self.out_dtype = out_dtype
-        self.in_dtype = in_dtype
-        self.sums: dict[int, int] = {}
-        self.cast_sums: dict[int, int] = {}
-        self.casts = 0
+        self.counts = shapes.counts(body.name)
+        self.converted = converted
+        self.target = target
+        self.sums: list[dict[int, int]] = [{}, {}]
+        self.cast_sums: list[dict[int, int]] = [{}, {}]
+        self.casts = [0, 0]
         self.unknown = 0
         self.known = 0
         self.ret_dtypes: dict[TensorRef, list[int]] = {}
         for ref, _, dtype in body.rets.values():
             self.ret_dtypes.setdefault(ref, []).append(dtype)
+        self.through = {name for name, node in body.nodes.items() if _passes_through(node)}
 
-    @property
-    def total(self) -> Bytes:
-        return Bytes(tuple(sorted(self.sums.items(), reverse=True)))
-
-    @property
-    def cast(self) -> Bytes:
-        return Bytes(tuple(sorted(self.cast_sums.items(), reverse=True)))
+    def dtype(self, mode: int, name: str, port) -> int:
+        if mode:
+            attrs = self.converted.get(name)
+            if attrs and port.type_attr in attrs:
+                return self.target
+        return port.dtype
 
     def run(self) -> None:
         body = self.body
         for name, dtype in body.arg_dtypes.items():
-            self._tensor(TensorRef(name, 0, is_arg=True), dtype, write=False, cast_source=None)
+            if dtype in FLOAT_TYPES:
+                self._tensor(TensorRef(name, 0, is_arg=True), None, True, None)
         for name, node in body.nodes.items():
-            write = not _passes_through(node)
+            write = name not in self.through
             cast_source = None
             if node.op == "Cast" and node.data_inputs and node.inputs:
-                src = self.in_dtype(body, node, 0)
-                dst = self.out_dtype(body, node, 0)
-                if src in FLOAT_TYPES and dst in FLOAT_TYPES and src != dst:
-                    self.casts += 1
-                    self._add(self.cast_sums, node.data_inputs[0][0],
-                              dtype_bytes(src) + dtype_bytes(dst))
                 cast_source = node.data_inputs[0][0]
-            for index in range(len(node.outputs)):
-                dtype = self.out_dtype(body, node, index)
-                if dtype in FLOAT_TYPES:
-                    self._tensor(TensorRef(name, index), dtype, write, cast_source)
+                self._existing_cast(name, node, cast_source)
+            for index, port in enumerate(node.outputs):
+                if port.dtype in FLOAT_TYPES:
+                    self._tensor(TensorRef(name, index), port, write, cast_source)
 
-    def _add(self, sums: dict[int, int], ref: TensorRef, per_element: int) -> bool:
-        elements = self._elements(ref)
-        if elements is None:
-            return False
-        degree, count = elements
-        sums[degree] = sums.get(degree, 0) + count * per_element
-        return True
+    def _existing_cast(self, name: str, node: Node, source: TensorRef) -> None:
+        elements = self.counts.get(source)
+        for mode in (0, 1):
+            src = self.dtype(mode, name, node.inputs[0])
+            dst = self.dtype(mode, name, node.outputs[0])
+            if src in FLOAT_TYPES and dst in FLOAT_TYPES and src != dst:
+                self.casts[mode] += 1
+                if elements is not None:
+                    degree, count = elements
+                    sums = self.cast_sums[mode]
+                    sums[degree] = sums.get(degree, 0) + count * (
+                        dtype_bytes(src) + dtype_bytes(dst))
 
-    def _elements(self, ref: TensorRef):
-        shape = self.shapes.get(ref)
-        if shape is None:
-            return None
-        degree, count = 0, 1
-        for d in shape:
-            if d < 0:
-                degree += 1
-            else:
-                count *= d
-        return degree, count
-
-    def _tensor(self, ref: TensorRef, have: int, write: bool, cast_source) -> None:
+    def _tensor(self, ref: TensorRef, port, write: bool, cast_source) -> None:
+        """`port` is the producing output port, or None for a function argument."""
         body = self.body
-        if self._elements(ref) is None:
-            if ref in body.consumers or write:
+        consumers = body.consumers.get(ref, ())
+        elements = self.counts.get(ref)
+        if elements is None:
+            if consumers or (write and port is not None):
                 self.unknown += 1
             return
         self.known += 1
-        sums = self.sums
-        if write:
-            self._add(sums, ref, dtype_bytes(have))
-        cast_to: set[int] = set()
-        for consumer, index in body.consumers.get(ref, ()):
-            node = body.nodes[consumer]
-            if index >= len(node.inputs):
-                continue
-            want = self.in_dtype(body, node, index)
-            if want != have and want in FLOAT_TYPES:
-                if want not in cast_to and not self._bypass(cast_source, want):
-                    self._cast(ref, have, want)
-                cast_to.add(want)
-            if not _passes_through(node):
-                self._add(sums, ref, dtype_bytes(want))
-        for want in self.ret_dtypes.get(ref, ()):
-            if want != have and want in FLOAT_TYPES and want not in cast_to \
-                    and not self._bypass(cast_source, want):
-                self._cast(ref, have, want)
-                cast_to.add(want)
+        degree, count = elements
+        nodes, through = body.nodes, self.through
+        rets = self.ret_dtypes.get(ref, ())
+        for mode in (0, 1):
+            if port is None:
+                have, per_element = body.arg_dtypes[ref.node], 0
+            else:
+                have = self.dtype(mode, ref.node, port)
+                per_element = dtype_bytes(have) if write else 0
+            cast_to: set[int] = set()
+            for consumer, index in consumers:
+                node = nodes[consumer]
+                if index >= len(node.inputs):
+                    continue
+                want = self.dtype(mode, consumer, node.inputs[index])
+                if want != have and want in FLOAT_TYPES:
+                    if want not in cast_to and not self._bypass(mode, cast_source, want):
+                        self._cast(mode, degree, count, have, want)
+                    cast_to.add(want)
+                if consumer not in through:
+                    per_element += dtype_bytes(want)
+            for want in rets:
+                if want != have and want in FLOAT_TYPES and want not in cast_to \
+                        and not self._bypass(mode, cast_source, want):
+                    self._cast(mode, degree, count, have, want)
+                    cast_to.add(want)
+            if per_element:
+                sums = self.sums[mode]
+                sums[degree] = sums.get(degree, 0) + count * per_element
 
-    def _cast(self, ref: TensorRef, have: int, want: int) -> None:
-        per_element = dtype_bytes(have) + dtype_bytes(want)
-        self.casts += 1
-        self._add(self.sums, ref, per_element)
-        self._add(self.cast_sums, ref, per_element)
+    def _cast(self, mode: int, degree: int, count: int, have: int, want: int) -> None:
+        moved = count * (dtype_bytes(have) + dtype_bytes(want))
+        self.casts[mode] += 1
+        for sums in (self.sums[mode], self.cast_sums[mode]):
+            sums[degree] = sums.get(degree, 0) + moved
 
-    def _bypass(self, cast_source: TensorRef | None, want: int) -> bool:
+    def _bypass(self, mode: int, cast_source: TensorRef | None, want: int) -> bool:
         """A Cast's consumer wanting the Cast's own input dtype reads the input."""
         if cast_source is None:
             return False
@@ -377,5 +383,4 @@ class _BodyTraffic:
             return False
         if cast_source.is_arg:
             return port.dtype == want
-        node = self.body.nodes[cast_source.node]
-        return self.out_dtype(self.body, node, cast_source.index) == want
+        return self.dtype(mode, cast_source.node, port) == want
