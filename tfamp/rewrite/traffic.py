@@ -339,34 +339,38 @@ class _BodyTraffic:
             return
         self.known += 1
         degree, count = elements
-        nodes, through = body.nodes, self.through
-        rets = self.ret_dtypes.get(ref, ())
+        if port is None:
+            have = (body.arg_dtypes[ref.node],) * 2
+        else:
+            have = (port.dtype, self.dtype(1, ref.node, port))
+        per_element = [dtype_bytes(have[0]), dtype_bytes(have[1])] if write else [0, 0]
+        wanted: list[tuple[int, int]] = []  # (mode, dtype) that need a Cast
+        nodes, through, converted, target = body.nodes, self.through, self.converted, self.target
+        for consumer, index in consumers:
+            inputs = nodes[consumer].inputs
+            if index >= len(inputs):
+                continue
+            in_port = inputs[index]
+            attrs = converted.get(consumer)
+            want = (in_port.dtype,
+                    target if attrs and in_port.type_attr in attrs else in_port.dtype)
+            for mode in (0, 1):
+                if want[mode] != have[mode] and want[mode] in FLOAT_TYPES:
+                    wanted.append((mode, want[mode]))
+            if consumer not in through:
+                per_element[0] += dtype_bytes(want[0])
+                per_element[1] += dtype_bytes(want[1])
+        for dtype in self.ret_dtypes.get(ref, ()):
+            for mode in (0, 1):
+                if dtype != have[mode] and dtype in FLOAT_TYPES:
+                    wanted.append((mode, dtype))
+        for mode, dtype in dict.fromkeys(wanted):
+            if not self._bypass(mode, cast_source, dtype):
+                self._cast(mode, degree, count, have[mode], dtype)
         for mode in (0, 1):
-            if port is None:
-                have, per_element = body.arg_dtypes[ref.node], 0
-            else:
-                have = self.dtype(mode, ref.node, port)
-                per_element = dtype_bytes(have) if write else 0
-            cast_to: set[int] = set()
-            for consumer, index in consumers:
-                node = nodes[consumer]
-                if index >= len(node.inputs):
-                    continue
-                want = self.dtype(mode, consumer, node.inputs[index])
-                if want != have and want in FLOAT_TYPES:
-                    if want not in cast_to and not self._bypass(mode, cast_source, want):
-                        self._cast(mode, degree, count, have, want)
-                    cast_to.add(want)
-                if consumer not in through:
-                    per_element += dtype_bytes(want)
-            for want in rets:
-                if want != have and want in FLOAT_TYPES and want not in cast_to \
-                        and not self._bypass(mode, cast_source, want):
-                    self._cast(mode, degree, count, have, want)
-                    cast_to.add(want)
-            if per_element:
+            if per_element[mode]:
                 sums = self.sums[mode]
-                sums[degree] = sums.get(degree, 0) + count * per_element
+                sums[degree] = sums.get(degree, 0) + count * per_element[mode]
 
     def _cast(self, mode: int, degree: int, count: int, have: int, want: int) -> None:
         moved = count * (dtype_bytes(have) + dtype_bytes(want))
