@@ -67,6 +67,7 @@ from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config
 from tensorflow.python.eager import wrap_function  # noqa: E402
 from tensorflow.python.grappler import cluster as gcluster  # noqa: E402
 from tensorflow.python.grappler import tf_optimizer  # noqa: E402
+
 from tfamp.rewrite.graph import build_view  # noqa: E402
 from tfamp.rewrite.shapes import tensor_shapes  # noqa: E402
 from tfamp.rewrite.traffic import body_weights, estimate_traffic  # noqa: E402

@@ -30,8 +30,8 @@ from collections.abc import Iterable
 
 from tensorflow.core.framework import types_pb2
 
-from tfamp.rewrite import kernels
 from tfamp.config import AmpConfig
+from tfamp.rewrite import kernels
 from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
 from tfamp.rewrite.shapes import Bytes, TensorShapes, elements_of, format_elements
 

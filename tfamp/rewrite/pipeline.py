@@ -8,9 +8,9 @@ from collections.abc import Iterable
 
 from tensorflow.core.framework import graph_pb2
 
+from tfamp.config import AmpConfig
 from tfamp.rewrite.casts import insert_casts
 from tfamp.rewrite.coloring import color
-from tfamp.config import AmpConfig
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.report import NodeReport, RewriteReport
 from tfamp.rewrite.shapes import tensor_shapes

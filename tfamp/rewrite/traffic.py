@@ -28,6 +28,7 @@ Linear in the number of nodes and edges.
 from __future__ import annotations
 
 import dataclasses
+
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
 from tfamp.rewrite.shapes import Bytes, TensorShapes, dtype_bytes
 
