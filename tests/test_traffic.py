@@ -186,6 +186,7 @@ def test_bias_add_grad_converts_and_casts_its_small_result():
     node = decision(report, "BiasAddGrad")
     assert node.converted
     assert "a Cast of 64 elements instead of 524,288" in node.reason
+    assert report.kept_fp32.get("fewer bytes in float32", 0) == 0
     assert decision(report, "ReluGrad").converted
     sources = {c.source.split(":")[0] for c in report.casts if c.dst_dtype == "float32"}
     assert node.name in sources
@@ -195,6 +196,22 @@ def test_bias_add_grad_converts_and_casts_its_small_result():
     got = run_graph_def(new, inputs, outputs)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+
+
+def test_unknown_batch_still_decides_by_bytes():
+    """An unknown batch B: 64 elements against 65,536 x B, compared for large B."""
+    def grads(x, w, b, dh):
+        with tf.GradientTape() as tape:
+            tape.watch([w, b])
+            h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b))
+        return tape.gradient(h, [w, b], output_gradients=dh)
+
+    specs = ([tf.TensorSpec([None, 32, 32, 8])] + CONV_SPECS[1:]
+             + [tf.TensorSpec([None, 32, 32, 64])])
+    _, _, report, _ = rewritten(grads, *specs)
+    node = decision(report, "BiasAddGrad")
+    assert node.converted and "a Cast of 64 elements instead of 65,536 x B" in node.reason
+    assert report.traffic_after_bytes is None
 
 
 def test_counts_break_the_tie_without_shapes():
@@ -226,6 +243,7 @@ def test_clear_chain_puts_the_cast_on_the_smaller_tensor(
     for name in kept:
         entry = decision(report, name)
         assert not entry.converted and "instead of" in entry.reason, entry.reason
+    assert report.kept_fp32.get("fewer bytes in float32", 0) == len(kept)
     to_fp32 = [c for c in report.casts if c.dst_dtype == "float32"]
     assert [c.source.split(":")[0] for c in to_fp32] == [cast_source]
     view = build_view(new)

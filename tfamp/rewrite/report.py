@@ -173,6 +173,8 @@ def reason_kind(reason: str) -> str:
         return "function call"
     if "TensorList" in reason:
         return "TensorList element type"
+    if reason.startswith(("infer: stays float32 after", "clear: stays float32 next to")):
+        return "fewer bytes in float32"
     if reason.startswith(("infer: stays", "clear: stays")):
         return "no 16-bit neighbour"
     return "other"
