@@ -559,7 +559,7 @@ def traffic_of(graph_def, original_shapes, trips: int) -> dict:
     """
     view = build_view(graph_def)
     shapes = tensor_shapes(graph_def, view, fallback=original_shapes)
-    traffic = estimate_traffic(view, shapes, body_weights(view, default_trips=trips))
+    traffic = estimate_traffic(view, shapes, body_weights(view, default_trips=trips, shapes=shapes))
     return {"traffic_bytes": traffic.total_bytes(), "cast_bytes": traffic.cast_bytes(),
             "traffic_unknown_tensors": traffic.unknown_tensors}
 

@@ -105,6 +105,16 @@ def test_traffic_figure_by_hand():
     assert "est. float traffic" in report.summary_line()
 
 
+def test_traffic_figure_through_a_function_call():
+    """x[3,5,7] -> PartitionedCall(relu(x) * 2.0) -> output."""
+    _, _, report, _ = rewritten(_calls_function, tf.TensorSpec([3, 5, 7]))
+    n = 3 * 5 * 7
+    # x written once; inside the function: x read by Relu, Relu written and
+    # read by Mul, the scalar 2.0 written and read, Mul written. The call and
+    # the Identity ops only pass buffers along.
+    assert report.traffic_before_bytes == 4 * (n + n + 2 * n + 2 + n)
+
+
 def test_traffic_unknown_without_shapes_and_with_unknown_batch():
     _, _, report, _ = rewritten(_matmul_relu, tf.TensorSpec([None, 8]), tf.TensorSpec([8, 16]))
     assert report.traffic_before_bytes is None and report.traffic_after_bytes is None
@@ -149,6 +159,25 @@ def test_loop_trip_counts(limit, max_iterations, trips):
                 if "body" in f.signature.name)
     assert weights.weights[body] == (trips or 1)
     assert bool(weights.not_static) == (trips is None)
+
+
+def test_trip_count_from_a_static_shape_and_through_the_gradient_loop():
+    """Keras RNNs loop tf.shape(x)[0] times; the gradient loop as often."""
+    def fn(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            _, y = tf.while_loop(lambda i, y: i < tf.shape(x)[0],
+                                 lambda i, y: (i + 1, tf.tanh(y) * x[0]),
+                                 (tf.constant(0), x[0]))
+        return tape.gradient(y, x)
+
+    graph_def, _ = traced(fn, tf.TensorSpec([6, 4]))
+    view = build_view(graph_def)
+    weights = body_weights(view, shapes=tensor_shapes(graph_def, view))
+    runs = [weights.weights[f.signature.name] for f in graph_def.library.function
+            if "body" in f.signature.name and weights.weights[f.signature.name]]
+    assert weights.not_static == []
+    assert runs == [6, 6]  # the forward loop body and the gradient loop body
 
 
 def test_loop_body_traffic_counts_every_iteration():

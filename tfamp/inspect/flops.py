@@ -63,7 +63,7 @@ def graph_def_flops(graph_def) -> tuple[dict[tuple[str, str], int], int]:
 
     view = build_view(graph_def)
     shapes = tensor_shapes(graph_def, view)
-    weights = body_weights(view).weights
+    weights = body_weights(view, shapes=shapes).weights
     flops: dict[tuple[str, str], int] = {}
     unknown = 0
     for body in view.bodies:

@@ -99,7 +99,7 @@ def _traffic_fields(view, shapes, coloring) -> dict:
     """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown."""
     if not shapes.any_known():
         return dict(traffic_note="no shapes")
-    weights = body_weights(view)
+    weights = body_weights(view, shapes=shapes)
     converted = {key: d.converted_attrs for key, d in coloring.decisions.items()
                  if d.converted_attrs}
     before, after = estimate_traffic_before_after(

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tensorflow.core.framework import types_pb2
+
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
 from tfamp.rewrite.shapes import Bytes, TensorShapes, dtype_bytes
 
@@ -80,14 +82,17 @@ class Traffic:
         return None if self.cast is None else self.cast.known()
 
 
-def body_weights(view: GraphView, default_trips: int = 1) -> CallWeights:
+def body_weights(view: GraphView, default_trips: int = 1,
+                 shapes: TensorShapes | None = None) -> CallWeights:
     """Runs per step of every body, following calls from the top graph.
 
     Args:
       view: the graph.
       default_trips: iterations assumed for a loop without a static trip count.
+      shapes: tensor shapes, so a bound read from a static shape (a Keras RNN
+        loops ``tf.shape(inputs)[0]`` times) counts as static.
     """
-    bodies = {body.name: body for body in view.bodies}
+    values = _IntValues(view, shapes)
     calls: dict[str, list[tuple[str, int]]] = {}
     not_static = []
     for body in view.bodies:
@@ -96,20 +101,20 @@ def body_weights(view: GraphView, default_trips: int = 1) -> CallWeights:
                 continue
             multiplier = 1
             if node.op in LOOP_OPS:
-                trips = static_trip_count(bodies, body, node)
+                trips = values.trip_count(body, node)
                 if trips is None:
                     not_static.append(f"{body.name}/{node.name}" if body.name else node.name)
                     trips = default_trips
                 multiplier = trips
             for callee in node.called_functions:
-                if callee in bodies:
+                if callee in values.bodies:
                     calls.setdefault(body.name, []).append((callee, multiplier))
     # Calls form a DAG (TensorFlow has no recursion): Kahn's order from the top.
-    indegree = dict.fromkeys(bodies, 0)
+    indegree = dict.fromkeys(values.bodies, 0)
     for edges in calls.values():
         for callee, _ in edges:
             indegree[callee] += 1
-    weights = dict.fromkeys(bodies, 0)
+    weights = dict.fromkeys(values.bodies, 0)
     weights[""] = 1
     ready = [name for name, deg in indegree.items() if deg == 0]
     while ready:
@@ -122,92 +127,221 @@ def body_weights(view: GraphView, default_trips: int = 1) -> CallWeights:
     return CallWeights(weights, not_static)
 
 
-def static_trip_count(bodies: dict[str, Body], caller: Body, node: Node) -> int | None:
-    """Iterations of a While loop, if its cond bounds a counter by a constant.
+_ARG_OFFSET = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1}
+_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+_IntValue = int | tuple[int, ...] | None
 
-    Recognised: the cond compares loop variable j with ``Less``/``LessEqual``
-    against a Const (in the cond, or a loop variable whose initial value is a
-    Const in the caller); loop variable j starts from a Const in the caller and
-    the body adds a positive Const to it. The smallest such bound is the trip
-    count (TensorFlow's own ``maximum_iterations`` counter has this form).
+
+class _IntValues:
+    """Static integer values (scalars and shape vectors), across function calls.
+
+    Enough to find loop trip counts: Const, Identity, Shape of a fully known
+    shape, StridedSlice of that, a loop-invariant argument (its callers' value),
+    a call's result (the callee's), and a While's counter output (start + trips
+    x step). Anything else is None. Memoised; each value is resolved once.
     """
-    attr = node.node_def.attr
-    cond = bodies.get(attr["cond"].func.name) if "cond" in attr else None
-    body = bodies.get(attr["body"].func.name) if "body" in attr else None
-    if cond is None or body is None:
+
+    def __init__(self, view: GraphView, shapes: TensorShapes | None):
+        self.bodies = {body.name: body for body in view.bodies}
+        self.shapes = shapes
+        self.memo: dict[tuple[str, TensorRef], _IntValue] = {}
+        self.trips: dict[tuple[str, str], int | None] = {}
+        self.call_sites: dict[str, list[tuple[Body, Node]]] = {}
+        for body in view.bodies:
+            for node in body.nodes.values():
+                for callee in dict.fromkeys(node.called_functions):
+                    self.call_sites.setdefault(callee, []).append((body, node))
+
+    def value(self, body: Body, ref: TensorRef) -> _IntValue:
+        key = (body.name, ref)
+        if key in self.memo:
+            return self.memo[key]
+        self.memo[key] = None  # guards against cycles while resolving
+        result = self._resolve(body, ref)
+        self.memo[key] = result
+        return result
+
+    def scalar(self, body: Body, ref: TensorRef) -> int | None:
+        value = self.value(body, ref)
+        return value if isinstance(value, int) else None
+
+    def _resolve(self, body: Body, ref: TensorRef) -> _IntValue:
+        if ref.is_arg:
+            return self._argument(body, ref.node)
+        node = body.nodes.get(ref.node)
+        if node is None:
+            return None
+        op = node.op
+        if op == "Const":
+            return _const_value(node) if ref.index == 0 else None
+        if op in ("Identity", "Snapshot") and node.data_inputs:
+            return self.value(body, node.data_inputs[0][0])
+        if op == "Shape" and node.data_inputs and self.shapes is not None:
+            shape = self.shapes.shape(body.name, node.data_inputs[0][0])
+            return shape if shape is not None and all(d >= 0 for d in shape) else None
+        if op == "StridedSlice" and len(node.data_inputs) == 4:
+            return self._strided_slice(body, node)
+        if op in LOOP_OPS:
+            return self._loop_output(body, node, ref.index)
+        if (op in _CALL_OPS or op in self.bodies) and node.called_functions:
+            callee = self.bodies.get(node.called_functions[0])
+            rets = list(callee.rets.values()) if callee is not None else []
+            if ref.index < len(rets):
+                return self.value(callee, rets[ref.index][0])
         return None
-    cond_args = list(cond.arg_dtypes)
-    body_args = list(body.arg_dtypes)
+
+    def _argument(self, body: Body, arg: str) -> _IntValue:
+        sites = self.call_sites.get(body.name, [])
+        index = list(body.arg_dtypes).index(arg)
+        found = []
+        for caller, node in sites:
+            if node.op in LOOP_OPS and not self._invariant(node, index):
+                return None
+            position = index + _ARG_OFFSET.get(node.op, 0)
+            if position >= len(node.data_inputs):
+                return None
+            found.append(self.value(caller, node.data_inputs[position][0]))
+        if not found or any(v is None or v != found[0] for v in found):
+            return None
+        return found[0]
+
+    def _invariant(self, loop: Node, index: int) -> bool:
+        """Does the loop body return loop variable `index` unchanged?"""
+        body = self._loop_body(loop)
+        if body is None:
+            return False
+        ref = _through_identity(body, _ret_ref(body, index))
+        args = list(body.arg_dtypes)
+        return ref is not None and ref.is_arg and index < len(args) and ref.node == args[index]
+
+    def _loop_body(self, loop: Node) -> Body | None:
+        attr = loop.node_def.attr
+        return self.bodies.get(attr["body"].func.name) if "body" in attr else None
+
+    def _strided_slice(self, body: Body, node: Node) -> _IntValue:
+        vector = self.value(body, node.data_inputs[0][0])
+        begin, end, strides = (self.value(body, ref) for ref, _ in node.data_inputs[1:])
+        attr = node.node_def.attr
+        shrink = attr["shrink_axis_mask"].i if "shrink_axis_mask" in attr else 0
+        if not isinstance(vector, tuple) or not all(
+                isinstance(v, tuple) and len(v) == 1 for v in (begin, end, strides)):
+            return None
+        if shrink & 1 and strides[0] == 1 and -len(vector) <= begin[0] < len(vector):
+            return vector[begin[0]]
+        return None
+
+    def _loop_output(self, body: Body, loop: Node, index: int) -> _IntValue:
+        if index >= len(loop.data_inputs):
+            return None
+        start = self.value(body, loop.data_inputs[index][0])
+        if self._invariant(loop, index):
+            return start
+        loop_body = self._loop_body(loop)
+        step = _increment(loop_body, index) if loop_body is not None else None
+        trips = self.trip_count(body, loop)
+        if isinstance(start, int) and step and trips is not None:
+            return start + trips * step
+        return None
+
+    def trip_count(self, caller: Body, node: Node) -> int | None:
+        """Iterations of a While loop, if its cond bounds a counter statically.
+
+        Recognised: the cond compares loop variable j with ``Less`` /
+        ``LessEqual`` against a static value (a Const in the cond, or a
+        loop-invariant variable whose value is static); j starts from a static
+        value and the body adds a positive Const to it. The smallest bound wins
+        (TensorFlow's ``maximum_iterations`` counter and Keras' RNN time step
+        have this form; a gradient loop runs as often as its forward loop's
+        counter says).
+        """
+        key = (caller.name, node.name)
+        if key in self.trips:
+            return self.trips[key]
+        self.trips[key] = None  # cycle guard
+        attr = node.node_def.attr
+        cond = self.bodies.get(attr["cond"].func.name) if "cond" in attr else None
+        body = self._loop_body(node)
+        best = None
+        if cond is not None and body is not None:
+            cond_args = list(cond.arg_dtypes)
+            for cnode in cond.nodes.values():
+                if cnode.op not in _LESS_OPS or len(cnode.data_inputs) != 2:
+                    continue
+                (a, _), (b, _) = cnode.data_inputs
+                if not a.is_arg or a.node not in cond_args:
+                    continue
+                j = cond_args.index(a.node)
+                limit = self.scalar(cond, b)
+                start = (self.scalar(caller, node.data_inputs[j][0])
+                         if j < len(node.data_inputs) else None)
+                step = _increment(body, j)
+                if limit is None or start is None or not step:
+                    continue
+                trips = max(0, -(-(limit - start + _LESS_OPS[cnode.op]) // step))
+                best = trips if best is None else min(best, trips)
+        self.trips[key] = best
+        return best
+
+
+def static_trip_count(view: GraphView, caller: Body, node: Node,
+                      shapes: TensorShapes | None = None) -> int | None:
+    """Iterations of While `node` in body `caller`, or None if not static."""
+    return _IntValues(view, shapes).trip_count(caller, node)
+
+
+def _ret_ref(body: Body, index: int) -> TensorRef | None:
     rets = list(body.rets.values())
-    best = None
-    for cnode in cond.nodes.values():
-        if cnode.op not in _LESS_OPS or len(cnode.data_inputs) != 2:
-            continue
-        (a, _), (b, _) = cnode.data_inputs
-        if not a.is_arg or a.node not in cond_args:
-            continue
-        j = cond_args.index(a.node)
-        limit = _const_in(cond, b, caller, node, cond_args)
-        start = _caller_const(caller, node, j)
-        step = _increment(body, body_args, rets, j)
-        if limit is None or start is None or not step:
-            continue
-        trips = max(0, -(-(limit - start + _LESS_OPS[cnode.op]) // step))
-        best = trips if best is None else min(best, trips)
-    return best
+    return rets[index][0] if index < len(rets) else None
 
 
-def _const_in(cond: Body, ref: TensorRef, caller: Body, node: Node,
-              cond_args: list[str]) -> int | None:
-    if ref.is_arg:
-        return _caller_const(caller, node, cond_args.index(ref.node)) \
-            if ref.node in cond_args else None
-    return _scalar_const(cond.nodes.get(ref.node))
+def _through_identity(body: Body, ref: TensorRef | None) -> TensorRef | None:
+    while ref is not None and not ref.is_arg:
+        node = body.nodes.get(ref.node)
+        if node is None or node.op != "Identity" or not node.data_inputs:
+            break
+        ref = node.data_inputs[0][0]
+    return ref
 
 
-def _caller_const(caller: Body, node: Node, index: int) -> int | None:
-    if index >= len(node.data_inputs):
-        return None
-    ref = node.data_inputs[index][0]
-    return None if ref.is_arg else _scalar_const(caller.nodes.get(ref.node))
-
-
-def _increment(body: Body, body_args: list[str], rets, index: int) -> int | None:
-    if index >= len(rets) or index >= len(body_args):
-        return None
-    ref = rets[index][0]
-    producer = None if ref.is_arg else body.nodes.get(ref.node)
-    while producer is not None and producer.op == "Identity" and producer.data_inputs:
-        ref = producer.data_inputs[0][0]
-        producer = None if ref.is_arg else body.nodes.get(ref.node)
+def _increment(body: Body, index: int) -> int | None:
+    """The positive Const step the loop body adds to loop variable `index`."""
+    args = list(body.arg_dtypes)
+    ref = _through_identity(body, _ret_ref(body, index))
+    producer = None if ref is None or ref.is_arg else body.nodes.get(ref.node)
     if producer is None or producer.op not in ("Add", "AddV2") \
-            or len(producer.data_inputs) != 2:
+            or len(producer.data_inputs) != 2 or index >= len(args):
         return None
     (a, _), (b, _) = producer.data_inputs
-    if not (a.is_arg and a.node == body_args[index]):
+    if not (a.is_arg and a.node == args[index]):
         a, b = b, a
-    if not (a.is_arg and a.node == body_args[index]) or b.is_arg:
+    if not (a.is_arg and a.node == args[index]) or b.is_arg:
         return None
-    step = _scalar_const(body.nodes.get(b.node))
-    return step if step and step > 0 else None
+    step = _const_value(body.nodes.get(b.node))
+    return step if isinstance(step, int) and step > 0 else None
 
 
-def _scalar_const(node: Node | None) -> int | None:
+def _const_value(node: Node | None) -> _IntValue:
+    """An integer scalar or vector Const's value."""
     if node is None or node.op != "Const" or "value" not in node.node_def.attr:
         return None
     tensor = node.node_def.attr["value"].tensor
-    if tensor.tensor_shape.dim:
+    dims = [d.size for d in tensor.tensor_shape.dim]
+    if len(dims) > 1:
         return None
-    if tensor.int_val:
-        return int(tensor.int_val[0])
-    if tensor.int64_val:
-        return int(tensor.int64_val[0])
-    if tensor.tensor_content:
+    if tensor.int_val or tensor.int64_val:
+        values = list(tensor.int_val) or list(tensor.int64_val)
+    elif tensor.tensor_content and tensor.dtype in (types_pb2.DT_INT32, types_pb2.DT_INT64):
         import numpy as np
 
-        width = 8 if len(tensor.tensor_content) == 8 else 4
-        return int(np.frombuffer(tensor.tensor_content, dtype=f"<i{width}")[0])
-    return None
+        width = 4 if tensor.dtype == types_pb2.DT_INT32 else 8
+        values = np.frombuffer(tensor.tensor_content, dtype=f"<i{width}").tolist()
+    else:
+        return None
+    if not dims:
+        return int(values[0])
+    if len(values) == 1 and dims[0] > 1:  # a splat
+        values = values * dims[0]
+    return tuple(int(v) for v in values) if len(values) == dims[0] else None
 
 
 def estimate_traffic(view: GraphView, shapes: TensorShapes, weights: CallWeights,
@@ -305,7 +439,7 @@ class _BodyTraffic:
         body = self.body
         for name, dtype in body.arg_dtypes.items():
             if dtype in FLOAT_TYPES:
-                self._tensor(TensorRef(name, 0, is_arg=True), None, True, None)
+                self._tensor(TensorRef(name, 0, is_arg=True), None, False, None)
         for name, node in body.nodes.items():
             write = name not in self.through
             cast_source = None
