@@ -1,7 +1,8 @@
 """tfamp against TensorFlow's own grappler AMP pass, on the same training-step graphs.
 
 For each model (MLP, CNN+BatchNorm, ResNet-style with residual adds, LSTM, GRU,
-Transformer block with MultiHeadAttention + LayerNormalization) an Adam training
+Transformer block with MultiHeadAttention + LayerNormalization, Keras'
+ResNet-50, a BERT-style encoder) an Adam training
 step is traced once; its GraphDef is rewritten by
 
 * tfamp: ``tfamp.rewrite_graph_def(graph_def, AmpConfig(dtype), outputs=...)``;
@@ -24,6 +25,14 @@ Both results are measured the same way (top graph and every library function):
   and --seq-len times per While loop body (the RNN loops run once per time
   step). Functions the step never calls (e.g. the cuDNN variants of LSTM/GRU
   kept for the implementation selector) do not count;
+* estimated float memory traffic per step: tfamp's estimator
+  (``tfamp.rewrite.traffic``: each float tensor written once and read once per
+  consumer, Casts included, loop bodies times their static trip count) run on
+  the float32 step, tfamp's graph and grappler's graph alike, with the float32
+  step's shapes (nodes keep their names; new Casts take their input's shape);
+  shown as a share of the float32 step's. "cast MB": what the float-to-float
+  Casts read and write. A data-dependent dimension (an embedding's sparse
+  gradient rows) is taken as UNKNOWN_DIM;
 * problems: ``tfamp.check_graph_def`` (edge dtypes, Cast round trips, and
   TensorFlow importing the graph and every function);
 * pass time: best of --repeat (perf_counter). For grappler, the whole
@@ -88,6 +97,7 @@ GRAPPLER_OPTIMIZER = {
     "float16": "auto_mixed_precision_cpu",
     "bfloat16": "auto_mixed_precision_onednn_bfloat16",
 }
+UNKNOWN_DIM = 256  # bert: batch 8 x 32 tokens
 TARGET_ENUM = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 SIXTEEN_BIT = frozenset(TARGET_ENUM.values())
 FLOP_OPS = frozenset({
@@ -560,7 +570,14 @@ def traffic_of(graph_def, original_shapes, trips: int) -> dict:
     view = build_view(graph_def)
     shapes = tensor_shapes(graph_def, view, fallback=original_shapes)
     traffic = estimate_traffic(view, shapes, body_weights(view, default_trips=trips, shapes=shapes))
-    return {"traffic_bytes": traffic.total_bytes(), "cast_bytes": traffic.cast_bytes(),
+    if traffic.total is None:
+        return {"traffic_bytes": None, "cast_bytes": None,
+                "traffic_unknown_tensors": traffic.unknown_tensors}
+    # A data-dependent dimension (the rows of an embedding's sparse gradient)
+    # is taken at its upper bound, the number of token ids in the batch.
+    return {"traffic_bytes": traffic.total.at(UNKNOWN_DIM),
+            "cast_bytes": traffic.cast.at(UNKNOWN_DIM),
+            "traffic_unknown_dims": traffic.total.known() is None,
             "traffic_unknown_tensors": traffic.unknown_tensors}
 
 

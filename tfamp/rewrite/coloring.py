@@ -12,7 +12,8 @@ grappler's AMP pass:
 4. an infer slot fed by a 16-bit slot goes 16-bit where that moves fewer bytes
    (with tensor shapes; else where it needs fewer casts);
 5. clear slots next to 16-bit slots follow them, unless (with shapes) that
-   moves more bytes, e.g. a Cast moved onto a larger tensor;
+   moves more bytes, e.g. a Cast moved onto a larger tensor; 4 and 5 repeat
+   until nothing changes (a few rounds at most);
 6. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
    instead, so no second Cast is needed.
 
@@ -49,6 +50,10 @@ FIXED_TYPE_ATTRS = {
         "TensorListSplit", "TensorListStack",
     )
 }
+
+
+# Rounds of (infer after 16-bit, clear propagation); each is linear.
+_MAX_ROUNDS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +222,15 @@ class _BodyColoring:
                 self.allow[slot] = (f"allow: compute-heavy, runs in {self.target_name}", "")
         self._propagate_deny()
         self._add_between_allow()
-        self._add_infer_after_allow()
-        self._propagate_through_clear()
+        # Infer after 16-bit and clear propagation feed each other (an infer op
+        # whose clear neighbour goes 16-bit later now has two 16-bit inputs):
+        # repeat both until nothing changes (at most a few rounds).
+        for _ in range(_MAX_ROUNDS):
+            before = len(self.allow)
+            self._add_infer_after_allow()
+            self._propagate_through_clear()
+            if len(self.allow) == before:
+                break
         self._retarget_casts()
         return self._decisions()
 

@@ -84,6 +84,10 @@ class Bytes:
     def __le__(self, other: Bytes) -> bool:
         return _compare(self.terms, other.terms) <= 0
 
+    def at(self, size: int) -> int:
+        """The number of bytes if every unknown dimension is `size`."""
+        return sum(c * size ** d for d, c in self.terms)
+
     def known(self) -> int | None:
         """The number of bytes, or None if it depends on an unknown dimension."""
         if any(degree for degree, _ in self.terms):
