@@ -52,6 +52,9 @@ FIXED_TYPE_ATTRS = {
 }
 
 
+# Ops that read only a tensor's shape, not its data.
+METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
+
 # Rounds of (infer after 16-bit, clear propagation); each is linear.
 _MAX_ROUNDS = 4
 
@@ -127,6 +130,7 @@ class _BodyColoring:
         self.kept: dict[int, tuple[str, str]] = {}  # slot -> (why float32, cause)
         self._refs_by_slot: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
         self._ret_refs = {ref for ref, _, _ in body.rets.values()}
+        self._order: list[int] | None = None
         self.config = config
         self.lists = config.op_lists
         self.target = config.target_enum
@@ -268,7 +272,9 @@ class _BodyColoring:
                 self.allow[slot] = (f"{list_name}: between {self.target_name} ops", "")
 
     def _add_infer_after_allow(self) -> None:
-        order = self._slot_order()
+        if self._order is None:
+            self._order = self._slot_order()
+        order = self._order
         infer_slots = sorted(
             (s for s in range(len(self.slot_node)) if self._is_free(s, ("infer",))),
             key=order.__getitem__)
@@ -390,6 +396,18 @@ class _BodyColoring:
             return False
         return self.slot_index.get((consumer, node.inputs[index].type_attr)) in self.allow
 
+    def _follows_any_dtype(self, consumer: str, index: int) -> bool:
+        """A free clear op that reads only metadata (Shape, ...) takes either dtype.
+
+        It goes 16-bit for nothing once its producer does (clear propagation),
+        so it neither needs a Cast nor reads any bytes.
+        """
+        node = self.body.nodes[consumer]
+        if node.op not in METADATA_OPS or index >= len(node.inputs):
+            return False
+        slot = self.slot_index.get((consumer, node.inputs[index].type_attr))
+        return slot is not None and (slot in self.allow or self._is_free(slot, ("clear",)))
+
     def _option_cost(self, slot: int, as16: bool):
         """(local Bytes, [elements of each Cast needed]) of one option, or None."""
         own = 2 if as16 else 4
@@ -419,7 +437,8 @@ class _BodyColoring:
             if elements is None:
                 return None
             total = total + Bytes.of(elements, own)
-            wants = {self._consumer_is_16bit(c, i) for c, i in consumers}
+            wants = {self._consumer_is_16bit(c, i) for c, i in consumers
+                     if not self._follows_any_dtype(c, i)}
             if ref in rets:
                 wants.add(False)
             for want16 in wants:

@@ -7,9 +7,10 @@ The model (deliberately simple, the same for every graph it compares):
 * a Cast between float types reads its input and writes its output, and is
   read by its consumers like any tensor; ``cast_bytes`` is what the Casts
   themselves read and write;
-* ops that only pass a buffer along (``NO_COPY_OPS``: Identity, Reshape, ...,
-  and calls: PartitionedCall, While, If, ...) neither read nor write; what
-  flows through a call is counted inside the called body;
+* ops that only pass a buffer along or read its shape (``NO_COPY_OPS``:
+  Identity, Reshape, Shape, ..., and calls: PartitionedCall, While, If, ...)
+  neither read nor write; what flows through a call is counted inside the
+  called body;
 * each body counts once per run: the top graph once, a called function once per
   call, a ``While``/``StatelessWhile`` body and cond once per iteration where the
   trip count is static (``static_trip_count``), else ``default_trips`` times
@@ -37,6 +38,7 @@ from tfamp.rewrite.shapes import Bytes, TensorShapes, dtype_bytes
 NO_COPY_OPS = frozenset({
     "Identity", "IdentityN", "StopGradient", "PreventGradient", "Reshape",
     "ExpandDims", "Squeeze", "NoOp",
+    "Shape", "ShapeN", "Rank", "Size",  # read the shape only
 })
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
 _LESS_OPS = {"Less": 0, "LessEqual": 1}
