@@ -266,7 +266,10 @@ def _flops_line(report, loaded) -> str:
             return f"{head} unknown (the graph carries no shapes)"
         return f"{head} unknown; matrix ops not counted: {', '.join(not_counted) or 'none'}"
     tail = f"; matrix ops not counted: {', '.join(not_counted)}" if not_counted else ""
-    return f"{head} {100 * share:.1f}% of {sum(flops.values()):,} counted per step{tail}"
+    from tfamp.rewrite.shapes import format_elements
+
+    total = format_elements((getattr(loaded, "flops_degree", 0), sum(flops.values())))
+    return f"{head} {100 * share:.1f}% of {total} counted per step{tail}"
 
 
 def render_nodes(report, *, op: str = "", name: str = "") -> str:

@@ -47,15 +47,20 @@ def matrix_flops(graph) -> tuple[dict[str, int], int]:
     return flops, unknown
 
 
-def graph_def_flops(graph_def) -> tuple[dict[tuple[str, str], int], int]:
+def graph_def_flops(graph_def) -> tuple[dict[tuple[str, str], int], int, int]:
     """FLOPs per step of every matrix/convolution op that runs, library included.
+
+    An unknown dimension (a SavedModel's batch) is a symbol B: an op's FLOPs
+    are c x B**d. Only the highest power of B found counts (the others vanish
+    as B grows), so the share in 16-bit is exact for large batches.
 
     Args:
       graph_def: a GraphDef, ideally with ``_output_shapes`` attributes.
 
     Returns:
-      ({(function, node name): FLOPs x runs per step}, number of matrix ops that
-      run but whose shapes are unknown). Function "" is the top graph.
+      ({(function, node name): FLOPs x runs per step, as the coefficient of
+      B**degree}, number of matrix ops that run but whose shapes are unknown,
+      degree). Function "" is the top graph.
     """
     from tfamp.rewrite.graph import build_view
     from tfamp.rewrite.shapes import tensor_shapes
@@ -64,7 +69,7 @@ def graph_def_flops(graph_def) -> tuple[dict[tuple[str, str], int], int]:
     view = build_view(graph_def)
     shapes = tensor_shapes(graph_def, view)
     weights = body_weights(view, shapes=shapes).weights
-    flops: dict[tuple[str, str], int] = {}
+    terms: dict[tuple[str, str], tuple[int, int]] = {}
     unknown = 0
     for body in view.bodies:
         weight = weights.get(body.name, 0)
@@ -78,18 +83,29 @@ def graph_def_flops(graph_def) -> tuple[dict[tuple[str, str], int], int]:
             if value is None:
                 unknown += 1
             else:
-                flops[(body.name, name)] = value * weight
-    return flops, unknown
+                terms[(body.name, name)] = (value[0], value[1] * weight)
+    degree = max((d for d, _ in terms.values()), default=0)
+    flops = {key: coeff for key, (d, coeff) in terms.items() if d == degree}
+    return flops, unknown, degree
 
 
-def _node_flops(node, shapes) -> int | None:
+def _mono(*factors) -> tuple[int, int]:
+    """(number of unknown (-1) factors, product of the others)."""
+    degree, product = 0, 1
+    for factor in factors:
+        if factor < 0:
+            degree += 1
+        else:
+            product *= factor
+    return degree, product
+
+
+def _node_flops(node, shapes) -> tuple[int, int] | None:
+    """FLOPs of one node as (power of B, coefficient), or None."""
     from tfamp.rewrite.graph import TensorRef
 
-    def dims(shape):
-        return None if shape is None or any(d < 0 for d in shape) else list(shape)
-
-    inputs = [dims(shapes.get(ref)) for ref, _ in node.data_inputs]
-    out = dims(shapes.get(TensorRef(node.name, 0)))
+    inputs = [shapes.get(ref) for ref, _ in node.data_inputs]
+    out = shapes.get(TensorRef(node.name, 0))
     attr = node.node_def.attr
     kind = node.op
     if kind == "Einsum":
@@ -99,31 +115,31 @@ def _node_flops(node, shapes) -> int | None:
         return None
     if kind == "MatMul":
         a = inputs[0]
-        if a is None:
+        if a is None or len(a) != 2:
             return None
         k = a[0] if "transpose_a" in attr and attr["transpose_a"].b else a[1]
-        return 2 * math.prod(out) * k
+        return _mono(2, *out, k)
     if kind.startswith("BatchMatMul"):
         a = inputs[0]
-        if a is None:
+        if a is None or len(a) < 2:
             return None
         k = a[-2] if "adj_x" in attr and attr["adj_x"].b else a[-1]
-        return 2 * math.prod(out) * k
+        return _mono(2, *out, k)
     if kind in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
         kernel = inputs[1] if len(inputs) > 1 else None
         if kernel is None:
             return None
-        per_output = math.prod(kernel[:-2]) * (1 if kind.startswith("Depthwise") else kernel[-2])
-        return 2 * math.prod(out) * per_output
+        channels = 1 if kind.startswith("Depthwise") else kernel[-2]
+        return _mono(2, *out, *kernel[:-2], channels)
     grad = inputs[2] if len(inputs) > 2 else None
     filter_shape = out if "Filter" in kind else inputs[1]
     if grad is None or filter_shape is None:
         return None
-    per_output = math.prod(filter_shape[:-2]) * (1 if "Depthwise" in kind else filter_shape[-2])
-    return 2 * math.prod(grad) * per_output
+    channels = 1 if "Depthwise" in kind else filter_shape[-2]
+    return _mono(2, *grad, *filter_shape[:-2], channels)
 
 
-def _einsum_from_dims(equation: str, inputs) -> int | None:
+def _einsum_from_dims(equation: str, inputs) -> tuple[int, int] | None:
     lhs, _, _ = equation.partition("->")
     sizes: dict[str, int] = {}
     if not re.fullmatch(r"[a-zA-Z,\s]+", lhs or "-"):
@@ -133,8 +149,9 @@ def _einsum_from_dims(equation: str, inputs) -> int | None:
         if dims is None or len(spec) != len(dims):
             return None
         for letter, size in zip(spec, dims, strict=True):
-            sizes[letter] = size
-    return 2 * math.prod(sizes.values()) if sizes else None
+            if sizes.get(letter, -1) < 0:
+                sizes[letter] = size
+    return _mono(2, *sizes.values()) if sizes else None
 
 
 def _dims(tensor) -> list[int] | None:

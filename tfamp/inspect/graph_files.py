@@ -34,6 +34,8 @@ class Inspectable:
         functions included (weighted by runs per step), where shapes are known;
         None if no shapes were read.
       flops_unknown: how many such ops had unknown shapes.
+      flops_degree: the flops are coefficients of B**flops_degree, B an
+        unknown dimension (a SavedModel's batch); 0 when all shapes are known.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Inspectable:
     outputs: list[str] | None = None
     flops: dict[tuple[str, str], int] | None = None
     flops_unknown: int = 0
+    flops_degree: int = 0
 
 
 def load_inspectable(path: Path, *, signature: str | None = None,
@@ -104,7 +107,7 @@ def _with_flops(loaded: Inspectable) -> Inspectable:
     has_shapes = any("_output_shapes" in n.attr for n in graph_def.node) or any(
         "_output_shapes" in n.attr for f in graph_def.library.function for n in f.node_def)
     if has_shapes:
-        loaded.flops, loaded.flops_unknown = graph_def_flops(graph_def)
+        loaded.flops, loaded.flops_unknown, loaded.flops_degree = graph_def_flops(graph_def)
     return loaded
 
 
