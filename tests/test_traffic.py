@@ -286,6 +286,27 @@ def test_clear_chain_puts_the_cast_on_the_smaller_tensor(
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
 
 
+def _fan_out(x, w):  # 16-bit MatMul feeds Exp (deny: float32) and Sigmoid (infer)
+    y = tf.matmul(x, w, name="mm")
+    return tf.exp(y, name="exp"), tf.sigmoid(y, name="sigmoid")
+
+
+def test_fan_out_a_cast_already_paid_for_is_free():
+    """Exp needs y in float32 anyway, so Sigmoid reads that Cast at no extra cost."""
+    spec = tf.TensorSpec([64, 64])
+    graph_def, new, report, outputs = rewritten(_fan_out, spec, spec)
+    entry = decision(report, "sigmoid")
+    assert not entry.converted
+    assert "no Cast instead of a Cast of 4,096 elements" in entry.reason
+    assert [c.source.split(":")[0] for c in report.casts if c.dst_dtype == "float32"] == ["mm"]
+    rng = np.random.default_rng(2)
+    inputs = {"x": (0.1 * rng.normal(size=(64, 64))).astype(np.float32),
+              "w": (0.1 * rng.normal(size=(64, 64))).astype(np.float32)}
+    for got, want in zip(run_graph_def(new, inputs, outputs),
+                         run_graph_def(graph_def, inputs, outputs), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
+
+
 def test_clear_chain_without_shapes_follows_grappler():
     spec = tf.TensorSpec([4, 4])
     _, _, report, _ = rewritten(_grow, spec, spec, add_shapes=False)
