@@ -167,6 +167,28 @@ def transformer_block(seq: int = 16, dim: int = 32, heads: int = 4):
     return keras.Model(inputs, layers.Dense(10)(h)), (8, seq, dim), (8, 10)
 
 
+def bert_encoder(layers_count: int = 2, seq: int = 32, dim: int = 64, heads: int = 4,
+                 vocab: int = 1000):
+    """A BERT-style encoder: token + position embeddings, `layers_count` post-LN
+    Transformer layers (MultiHeadAttention, LayerNorm, GELU Dense FFN), and a
+    classifier on the first token. Inputs are floats mapped to token ids inside."""
+    tokens = keras.Input((seq,))
+    # Any float input maps to a valid id (the benchmark feeds random normals).
+    ids = layers.Lambda(lambda t: tf.math.floormod(
+        tf.cast(tf.abs(t) * 100.0, tf.int32), vocab))(tokens)
+    h = layers.Embedding(vocab, dim)(ids)
+    h = h + layers.Embedding(seq, dim)(tf.range(seq))
+    h = layers.LayerNormalization()(h)
+    for _ in range(layers_count):
+        attn = layers.MultiHeadAttention(num_heads=heads, key_dim=dim // heads)(h, h)
+        h = layers.LayerNormalization()(layers.Add()([h, attn]))
+        ff = layers.Dense(4 * dim, activation="gelu")(h)
+        ff = layers.Dense(dim)(ff)
+        h = layers.LayerNormalization()(layers.Add()([h, ff]))
+    first = layers.Lambda(lambda t: t[:, 0])(h)
+    return keras.Model(tokens, layers.Dense(10)(first)), (8, seq), (8, 10)
+
+
 def tile_graph_def(graph_def, copies: int, outputs: Sequence[str]):
     """`copies` disjoint copies of a graph in one GraphDef, node names prefixed "copyK/".
 

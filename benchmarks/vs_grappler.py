@@ -1,7 +1,8 @@
 """tfamp against TensorFlow's own grappler AMP pass, on the same training-step graphs.
 
 For each model (MLP, CNN+BatchNorm, ResNet-style with residual adds, LSTM, GRU,
-Transformer block with MultiHeadAttention + LayerNormalization) an Adam training
+Transformer block with MultiHeadAttention + LayerNormalization, Keras'
+ResNet-50, a BERT-style encoder) an Adam training
 step is traced once; its GraphDef is rewritten by
 
 * tfamp: ``tfamp.rewrite_graph_def(graph_def, AmpConfig(dtype), outputs=...)``;
@@ -24,6 +25,14 @@ Both results are measured the same way (top graph and every library function):
   and --seq-len times per While loop body (the RNN loops run once per time
   step). Functions the step never calls (e.g. the cuDNN variants of LSTM/GRU
   kept for the implementation selector) do not count;
+* estimated float memory traffic per step: tfamp's estimator
+  (``tfamp.rewrite.traffic``: each float tensor written once and read once per
+  consumer, Casts included, loop bodies times their static trip count) run on
+  the float32 step, tfamp's graph and grappler's graph alike, with the float32
+  step's shapes (nodes keep their names; new Casts take their input's shape);
+  shown as a share of the float32 step's. "cast MB": what the float-to-float
+  Casts read and write. A data-dependent dimension (an embedding's sparse
+  gradient rows) is taken as UNKNOWN_DIM;
 * problems: ``tfamp.check_graph_def`` (edge dtypes, Cast round trips, and
   TensorFlow importing the graph and every function);
 * pass time: best of --repeat (perf_counter). For grappler, the whole
@@ -68,6 +77,10 @@ from tensorflow.python.eager import wrap_function  # noqa: E402
 from tensorflow.python.grappler import cluster as gcluster  # noqa: E402
 from tensorflow.python.grappler import tf_optimizer  # noqa: E402
 
+from tfamp.rewrite.graph import build_view  # noqa: E402
+from tfamp.rewrite.shapes import tensor_shapes  # noqa: E402
+from tfamp.rewrite.traffic import body_weights, estimate_traffic  # noqa: E402
+
 log = logging.getLogger("vs_grappler")
 
 MODELS = {
@@ -77,11 +90,14 @@ MODELS = {
     "lstm": ("LSTM(32), 10 steps", _common.lstm),
     "gru": ("GRU(32), 10 steps", _common.gru),
     "transformer": ("Transformer block (MHA + LayerNorm)", _common.transformer_block),
+    "resnet50": ("ResNet-50, 64x64x3, batch 8", _common.resnet50),
+    "bert": ("BERT-style encoder, 2 layers, seq 32, dim 64", _common.bert_encoder),
 }
 GRAPPLER_OPTIMIZER = {
     "float16": "auto_mixed_precision_cpu",
     "bfloat16": "auto_mixed_precision_onednn_bfloat16",
 }
+UNKNOWN_DIM = 256  # bert: batch 8 x 32 tokens
 TARGET_ENUM = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 SIXTEEN_BIT = frozenset(TARGET_ENUM.values())
 FLOP_OPS = frozenset({
@@ -464,11 +480,14 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
     start = time.perf_counter()
     model, x_shape, y_shape = builder()
     concrete = _common.train_step(model, x_shape, y_shape)
-    graph_def = concrete.graph.as_graph_def()
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
     outputs = _common.output_names(concrete)
     fetch_nodes = list(dict.fromkeys(t.op.name for t in concrete.graph.outputs))
     trips = _common.SEQ_LEN if key in ("lstm", "gru") else 1
     flops = flop_table(concrete, graph_def, trips)
+    original_view = build_view(graph_def)
+    original_shapes = tensor_shapes(graph_def, original_view)
+    fp32_traffic = traffic_of(graph_def, original_shapes, trips)
     before = bodies(graph_def)
     casts_before = cast_count(before)
     log.info("%s: traced %d nodes in %.1fs", key, _common.node_count(graph_def),
@@ -508,6 +527,7 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
             if tool == "tfamp":
                 out, report = out
             results[tool] = measure(out, before, casts_before, flops, target, seconds)
+            results[tool].update(traffic_of(out, original_shapes, trips))
             if report is not None:
                 results[tool]["decisions"] = {
                     (n.function, n.name): (n.op, n.reason) for n in report.nodes}
@@ -530,6 +550,7 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
             "flop_nodes": len(flops["flops"]), "flop_nodes_unknown": len(flops["unknown"]),
             "unknown_flop_nodes": [list(u) for u in flops["unknown"]],
             "grappler_overhead_s": overhead_s,
+            "fp32_traffic_bytes": fp32_traffic["traffic_bytes"],
             "grappler_optimizer": GRAPPLER_OPTIMIZER[dtype],
             "original_run": original_run,
             "tfamp": results["tfamp"], "grappler": results["grappler"],
@@ -537,6 +558,27 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
     del model, concrete
     _common.release_graphs()
     return rows
+
+
+def traffic_of(graph_def, original_shapes, trips: int) -> dict:
+    """tfamp's traffic estimate of any version of the step, on the original's shapes.
+
+    Nodes keep their names through both rewrites, so a node without its own
+    ``_output_shapes`` takes the original's; new Casts take their input's.
+    Loops without a static trip count run `trips` times (the RNN length).
+    """
+    view = build_view(graph_def)
+    shapes = tensor_shapes(graph_def, view, fallback=original_shapes)
+    traffic = estimate_traffic(view, shapes, body_weights(view, default_trips=trips, shapes=shapes))
+    if traffic.total is None:
+        return {"traffic_bytes": None, "cast_bytes": None,
+                "traffic_unknown_tensors": traffic.unknown_tensors}
+    # A data-dependent dimension (the rows of an embedding's sparse gradient)
+    # is taken at its upper bound, the number of token ids in the batch.
+    return {"traffic_bytes": traffic.total.at(UNKNOWN_DIM),
+            "cast_bytes": traffic.cast.at(UNKNOWN_DIM),
+            "traffic_unknown_dims": traffic.total.known() is None,
+            "traffic_unknown_tensors": traffic.unknown_tensors}
 
 
 def measure(out_graph_def, before, casts_before: int, flops: dict, target: int,
@@ -692,10 +734,11 @@ def print_block(row: dict, details: int) -> None:
 
 
 def print_summary(rows: list[dict]) -> None:
-    print("\n== summary (t = tfamp, g = grappler)")
-    headers = ["model", "dtype", "nodes", "conv t", "conv g", "casts t", "casts g",
-               "16b FLOP t", "16b FLOP g", "chk t", "chk g", "valid t", "valid g",
-               "time t s", "time g s"]
+    print("\n== summary (t = tfamp, g = grappler; traffic = tfamp's estimate of float bytes "
+          "written+read per step, as a share of the float32 step's)")
+    headers = ["model", "dtype", "nodes", "casts t", "casts g", "traffic t", "traffic g",
+               "cast MB t", "cast MB g", "16b FLOP t", "16b FLOP g", "valid t", "valid g",
+               "time t ms", "time g ms"]
     table_rows = []
     for r in rows:
         t, g = r["tfamp"], r["grappler"]
@@ -704,11 +747,55 @@ def print_summary(rows: list[dict]) -> None:
             return result.get(key, default)
 
         table_rows.append([
-            r["model"], r["dtype"], r["nodes"], get(t, "converted"), get(g, "converted"),
-            get(t, "casts_inserted"), get(g, "casts_inserted"), _share(t), _share(g),
-            get(t, "problems"), get(g, "problems"), _valid(t), _valid(g),
-            get(t, "seconds", float("nan")), get(g, "seconds", float("nan"))])
+            r["model"], r["dtype"], r["nodes"],
+            get(t, "casts_inserted"), get(g, "casts_inserted"),
+            _ratio(t, r), _ratio(g, r), _mb(t), _mb(g), _share(t), _share(g),
+            _valid(t), _valid(g),
+            1000 * get(t, "seconds", float("nan")), 1000 * get(g, "seconds", float("nan"))])
     print(_common.table(headers, table_rows))
+    print(targets_line(rows))
+
+
+def _traffic_share(result: dict, row: dict) -> float | None:
+    value, base = result.get("traffic_bytes"), row.get("fp32_traffic_bytes")
+    return value / base if value is not None and base else None
+
+
+def _ratio(result: dict, row: dict) -> str:
+    share = _traffic_share(result, row)
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
+def _mb(result: dict) -> str:
+    value = result.get("cast_bytes")
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
+def targets_line(rows: list[dict]) -> str:
+    """The issue's targets, each PASS/FAIL with the figure that decides it."""
+    pairs = [(_traffic_share(r["tfamp"], r), _traffic_share(r["grappler"], r), r)
+             for r in rows]
+    known = [(t, g, r) for t, g, r in pairs if t is not None and g is not None]
+    worse = [f"{r['model']}/{r['dtype']}" for t, g, r in known if t > g * 1.0005]
+    lower = [1 - t / g for t, g, _ in known if g]
+    average = sum(lower) / len(lower) if lower else float("nan")
+    rnn = [(t, r) for t, _, r in known if r["model"] in ("lstm", "gru")]
+    rnn_ok = all(t < 1 for t, _ in rnn)
+    resnet = [r for r in rows if r["model"] == "resnet50"
+              and "seconds" in r["tfamp"] and "seconds" in r["grappler"]]
+    ratios = [r["tfamp"]["seconds"] / r["grappler"]["seconds"] for r in resnet]
+    parts = [
+        f"traffic <= grappler on every graph: {'PASS' if not worse else 'FAIL ' + ', '.join(worse)}"
+        f" ({len(known)} graphs)",
+        f"average {100 * average:.1f}% lower than grappler "
+        f"({'PASS' if average >= 0.10 else 'FAIL'}, target >= 10%)",
+        f"LSTM/GRU below float32: {'PASS' if rnn and rnn_ok else 'FAIL'} ("
+        + ", ".join(f"{r['model']}/{r['dtype']} {100 * t:.0f}%" for t, r in rnn) + ")",
+    ]
+    if ratios:
+        parts.append(f"ResNet-50 pass time {max(ratios):.1f}x grappler "
+                     f"({'PASS' if max(ratios) <= 2 else 'FAIL'}, target <= 2x)")
+    return "targets: " + "; ".join(parts)
 
 
 def main(argv=None) -> int:

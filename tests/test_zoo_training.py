@@ -286,7 +286,7 @@ def test_zoo_mixed_precision_training_matches_float32(case: Case, check_calls):
     assert len(check_calls) == 1
     concrete = run.tf_step.get_concrete_function(*run.batch)
     again, again_report = tfamp.rewrite_graph_def(
-        concrete.graph.as_graph_def(), tfamp.AmpConfig(dtype=case.dtype),
+        concrete.graph.as_graph_def(add_shapes=True), tfamp.AmpConfig(dtype=case.dtype),
         outputs=[t.name for t in concrete.graph.outputs])
     assert tfamp.check_graph_def(again) == []
     assert again_report.converted == report.converted  # the rewrite is deterministic

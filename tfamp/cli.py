@@ -300,28 +300,29 @@ def render_summary(report, loaded=None) -> str:
         lines.append("  ops kept float32, by reason: " + ", ".join(
             f"{kind} x{n}" for kind, n in report.kept_fp32.items()))
     lines.append("  " + _flops_line(report, loaded))
+    lines.append("  estimated float memory traffic per step: " + report.traffic_line())
     return "\n".join(lines)
 
 
 def _flops_line(report, loaded) -> str:
-    from tfamp.inspect.flops import MATRIX_OPS, share_in_16bit
+    from tfamp.inspect.flops import share_in_16bit
 
     flops = getattr(loaded, "flops", None) or {}
-    in_functions = sum(1 for n in report.nodes if n.function and n.op in MATRIX_OPS)
     not_counted = []
     if getattr(loaded, "flops_unknown", 0):
         not_counted.append(f"{loaded.flops_unknown} with unknown shapes")
-    if in_functions:
-        not_counted.append(f"{in_functions} inside library functions")
-    converted = {n.name for n in report.nodes if n.converted and not n.function}
+    converted = {(n.function, n.name) for n in report.nodes if n.converted}
     share = share_in_16bit(flops, converted)
     head = f"matrix/convolution FLOPs in {report.dtype}:"
     if share is None:
         if loaded is None or loaded.flops is None:
-            return f"{head} unknown (shapes are read from SavedModels and Keras files only)"
+            return f"{head} unknown (the graph carries no shapes)"
         return f"{head} unknown; matrix ops not counted: {', '.join(not_counted) or 'none'}"
     tail = f"; matrix ops not counted: {', '.join(not_counted)}" if not_counted else ""
-    return f"{head} {100 * share:.1f}% of {sum(flops.values()):,} counted{tail}"
+    from tfamp.rewrite.shapes import format_elements
+
+    total = format_elements((getattr(loaded, "flops_degree", 0), sum(flops.values())))
+    return f"{head} {100 * share:.1f}% of {total} counted per step{tail}"
 
 
 def render_nodes(report, *, op: str = "", name: str = "", full_names: bool = False) -> str:

@@ -36,16 +36,21 @@ class Inspectable:
 
     Attributes:
       outputs: tensor names whose dtype callers rely on (None: unconsumed ones).
-      flops: matrix/convolution FLOPs per top-graph node, where shapes are known.
+      flops: matrix/convolution FLOPs per step by (function, node name), library
+        functions included (weighted by runs per step), where shapes are known;
+        None if no shapes were read.
       flops_unknown: how many such ops had unknown shapes.
+      flops_degree: the flops are coefficients of B**flops_degree, B an
+        unknown dimension (a SavedModel's batch); 0 when all shapes are known.
     """
 
     name: str
     graph_def: graph_pb2.GraphDef | None = None
     report: RewriteReport | None = None
     outputs: list[str] | None = None
-    flops: dict[str, int] | None = None
+    flops: dict[tuple[str, str], int] | None = None
     flops_unknown: int = 0
+    flops_degree: int = 0
 
 
 def load_inspectable(path: Path, *, signature: str | None = None,
@@ -79,9 +84,9 @@ def load_inspectable(path: Path, *, signature: str | None = None,
     if suffix == ".json":
         return Inspectable(name=path.stem, report=read_report(path))
     if suffix == ".pbtxt":
-        return Inspectable(name=path.stem, graph_def=read_graph_def_text(path))
+        return _with_flops(Inspectable(name=path.stem, graph_def=read_graph_def_text(path)))
     if suffix == ".pb":
-        return Inspectable(name=path.stem, graph_def=read_graph_def_binary(path))
+        return _with_flops(Inspectable(name=path.stem, graph_def=read_graph_def_binary(path)))
     raise GraphFileError(
         f"{path}: unknown kind of file {suffix or '(no extension)'!r}; expected a "
         f"SavedModel directory, .keras/.h5 (Keras model), .pb (binary GraphDef), "
@@ -95,12 +100,21 @@ def _is_saved_model(path: Path) -> bool:
 
 
 def _from_concrete(name: str, concrete) -> Inspectable:
-    from tfamp.inspect.flops import matrix_flops
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    return _with_flops(Inspectable(name=name, graph_def=graph_def,
+                                   outputs=[t.name for t in concrete.graph.outputs]))
 
-    flops, unknown = matrix_flops(concrete.graph)
-    return Inspectable(name=name, graph_def=concrete.graph.as_graph_def(),
-                       outputs=[t.name for t in concrete.graph.outputs],
-                       flops=flops, flops_unknown=unknown)
+
+def _with_flops(loaded: Inspectable) -> Inspectable:
+    """Counts matrix FLOPs (library functions included) where the GraphDef has shapes."""
+    from tfamp.inspect.flops import graph_def_flops
+
+    graph_def = loaded.graph_def
+    has_shapes = any("_output_shapes" in n.attr for n in graph_def.node) or any(
+        "_output_shapes" in n.attr for f in graph_def.library.function for n in f.node_def)
+    if has_shapes:
+        loaded.flops, loaded.flops_unknown, loaded.flops_degree = graph_def_flops(graph_def)
+    return loaded
 
 
 def read_saved_model(folder: Path, signature: str | None) -> Inspectable:

@@ -30,6 +30,7 @@ CATEGORIES: tuple[tuple[str, str, str, str], ...] = (
     ("deny", "float32: deny list", "#d9453d", "#ffffff"),
     ("downstream", "float32: downstream of a deny op", "#f3a35c", "#1d1d1d"),
     ("neighbour", "float32: no 16-bit neighbour", "#a9cdea", "#1d1d1d"),
+    ("bytes", "float32: fewer bytes moved that way", "#9bc49b", "#1d1d1d"),
     ("unlisted", "float32: unlisted op", "#d8cce8", "#1d1d1d"),
     ("kernel", "float32: no 16-bit kernel", "#8660b8", "#ffffff"),
     ("override", "float32: user override (keep_fp32)", "#e07bc0", "#1d1d1d"),
@@ -56,6 +57,7 @@ _KIND_CATEGORY = {
     "function call": "call",
     "TensorList element type": "tensorlist",
     "no 16-bit neighbour": "neighbour",
+    "fewer bytes in float32": "bytes",
 }
 
 # A name scope with fewer items than this is drawn as its items, not as a box.

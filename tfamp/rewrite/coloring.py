@@ -9,8 +9,11 @@ grappler's AMP pass:
 2. deny spreads forward from deny ops through infer ops and through clear ops
    that lead to a deny or infer op;
 3. infer and clear slots on a path between two 16-bit slots go 16-bit;
-4. an infer slot fed by a 16-bit slot goes 16-bit where that needs fewer casts;
-5. clear slots next to 16-bit slots follow them;
+4. an infer slot fed by a 16-bit slot goes 16-bit where that moves fewer bytes
+   (with tensor shapes; else where it needs fewer casts);
+5. clear slots next to 16-bit slots follow them, unless (with shapes) that
+   moves more bytes, e.g. a Cast moved onto a larger tensor; 4 and 5 repeat
+   until nothing changes (a few rounds at most);
 6. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
    instead, so no second Cast is needed.
 
@@ -33,6 +36,7 @@ from tfamp.oplists import DATA_BOUND_OPS
 from tfamp.rewrite import kernels
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
+from tfamp.rewrite.shapes import Bytes, TensorShapes, elements_of, format_elements
 
 # Type attributes that never change, whatever list the op is on. A TensorList's
 # element type must agree with every op that touches the list, and lists flow
@@ -48,6 +52,13 @@ FIXED_TYPE_ATTRS = {
         "TensorListSplit", "TensorListStack",
     )
 }
+
+
+# Ops that read only a tensor's shape, not its data.
+METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
+
+# Rounds of (infer after 16-bit, clear propagation); each is linear.
+_MAX_ROUNDS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +97,8 @@ class Coloring:
 
 def color(view: GraphView, config: AmpConfig,
           outputs: Iterable[str] = (),
-          keep: Mapping[tuple[str, str], str] | None = None) -> Coloring:
+          keep: Mapping[tuple[str, str], str] | None = None,
+          shapes: TensorShapes | None = None) -> Coloring:
     """Decides, for every node of `view`, whether it computes in 16-bit.
 
     Args:
@@ -96,6 +108,9 @@ def color(view: GraphView, config: AmpConfig,
         rely on; their producers keep their types.
       keep: (function, node) -> why it must stay float32 because converting
         it would make an invalid graph (set by the pass's self-check).
+      shapes: tensor shapes (``shapes.tensor_shapes``). Where known, the choices
+        the rules leave open go to the option that moves fewer bytes; without
+        them, to the one with fewer Casts.
 
     Returns:
       A Coloring with one Decision per node.
@@ -106,7 +121,9 @@ def color(view: GraphView, config: AmpConfig,
     for body in view.bodies:
         body_pins = pinned_outputs if not body.is_function else set()
         body_keep = {node: why for (fn, node), why in keep.items() if fn == body.name}
-        decisions.update(_BodyColoring(body, config, body_pins, body_keep).run())
+        body_shapes = shapes.shapes.get(body.name, {}) if shapes is not None else {}
+        decisions.update(
+            _BodyColoring(body, config, body_pins, body_keep, body_shapes).run())
     return Coloring(target=config.target_enum, decisions=decisions)
 
 
@@ -119,9 +136,15 @@ class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
     def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
-                 keep: Mapping[str, str] | None = None):
+                 keep: Mapping[str, str] | None = None, shapes: dict | None = None):
         self.body = body
         self.keep = keep or {}
+        self.shapes = shapes or {}
+        # slot -> (why float32, cause, kind), for slots the byte count kept float32
+        self.kept: dict[int, tuple[str, str, str]] = {}
+        self._refs_by_slot: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
+        self._ret_refs = {ref for ref, _, _ in body.rets.values()}
+        self._order: list[int] | None = None
         self.config = config
         self.lists = config.op_lists
         self.target = config.target_enum
@@ -241,8 +264,15 @@ class _BodyColoring:
                     f"allow: compute-heavy, runs in {self.target_name}", "", rk.KIND_ALLOW)
         self._propagate_deny()
         self._add_between_allow()
-        self._add_infer_after_allow()
-        self._propagate_through_clear()
+        # Infer after 16-bit and clear propagation feed each other (an infer op
+        # whose clear neighbour goes 16-bit later now has two 16-bit inputs):
+        # repeat both until nothing changes (at most a few rounds).
+        for _ in range(_MAX_ROUNDS):
+            before = len(self.allow)
+            self._add_infer_after_allow()
+            self._propagate_through_clear()
+            if len(self.allow) == before:
+                break
         self._retarget_casts()
         return self._decisions()
 
@@ -283,10 +313,12 @@ class _BodyColoring:
                     f"{list_name}: between {self.target_name} ops", "", rk.KIND_BETWEEN)
 
     def _add_infer_after_allow(self) -> None:
-        order = {name: i for i, name in enumerate(self.body.topological_order())}
+        if self._order is None:
+            self._order = self._slot_order()
+        order = self._order
         infer_slots = sorted(
             (s for s in range(len(self.slot_node)) if self._is_free(s, ("infer",))),
-            key=lambda s: order[self.slot_node[s]])
+            key=order.__getitem__)
         for slot in infer_slots:
             fanin = self.fanin[slot]
             if any(s in self.deny for s in fanin):
@@ -294,18 +326,172 @@ class _BodyColoring:
             sixteen = [s for s in fanin if s in self.allow]
             if not sixteen:
                 continue
-            if self._casts_if_16bit(slot) < self._casts_if_fp32(slot):
-                cause = self.slot_node[sixteen[0]]
+            cause = self.slot_node[sixteen[0]]
+            by_bytes = self._cheaper_in_16bit(slot)
+            if by_bytes is not None:
+                convert, detail = by_bytes
+            else:
+                convert, detail = self._casts_if_16bit(slot) < self._casts_if_fp32(slot), ""
+            if convert:
+                why = f"converted: {detail}" if detail else "converting saves a cast"
                 self.allow[slot] = (
-                    f"infer: follows {self.target_name} op {cause!r}; "
-                    f"converting saves a cast", cause, rk.KIND_AFTER_16BIT)
+                    f"infer: follows {self.target_name} op {cause!r}; {why}", cause,
+                    rk.KIND_AFTER_16BIT)
+            elif detail:
+                self.kept[slot] = (
+                    f"infer: stays float32 after {self.target_name} op {cause!r}: "
+                    f"{detail}", cause, rk.KIND_FEWER_BYTES)
+
+    def _slot_order(self) -> list[int]:
+        """Position of each slot in a producer-first order of the float edges.
+
+        Kahn's algorithm on the slot graph (ints, no node-level refs): the
+        order decisions along a chain need, at a fraction of the cost of
+        ordering the whole body. Slots on cycles (TF1 loops) go last.
+        """
+        fanin, fanout = self.fanin, self.fanout
+        indegree = [len(edges) for edges in fanin]
+        ready = [s for s, deg in enumerate(indegree) if deg == 0]
+        position = [-1] * len(indegree)
+        count = 0
+        while ready:
+            slot = ready.pop()
+            position[slot] = count
+            count += 1
+            for nxt in fanout[slot]:
+                indegree[nxt] -= 1
+                if indegree[nxt] == 0:
+                    ready.append(nxt)
+        for slot, pos in enumerate(position):
+            if pos < 0:
+                position[slot] = count
+                count += 1
+        return position
+
+    # -- choices by bytes -----------------------------------------------------
+
+    def _cheaper_in_16bit(self, slot: int, ties_convert: bool = False
+                          ) -> tuple[bool, str] | None:
+        """Does converting `slot` move fewer bytes, given its neighbours now?
+
+        Compares the local traffic of the two options: the slot's own reads and
+        writes at 2 or 4 bytes, plus the Casts each option needs on its inputs
+        and outputs (a Cast another consumer already needs is free). Ties go
+        by Cast count, then by `ties_convert`.
+
+        Returns:
+          (convert?, "a Cast of 64 elements instead of 524,288"), or None when
+          a size is unknown (the caller falls back to counting Casts).
+        """
+        as16 = self._option_cost(slot, True)
+        as32 = self._option_cost(slot, False)
+        if as16 is None or as32 is None:
+            return None
+        (bytes16, casts16), (bytes32, casts32) = as16, as32
+        if bytes16 == bytes32:
+            convert = len(casts16) < len(casts32) or (
+                len(casts16) == len(casts32) and ties_convert)
+        else:
+            convert = bytes16 < bytes32
+        chosen, other = (casts16, casts32) if convert else (casts32, casts16)
+        if len(chosen) == 1 and len(other) == 1:
+            detail = (f"a Cast of {format_elements(chosen[0])} elements instead of "
+                      f"{format_elements(other[0])}")
+        else:
+            detail = f"{_describe_casts(chosen)} instead of {_describe_casts(other)}"
+        return convert, detail
+
+    def _slot_refs(self, slot: int) -> tuple[list[TensorRef], list[TensorRef]]:
+        """(distinct input refs, output refs) of `slot`, cached per node.
+
+        All slots of a node are filled in one pass over its ports: a node with a
+        list type attribute (IdentityN with hundreds of T[k]) has a slot per
+        element, so filtering its inputs per slot would be quadratic.
+        """
+        cached = self._refs_by_slot.get(slot)
+        if cached is not None:
+            return cached
+        name = self.slot_node[slot]
+        node = self.body.nodes[name]
+        found: dict[int, tuple[list, list]] = {}
+        slot_index = self.slot_index
+        ports = node.inputs
+        for i, (ref, _) in enumerate(node.data_inputs):
+            if i < len(ports):
+                s = slot_index.get((name, ports[i].type_attr))
+                if s is not None:
+                    found.setdefault(s, ([], []))[0].append(ref)
+        for index, port in enumerate(node.outputs):
+            s = slot_index.get((name, port.type_attr))
+            if s is not None:
+                found.setdefault(s, ([], []))[1].append(TensorRef(name, index))
+        for s, (inputs, outputs) in found.items():
+            self._refs_by_slot[s] = (list(dict.fromkeys(inputs)), outputs)
+        return self._refs_by_slot.setdefault(slot, ([], []))
+
+    def _slot_output_refs(self, slot: int) -> list[TensorRef]:
+        return self._slot_refs(slot)[1]
+
+    def _consumer_is_16bit(self, consumer: str, index: int) -> bool:
+        node = self.body.nodes[consumer]
+        if index >= len(node.inputs):
+            return False
+        return self.slot_index.get((consumer, node.inputs[index].type_attr)) in self.allow
+
+    def _follows_any_dtype(self, consumer: str, index: int) -> bool:
+        """A free clear op that reads only metadata (Shape, ...) takes either dtype.
+
+        It goes 16-bit for nothing once its producer does (clear propagation),
+        so it neither needs a Cast nor reads any bytes.
+        """
+        node = self.body.nodes[consumer]
+        if node.op not in METADATA_OPS or index >= len(node.inputs):
+            return False
+        slot = self.slot_index.get((consumer, node.inputs[index].type_attr))
+        return slot is not None and (slot in self.allow or self._is_free(slot, ("clear",)))
+
+    def _option_cost(self, slot: int, as16: bool):
+        """(local Bytes, [elements of each Cast needed]) of one option, or None."""
+        own = 2 if as16 else 4
+        name = self.slot_node[slot]
+        total = Bytes()
+        casts: list[tuple[int, int]] = []
+        for ref in self._input_refs(slot):
+            elements = elements_of(self.shapes.get(ref))
+            if elements is None:
+                return None
+            total = total + Bytes.of(elements, own)
+            have16 = self._ref_is_16bit(ref)
+            if have16 == as16:
+                continue
+            # Is the Cast there anyway, for another consumer of `ref`?
+            shared = any(c != name and self._consumer_is_16bit(c, i) == as16
+                         for c, i in self.body.consumers.get(ref, ()))
+            if not shared:
+                total = total + Bytes.of(elements, own + (2 if have16 else 4))
+                casts.append(elements)
+        rets = self._ret_refs
+        for ref in self._slot_output_refs(slot):
+            consumers = self.body.consumers.get(ref, ())
+            if not consumers and ref not in rets:
+                continue
+            elements = elements_of(self.shapes.get(ref))
+            if elements is None:
+                return None
+            total = total + Bytes.of(elements, own)
+            wants = {self._consumer_is_16bit(c, i) for c, i in consumers
+                     if not self._follows_any_dtype(c, i)}
+            if ref in rets:
+                wants.add(False)
+            for want16 in wants:
+                total = total + Bytes.of(elements, 2 if want16 else 4)
+                if want16 != as16:
+                    total = total + Bytes.of(elements, own + (2 if want16 else 4))
+                    casts.append(elements)
+        return total, casts
 
     def _input_refs(self, slot: int) -> list[TensorRef]:
-        node = self.body.nodes[self.slot_node[slot]]
-        attr = self.slot_attr[slot]
-        return list(dict.fromkeys(
-            ref for i, (ref, _) in enumerate(node.data_inputs)
-            if i < len(node.inputs) and node.inputs[i].type_attr == attr))
+        return self._slot_refs(slot)[0]
 
     def _ref_is_16bit(self, ref: TensorRef) -> bool:
         port = self.body.producer_port(ref)
@@ -331,14 +517,33 @@ class _BodyColoring:
         return casts
 
     def _propagate_through_clear(self) -> None:
+        """Clear slots next to 16-bit slots follow them, unless that moves more bytes.
+
+        Grown outward from each 16-bit slot; each candidate is judged with its
+        neighbours as decided so far, so along a chain of clear ops the Cast
+        ends up on the smallest tensor. Without sizes every candidate follows
+        (grappler's rule).
+        """
         neighbours = [a + b for a, b in zip(self.fanin, self.fanout, strict=True)]
         for root in list(self.allow):
             cause = self.slot_node[root]
-            for slot in _dfs([root], neighbours, lambda s: self._is_free(s, ("clear",))):
-                if slot not in self.allow:
+            stack = [root]
+            while stack:
+                current = stack.pop()
+                for slot in neighbours[current]:
+                    if not self._is_free(slot, ("clear",)):
+                        continue
+                    verdict = self._cheaper_in_16bit(slot, ties_convert=True)
+                    if verdict is not None and not verdict[0]:
+                        self.kept[slot] = (
+                            f"clear: stays float32 next to {self.target_name} op "
+                            f"{cause!r}: {verdict[1]}", cause, rk.KIND_FEWER_BYTES)
+                        continue
+                    self.kept.pop(slot, None)
                     self.allow[slot] = (
                         f"clear: next to {self.target_name} op {cause!r}", cause,
                         rk.KIND_NEXT_TO_16BIT)
+                    stack.append(slot)
 
     def _retarget_casts(self) -> None:
         """Existing Casts meet 16-bit neighbours directly instead of via another Cast.
@@ -405,6 +610,8 @@ class _BodyColoring:
         primary = slots[0]
         if primary in self.deny:
             return self.deny[primary]
+        if primary in self.kept:
+            return self.kept[primary]
         if primary in self.blocked:
             prefix = "" if list_name == "unlisted" else f"{list_name}: "
             block, kind = self.blocked[primary]
@@ -416,6 +623,14 @@ class _BodyColoring:
             return (f"clear: stays float32, no {self.target_name} neighbour", "",
                     rk.KIND_NO_NEIGHBOUR)
         return "unlisted: stays float32", "", rk.KIND_UNLISTED
+
+
+def _describe_casts(casts: list[tuple[int, int]]) -> str:
+    """'no Cast', 'a Cast of 64 elements', 'Casts of 64 + 128 elements'."""
+    if not casts:
+        return "no Cast"
+    sizes = " + ".join(format_elements(c) for c in casts)
+    return f"a Cast of {sizes} elements" if len(casts) == 1 else f"Casts of {sizes} elements"
 
 
 def _dfs(roots: list[int], edges: list[list[int]], enter) -> list[int]:

@@ -14,6 +14,8 @@ from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
 from tfamp.rewrite.coloring import color
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.report import NodeReport, RewriteReport
+from tfamp.rewrite.shapes import tensor_shapes
+from tfamp.rewrite.traffic import body_weights, estimate_traffic_before_after
 
 log = logging.getLogger("tfamp")
 
@@ -41,6 +43,12 @@ def rewrite_graph_def(
         rely on. None means every float tensor that nothing in the graph
         consumes.
       function_name: a name for the report (e.g. the tf.function's name).
+
+    Tensor shapes are read from ``_output_shapes`` attributes (write them with
+    ``graph.as_graph_def(add_shapes=True)``). With them, open choices go to the
+    option that moves fewer bytes and the report carries the estimated float
+    memory traffic per step before and after; without them, choices go by Cast
+    count and the traffic is None.
 
     Returns:
       (the rewritten GraphDef, a RewriteReport).
@@ -82,10 +90,11 @@ def _rewrite(graph_def, config, outputs, function_name):
     view = build_view(graph_def)
     if outputs is None:
         outputs = _unconsumed_float_outputs(view.bodies[0])
+    shapes = tensor_shapes(graph_def, view)
     keep: dict[tuple[str, str], str] = {}
     known: set[str] | None = None  # the input's own problems, found lazily
     for round_ in range(_MAX_REPAIR_ROUNDS + 1):
-        coloring = color(view, config, outputs, keep)
+        coloring = color(view, config, outputs, keep, shapes)
         new_graph_def, casts = insert_casts(graph_def, view, coloring)
         # The whole result is read again from its NodeDefs, trusting nothing the
         # colouring or the Cast insertion believe they did.
@@ -101,6 +110,7 @@ def _rewrite(graph_def, config, outputs, function_name):
         log.info("tfamp: keeping %d node(s) float32 so the graph stays valid: %s",
                  len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
         keep.update(added)
+    traffic = _traffic_fields(view, shapes, coloring)
     nodes = [
         NodeReport(name=name, function=body.name, op=node.op,
                    **_decision_fields(coloring.decisions[(body.name, name)]))
@@ -110,7 +120,7 @@ def _rewrite(graph_def, config, outputs, function_name):
         function=function_name, dtype=config.dtype,
         nodes_before=view.node_count(),
         nodes_after=view.node_count() + len(casts),
-        nodes=nodes, casts=casts)
+        nodes=nodes, casts=casts, **traffic)
     log.debug("%s", report.summary_line())
     return new_graph_def, report
 
@@ -138,6 +148,31 @@ def _unrepairable(problems: list[Problem]) -> GraphCheckError:
         f"tfamp could not make a valid mixed-precision graph: keeping the nodes "
         f"involved float32 did not remove {len(problems)} problem(s):\n  {shown}\n"
         f"{hint.strip()}")
+
+
+def _traffic_fields(view, shapes, coloring) -> dict:
+    """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown."""
+    if not shapes.any_known():
+        return dict(traffic_note="no shapes")
+    weights = body_weights(view, shapes=shapes)
+    converted = {key: d.converted_attrs for key, d in coloring.decisions.items()
+                 if d.converted_attrs}
+    before, after = estimate_traffic_before_after(
+        view, shapes, weights, converted, coloring.target)
+    notes = []
+    if after.total is None:
+        notes.append(f"shapes unknown for {after.unknown_tensors} of "
+                     f"{after.unknown_tensors + after.known_tensors} float tensors")
+    elif after.total_bytes() is None:
+        notes.append("unknown dimensions")
+    elif after.unknown_tensors:
+        notes.append(f"{after.unknown_tensors} float tensors of unknown shape left out")
+    if weights.not_static:
+        notes.append(f"{len(weights.not_static)} loops without a static trip count "
+                     f"counted once")
+    return dict(traffic_before_bytes=before.total_bytes(),
+                traffic_after_bytes=after.total_bytes(),
+                cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes))
 
 
 def _decision_fields(decision) -> dict:

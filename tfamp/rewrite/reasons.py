@@ -26,6 +26,7 @@ KIND_VARIABLE = "variable op"  # variables (resource or ref) and their reads
 KIND_FUNCTION_CALL = "function call"  # a call keeps its callee's signature
 KIND_TENSOR_LIST = "TensorList element type"  # element_dtype never changes
 KIND_NO_NEIGHBOUR = "no 16-bit neighbour"  # infer/clear with nothing 16-bit around
+KIND_FEWER_BYTES = "fewer bytes in float32"  # next to 16-bit, but converting moves more bytes
 KIND_DATA_BOUND = "dtype bound to data"  # Const, PyFunc, ...: see oplists.DATA_BOUND_OPS
 KIND_INVALID_GRAPH = "would make an invalid graph"  # the pass's self-check pinned it
 KIND_UNKNOWN_INPUT = "input of unknown type"  # an input's producer has no OpDef

@@ -3,8 +3,12 @@
 JSON-serialisable (``to_dict`` / ``from_dict``) with a stable schema:
 function, dtype, nodes_before, nodes_after, casts_inserted, converted (op type
 -> count), kept_fp32 (reason kind -> count), nodes (one per original node, each
-with its reason sentence and reason ``kind``, see ``tfamp.rewrite.reasons``) and
-casts (one per inserted Cast). Reports saved before ``kind`` existed still load.
+with its reason sentence and reason ``kind``, see ``tfamp.rewrite.reasons``),
+casts (one per inserted Cast), and the estimated float memory traffic per step
+(traffic_before_bytes, traffic_after_bytes, cast_bytes: ints, or None when
+shapes are unknown; traffic_note says what was unknown or approximated).
+Reports saved before ``kind`` or the traffic keys existed still load (with
+None for the traffic keys).
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ class RewriteReport:
     nodes_after: int
     nodes: list[NodeReport]
     casts: list[CastRecord]
+    traffic_before_bytes: int | None = None
+    traffic_after_bytes: int | None = None
+    cast_bytes: int | None = None
+    traffic_note: str = ""
 
     @property
     def casts_inserted(self) -> int:
@@ -90,8 +98,24 @@ class RewriteReport:
         kept = sum(self.kept_fp32.values())
         name = self.function or "graph"
         detail = f" ({top}{more})" if total else ""
+        traffic = ""
+        if self.traffic_before_bytes is not None and self.traffic_after_bytes is not None:
+            traffic = (f", est. float traffic {format_bytes(self.traffic_before_bytes)} -> "
+                       f"{format_bytes(self.traffic_after_bytes)}")
         return (f"tfamp: {name}: {total} ops -> {self.dtype}{detail}, "
-                f"{self.casts_inserted} casts, {kept} ops kept float32")
+                f"{self.casts_inserted} casts, {kept} ops kept float32{traffic}")
+
+    def traffic_line(self) -> str:
+        """'2.90 GB -> 1.71 GB (Casts 12.0 MB)' or 'unknown (no shapes)'."""
+        before, after = self.traffic_before_bytes, self.traffic_after_bytes
+        if before is None or after is None:
+            return f"unknown ({self.traffic_note or 'no shapes'})"
+        text = f"{format_bytes(before)} -> {format_bytes(after)}"
+        if self.cast_bytes is not None:
+            text += f" (Casts {format_bytes(self.cast_bytes)})"
+        if self.traffic_note:
+            text += f"; {self.traffic_note}"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +129,10 @@ class RewriteReport:
             "kept_fp32": self.kept_fp32,
             "nodes": [dataclasses.asdict(n) for n in self.nodes],
             "casts": [c.to_dict() for c in self.casts],
+            "traffic_before_bytes": self.traffic_before_bytes,
+            "traffic_after_bytes": self.traffic_after_bytes,
+            "cast_bytes": self.cast_bytes,
+            "traffic_note": self.traffic_note,
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -124,7 +152,20 @@ class RewriteReport:
             nodes_before=data["nodes_before"], nodes_after=data["nodes_after"],
             nodes=[NodeReport(**n) for n in data["nodes"]],
             casts=[CastRecord(**{**c, "consumers": tuple(c["consumers"])})
-                   for c in data["casts"]])
+                   for c in data["casts"]],
+            traffic_before_bytes=data.get("traffic_before_bytes"),
+            traffic_after_bytes=data.get("traffic_after_bytes"),
+            cast_bytes=data.get("cast_bytes"),
+            traffic_note=data.get("traffic_note", ""))
+
+
+def format_bytes(value: int) -> str:
+    """'2.90 GB', '12.0 MB', '512 B' (decimal units)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            scaled = value / size
+            return f"{scaled:.2f} {unit}" if scaled < 10 else f"{scaled:.1f} {unit}"
+    return f"{value} B"
 
 
 # How the sentences of converted nodes began, for reports saved without kinds.
@@ -164,6 +205,8 @@ def reason_kind(reason: str) -> str:
         return rk.KIND_FUNCTION_CALL
     if "TensorList" in reason:
         return rk.KIND_TENSOR_LIST
+    if reason.startswith(("infer: stays float32 after", "clear: stays float32 next to")):
+        return rk.KIND_FEWER_BYTES
     if reason.startswith(("infer: stays", "clear: stays")):
         return rk.KIND_NO_NEIGHBOUR
     return rk.KIND_OTHER

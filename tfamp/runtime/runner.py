@@ -90,7 +90,7 @@ def rewrite_concrete_function(
     """
     config = config or AmpConfig()
     old = concrete.graph
-    graph_def = old.as_graph_def()
+    graph_def = old.as_graph_def(add_shapes=True)  # shapes: decisions by bytes
     outputs = [t.name for t in old.outputs]
     new_graph_def, report = rewrite_graph_def(
         graph_def, config, outputs=outputs, function_name=_display_name(old.name))

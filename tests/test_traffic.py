@@ -1,0 +1,340 @@
+"""Tensor sizes, the float memory-traffic estimate, and choices made by bytes."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfamp
+from tests.graphs import decision, run_graph_def
+from tfamp import cli
+from tfamp.rewrite.graph import TensorRef, build_view
+from tfamp.rewrite.report import RewriteReport
+from tfamp.rewrite.shapes import Bytes, tensor_shapes
+from tfamp.rewrite.traffic import body_weights
+
+
+def traced(fn, *specs, add_shapes=True):
+    concrete = tf.function(fn).get_concrete_function(*specs)
+    graph_def = concrete.graph.as_graph_def(add_shapes=add_shapes)
+    return graph_def, [t.name for t in concrete.graph.outputs]
+
+
+def rewritten(fn, *specs, add_shapes=True, **config):
+    graph_def, outputs = traced(fn, *specs, add_shapes=add_shapes)
+    before = graph_def.SerializeToString(deterministic=True)
+    new, report = tfamp.rewrite_graph_def(graph_def, tfamp.AmpConfig(**config), outputs=outputs)
+    assert graph_def.SerializeToString(deterministic=True) == before, "input mutated"
+    assert not tfamp.check_graph_def(new)
+    return graph_def, new, report, outputs
+
+
+def body_of(view, function):
+    return next(b for b in view.bodies if b.name == function
+                or (function is True and b.is_function))
+
+
+# -- element counts ------------------------------------------------------------
+
+def _matmul_relu(x, w):
+    return tf.nn.relu(tf.matmul(x, w, name="mm"), name="relu")
+
+
+@tf.function
+def _scaled(x):
+    return tf.nn.relu(x) * 2.0
+
+
+def _calls_function(x):
+    return _scaled(x)
+
+
+@pytest.mark.parametrize("fn, specs, add_shapes, function, node, expected", [
+    # From _output_shapes on top-level nodes: a [4, 16] MatMul output.
+    (_matmul_relu, [tf.TensorSpec([4, 8]), tf.TensorSpec([8, 16])], True, "", "mm", (0, 64)),
+    # Unknown batch: one unknown dimension, 16 known elements per row.
+    (_matmul_relu, [tf.TensorSpec([None, 8]), tf.TensorSpec([8, 16])], True, "", "mm",
+     (1, 16)),
+    # No _output_shapes: Placeholder's own shape, then element-wise propagation.
+    (_matmul_relu, [tf.TensorSpec([4, 8]), tf.TensorSpec([8, 16])], False, "", "x", (0, 32)),
+    # Inside a library function, from the FunctionDef's node attributes.
+    (_calls_function, [tf.TensorSpec([3, 5, 7])], True, True, "Relu", (0, 105)),
+])
+def test_element_counts(fn, specs, add_shapes, function, node, expected):
+    graph_def, _ = traced(fn, *specs, add_shapes=add_shapes)
+    view = build_view(graph_def)
+    shapes = tensor_shapes(graph_def, view)
+    body = body_of(view, function)
+    assert shapes.elements(body.name, TensorRef(node, 0)) == expected
+
+
+def test_function_arguments_have_sizes():
+    graph_def, _ = traced(_calls_function, tf.TensorSpec([3, 5, 7]))
+    view = build_view(graph_def)
+    body = body_of(view, True)
+    arg = next(iter(body.arg_dtypes))
+    assert tensor_shapes(graph_def, view).elements(body.name, TensorRef(arg, 0, True)) == (0, 105)
+
+
+def test_bytes_compare_for_large_unknown_dimension():
+    small_known = Bytes.of((0, 10_000), 4)
+    per_row = Bytes.of((1, 16), 2)
+    assert small_known < per_row  # 10,000 bytes < 32 x B bytes for large B
+    assert (small_known + per_row).known() is None
+    assert (small_known + Bytes.of((0, 8), 2)).known() == 40_016
+
+
+# -- the traffic figure ----------------------------------------------------------
+
+def test_traffic_figure_by_hand():
+    """x[4,8] @ w[8,16] -> relu -> output (an Identity, which copies nothing)."""
+    _, _, report, _ = rewritten(_matmul_relu, tf.TensorSpec([4, 8]), tf.TensorSpec([8, 16]))
+    x, w, y = 4 * 8, 8 * 16, 4 * 16
+    # float32: x, w and the MatMul output each written once and read once;
+    # relu's output written once (the output Identity reads nothing).
+    assert report.traffic_before_bytes == 4 * (x + x + w + w + y + y + y)
+    # float16: x and w stay float32 (written at 4), Cast to float16 (read 4,
+    # write 2), read by MatMul at 2; MatMul and relu move 2 bytes per element;
+    # relu is cast back to float32 for the graph output (read 2, write 4).
+    assert decision(report, "relu").converted
+    casts = 6 * x + 6 * w + 6 * y
+    assert report.cast_bytes == casts
+    assert report.traffic_after_bytes == (4 * x + 2 * x + 4 * w + 2 * w
+                                          + 2 * y + 2 * y + 2 * y + casts)
+    assert "est. float traffic" in report.summary_line()
+
+
+def test_traffic_figure_through_a_function_call():
+    """x[3,5,7] -> PartitionedCall(relu(x) * 2.0) -> output."""
+    _, _, report, _ = rewritten(_calls_function, tf.TensorSpec([3, 5, 7]))
+    n = 3 * 5 * 7
+    # x written once; inside the function: x read by Relu, Relu written and
+    # read by Mul, the scalar 2.0 written and read, Mul written. The call and
+    # the Identity ops only pass buffers along.
+    assert report.traffic_before_bytes == 4 * (n + n + 2 * n + 2 + n)
+
+
+def test_traffic_unknown_without_shapes_and_with_unknown_batch():
+    _, _, report, _ = rewritten(_matmul_relu, tf.TensorSpec([None, 8]), tf.TensorSpec([8, 16]))
+    assert report.traffic_before_bytes is None and report.traffic_after_bytes is None
+    assert "unknown dimensions" in report.traffic_note
+    assert report.traffic_line().startswith("unknown")
+
+
+def test_report_json_round_trip_and_old_reports():
+    _, _, report, _ = rewritten(_matmul_relu, tf.TensorSpec([4, 8]), tf.TensorSpec([8, 16]))
+    data = json.loads(report.to_json())
+    again = RewriteReport.from_dict(data)
+    assert again.traffic_after_bytes == report.traffic_after_bytes is not None
+    for key in ("traffic_before_bytes", "traffic_after_bytes", "cast_bytes", "traffic_note"):
+        del data[key]
+    old = RewriteReport.from_dict(data)
+    assert old.traffic_before_bytes is None and old.traffic_line().startswith("unknown")
+
+
+def _loop(x, limit, max_iterations):
+    def body(i, y):
+        return i + 1, tf.matmul(y, y)
+    _, y = tf.while_loop(lambda i, y: i < limit, body, (tf.constant(0), x),
+                         maximum_iterations=max_iterations)
+    return y
+
+
+@pytest.mark.parametrize("limit, max_iterations, trips", [
+    (5, None, 5),      # the cond's own bound
+    (100, 7, 7),       # maximum_iterations is tighter
+    (None, None, None),  # bound fed at run time: not static
+])
+def test_loop_trip_counts(limit, max_iterations, trips):
+    if limit is None:
+        fn, specs = (lambda x, n: _loop(x, n, None)), [tf.TensorSpec([4, 4]),
+                                                        tf.TensorSpec([], tf.int32)]
+    else:
+        fn, specs = (lambda x: _loop(x, limit, max_iterations)), [tf.TensorSpec([4, 4])]
+    graph_def, _ = traced(fn, *specs)
+    view = build_view(graph_def)
+    weights = body_weights(view)
+    body = next(f.signature.name for f in graph_def.library.function
+                if "body" in f.signature.name)
+    assert weights.weights[body] == (trips or 1)
+    assert bool(weights.not_static) == (trips is None)
+
+
+def test_trip_count_from_a_static_shape_and_through_the_gradient_loop():
+    """Keras RNNs loop tf.shape(x)[0] times; the gradient loop as often."""
+    def fn(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            _, y = tf.while_loop(lambda i, y: i < tf.shape(x)[0],
+                                 lambda i, y: (i + 1, tf.tanh(y) * x[0]),
+                                 (tf.constant(0), x[0]))
+        return tape.gradient(y, x)
+
+    graph_def, _ = traced(fn, tf.TensorSpec([6, 4]))
+    view = build_view(graph_def)
+    weights = body_weights(view, shapes=tensor_shapes(graph_def, view))
+    runs = [weights.weights[f.signature.name] for f in graph_def.library.function
+            if "body" in f.signature.name and weights.weights[f.signature.name]]
+    assert weights.not_static == []
+    assert runs == [6, 6]  # the forward loop body and the gradient loop body
+
+
+def test_loop_body_traffic_counts_every_iteration():
+    def traffic(limit):
+        _, _, report, _ = rewritten(lambda x: _loop(x, limit, None), tf.TensorSpec([4, 4]))
+        return report.traffic_before_bytes
+    # Each extra iteration adds the same body traffic.
+    assert traffic(3) - traffic(2) == traffic(4) - traffic(3) > 0
+
+
+# -- decisions by bytes ----------------------------------------------------------
+
+def _conv_grads(x, w, b):
+    with tf.GradientTape() as tape:
+        tape.watch([w, b])
+        h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b))
+        loss = tf.reduce_sum(h * h)
+    gw, gb = tape.gradient(loss, [w, b])
+    return gw, gb
+
+
+CONV_SPECS = [tf.TensorSpec([8, 32, 32, 8]), tf.TensorSpec([3, 3, 8, 64]),
+              tf.TensorSpec([64])]
+
+
+def _conv_inputs():
+    rng = np.random.default_rng(0)
+    return {"x": rng.normal(size=(8, 32, 32, 8)).astype(np.float32),
+            "w": (0.1 * rng.normal(size=(3, 3, 8, 64))).astype(np.float32),
+            "b": (0.1 * rng.normal(size=64)).astype(np.float32)}
+
+
+def test_bias_add_grad_converts_and_casts_its_small_result():
+    graph_def, new, report, outputs = rewritten(_conv_grads, *CONV_SPECS)
+    node = decision(report, "BiasAddGrad")
+    assert node.converted
+    assert "a Cast of 64 elements instead of 524,288" in node.reason
+    assert report.kept_fp32.get("fewer bytes in float32", 0) == 0
+    assert decision(report, "ReluGrad").converted
+    sources = {c.source.split(":")[0] for c in report.casts if c.dst_dtype == "float32"}
+    assert node.name in sources
+    assert decision(report, "ReluGrad").name not in sources
+    inputs = _conv_inputs()
+    want = run_graph_def(graph_def, inputs, outputs)
+    got = run_graph_def(new, inputs, outputs)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
+
+
+def test_unknown_batch_still_decides_by_bytes():
+    """An unknown batch B: 64 elements against 65,536 x B, compared for large B."""
+    def grads(x, w, b, dh):
+        with tf.GradientTape() as tape:
+            tape.watch([w, b])
+            h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b))
+        return tape.gradient(h, [w, b], output_gradients=dh)
+
+    specs = ([tf.TensorSpec([None, 32, 32, 8])] + CONV_SPECS[1:]
+             + [tf.TensorSpec([None, 32, 32, 64])])
+    _, _, report, _ = rewritten(grads, *specs)
+    node = decision(report, "BiasAddGrad")
+    assert node.converted and "a Cast of 64 elements instead of 65,536 x B" in node.reason
+    assert report.traffic_after_bytes is None
+
+
+def test_counts_break_the_tie_without_shapes():
+    _, _, report, _ = rewritten(_conv_grads, *CONV_SPECS, add_shapes=False)
+    node = decision(report, "BiasAddGrad")
+    assert not node.converted and "elements" not in node.reason
+
+
+def _grow(x, w):  # 16-bit MatMul [4, 4] -> Pad to [64, 64] (clear) -> Exp (deny)
+    return tf.exp(tf.pad(tf.matmul(x, w, name="mm"), [[0, 60], [0, 60]], name="pad"),
+                  name="exp")
+
+
+def _shrink(x, w):  # 16-bit MatMul [64, 64] -> Relu -> Max over rows [64] -> Exp
+    h = tf.nn.relu(tf.matmul(x, w, name="mm"), name="relu")
+    return tf.exp(tf.reduce_max(h, axis=1, name="max"), name="exp")
+
+
+@pytest.mark.parametrize("fn, size, converted, kept, cast_source, cast_elements", [
+    (_grow, 4, ["mm"], ["pad"], "mm", 16),
+    (_shrink, 64, ["mm", "relu", "max"], [], "max", 64),
+])
+def test_clear_chain_puts_the_cast_on_the_smaller_tensor(
+        fn, size, converted, kept, cast_source, cast_elements):
+    spec = tf.TensorSpec([size, size])
+    graph_def, new, report, outputs = rewritten(fn, spec, spec)
+    for name in converted:
+        assert decision(report, name).converted, name
+    for name in kept:
+        entry = decision(report, name)
+        assert not entry.converted and "instead of" in entry.reason, entry.reason
+    assert report.kept_fp32.get("fewer bytes in float32", 0) == len(kept)
+    to_fp32 = [c for c in report.casts if c.dst_dtype == "float32"]
+    assert [c.source.split(":")[0] for c in to_fp32] == [cast_source]
+    view = build_view(new)
+    shapes = tensor_shapes(new, view)
+    assert shapes.elements("", TensorRef(cast_source, 0)) == (0, cast_elements)
+    rng = np.random.default_rng(1)
+    inputs = {"x": (0.1 * rng.normal(size=(size, size))).astype(np.float32),
+              "w": (0.1 * rng.normal(size=(size, size))).astype(np.float32)}
+    want = run_graph_def(graph_def, inputs, outputs)[0]
+    got = run_graph_def(new, inputs, outputs)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
+
+
+def _fan_out(x, w):  # 16-bit MatMul feeds Exp (deny: float32) and Sigmoid (infer)
+    y = tf.matmul(x, w, name="mm")
+    return tf.exp(y, name="exp"), tf.sigmoid(y, name="sigmoid")
+
+
+def test_fan_out_a_cast_already_paid_for_is_free():
+    """Exp needs y in float32 anyway, so Sigmoid reads that Cast at no extra cost."""
+    spec = tf.TensorSpec([64, 64])
+    graph_def, new, report, outputs = rewritten(_fan_out, spec, spec)
+    entry = decision(report, "sigmoid")
+    assert not entry.converted
+    assert "no Cast instead of a Cast of 4,096 elements" in entry.reason
+    assert [c.source.split(":")[0] for c in report.casts if c.dst_dtype == "float32"] == ["mm"]
+    rng = np.random.default_rng(2)
+    inputs = {"x": (0.1 * rng.normal(size=(64, 64))).astype(np.float32),
+              "w": (0.1 * rng.normal(size=(64, 64))).astype(np.float32)}
+    for got, want in zip(run_graph_def(new, inputs, outputs),
+                         run_graph_def(graph_def, inputs, outputs), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
+
+
+def test_clear_chain_without_shapes_follows_grappler():
+    spec = tf.TensorSpec([4, 4])
+    _, _, report, _ = rewritten(_grow, spec, spec, add_shapes=False)
+    assert decision(report, "pad").converted
+
+
+# -- FLOPs inside library functions (SavedModel) --------------------------------
+
+@pytest.mark.parametrize("batch, counted, traffic_known", [
+    (2, "64", True),        # 2 x [2, 4] x 4 multiply-adds
+    (None, "32 x B", False),  # an unknown batch B: the share holds for any B
+])
+def test_saved_model_flop_share_counts_library_functions(
+        tmp_path, capsys, batch, counted, traffic_known):
+    class Module(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable(tf.ones([4, 4]))
+
+        @tf.function(input_signature=[tf.TensorSpec([batch, 4])])
+        def __call__(self, x):
+            return tf.matmul(x, self.w)
+
+    module = Module()
+    folder = tmp_path / "model"
+    tf.saved_model.save(module, str(folder), signatures=module.__call__)
+    assert cli.main(["inspect", str(folder)]) == 0
+    out = capsys.readouterr().out
+    # The MatMul sits inside the signature's library function.
+    assert f"FLOPs in float16: 100.0% of {counted} counted per step" in out
+    assert "estimated float memory traffic per step: " in out
+    assert ("per step: unknown" not in out) == traffic_known

@@ -1,0 +1,527 @@
+"""Estimated float memory traffic of one step: bytes written and read by float tensors.
+
+The model (deliberately simple, the same for every graph it compares):
+
+* every float output is written once and read once per consuming input, at
+  its element count x bytes of its dtype (float32 4, float16/bfloat16 2);
+* a Cast between float types reads its input and writes its output, and is
+  read by its consumers like any tensor; ``cast_bytes`` is what the Casts
+  themselves read and write;
+* ops that only pass a buffer along or read its shape (``NO_COPY_OPS``:
+  Identity, Reshape, Shape, ..., and calls: PartitionedCall, While, If, ...)
+  neither read nor write; what flows through a call is counted inside the
+  called body;
+* each body counts once per run: the top graph once, a called function once per
+  call, a ``While``/``StatelessWhile`` body and cond once per iteration where the
+  trip count is static (``static_trip_count``), else ``default_trips`` times
+  (1 unless the caller knows better) and the loop is listed as not static;
+  both branches of an ``If``/``Case`` count (an upper bound);
+* a float tensor whose shape is unknown (e.g. FusedBatchNormV3's reserve
+  space) is left out and counted in ``unknown_tensors``; the figure is given
+  only when at most ``MAX_UNKNOWN_SHARE`` of the float tensors are left out.
+
+``estimate_traffic`` works on any GraphView (the original graph, tfamp's or
+grappler's result) and, given a Coloring, on the graph tfamp is about to write
+(new dtypes and the Casts ``insert_casts`` will add) without building it.
+Linear in the number of nodes and edges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensorflow.core.framework import types_pb2
+
+from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
+from tfamp.rewrite.shapes import Bytes, TensorShapes, dtype_bytes
+
+NO_COPY_OPS = frozenset({
+    "Identity", "IdentityN", "StopGradient", "PreventGradient", "Reshape",
+    "ExpandDims", "Squeeze", "NoOp",
+    "Shape", "ShapeN", "Rank", "Size",  # read the shape only
+})
+LOOP_OPS = frozenset({"While", "StatelessWhile"})
+_LESS_OPS = {"Less": 0, "LessEqual": 1}
+MAX_UNKNOWN_SHARE = 0.05
+
+
+@dataclasses.dataclass
+class CallWeights:
+    """How many times each body runs per step.
+
+    Attributes:
+      weights: body name ("" = top graph) -> runs per step (0: never called).
+      not_static: loops ("function/node") whose trip count could not be derived.
+    """
+
+    weights: dict[str, int]
+    not_static: list[str]
+
+
+@dataclasses.dataclass
+class Traffic:
+    """Estimated float bytes written + read per step.
+
+    Attributes:
+      total: all float tensors, Casts included; None if too many shapes are
+        unknown (see the module docstring).
+      cast: what the float-to-float Casts read and write; None likewise.
+      casts: number of float-to-float Casts (per graph, not per run).
+      unknown_tensors: float tensors (that run) whose shape is unknown.
+      known_tensors: float tensors (that run) counted.
+    """
+
+    total: Bytes | None
+    cast: Bytes | None
+    casts: int
+    unknown_tensors: int
+    known_tensors: int = 0
+
+    def total_bytes(self) -> int | None:
+        return None if self.total is None else self.total.known()
+
+    def cast_bytes(self) -> int | None:
+        return None if self.cast is None else self.cast.known()
+
+
+def body_weights(view: GraphView, default_trips: int = 1,
+                 shapes: TensorShapes | None = None) -> CallWeights:
+    """Runs per step of every body, following calls from the top graph.
+
+    Args:
+      view: the graph.
+      default_trips: iterations assumed for a loop without a static trip count.
+      shapes: tensor shapes, so a bound read from a static shape (a Keras RNN
+        loops ``tf.shape(inputs)[0]`` times) counts as static.
+    """
+    values = _IntValues(view, shapes)
+    calls: dict[str, list[tuple[str, int]]] = {}
+    not_static = []
+    for body in view.bodies:
+        for node in body.nodes.values():
+            if not node.called_functions:
+                continue
+            multiplier = 1
+            if node.op in LOOP_OPS:
+                trips = values.trip_count(body, node)
+                if trips is None:
+                    not_static.append(f"{body.name}/{node.name}" if body.name else node.name)
+                    trips = default_trips
+                multiplier = trips
+            for callee in node.called_functions:
+                if callee in values.bodies:
+                    calls.setdefault(body.name, []).append((callee, multiplier))
+    # Calls form a DAG (TensorFlow has no recursion): Kahn's order from the top.
+    indegree = dict.fromkeys(values.bodies, 0)
+    for edges in calls.values():
+        for callee, _ in edges:
+            indegree[callee] += 1
+    weights = dict.fromkeys(values.bodies, 0)
+    weights[""] = 1
+    ready = [name for name, deg in indegree.items() if deg == 0]
+    while ready:
+        name = ready.pop()
+        for callee, multiplier in calls.get(name, ()):
+            weights[callee] += weights[name] * multiplier
+            indegree[callee] -= 1
+            if indegree[callee] == 0:
+                ready.append(callee)
+    return CallWeights(weights, not_static)
+
+
+_ARG_OFFSET = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1}
+_CALL_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+_IntValue = int | tuple[int, ...] | None
+
+
+class _IntValues:
+    """Static integer values (scalars and shape vectors), across function calls.
+
+    Enough to find loop trip counts: Const, Identity, Shape of a fully known
+    shape, StridedSlice of that, a loop-invariant argument (its callers' value),
+    a call's result (the callee's), and a While's counter output (start + trips
+    x step). Anything else is None. Memoised; each value is resolved once.
+    """
+
+    def __init__(self, view: GraphView, shapes: TensorShapes | None):
+        self.bodies = {body.name: body for body in view.bodies}
+        self.shapes = shapes
+        self.memo: dict[tuple[str, TensorRef], _IntValue] = {}
+        self.trips: dict[tuple[str, str], int | None] = {}
+        self.call_sites: dict[str, list[tuple[Body, Node]]] = {}
+        for body in view.bodies:
+            for node in body.nodes.values():
+                for callee in dict.fromkeys(node.called_functions):
+                    self.call_sites.setdefault(callee, []).append((body, node))
+
+    def value(self, body: Body, ref: TensorRef) -> _IntValue:
+        key = (body.name, ref)
+        if key in self.memo:
+            return self.memo[key]
+        self.memo[key] = None  # guards against cycles while resolving
+        result = self._resolve(body, ref)
+        self.memo[key] = result
+        return result
+
+    def scalar(self, body: Body, ref: TensorRef) -> int | None:
+        value = self.value(body, ref)
+        return value if isinstance(value, int) else None
+
+    def _resolve(self, body: Body, ref: TensorRef) -> _IntValue:
+        if ref.is_arg:
+            return self._argument(body, ref.node)
+        node = body.nodes.get(ref.node)
+        if node is None:
+            return None
+        op = node.op
+        if op == "Const":
+            return _const_value(node) if ref.index == 0 else None
+        if op in ("Identity", "Snapshot") and node.data_inputs:
+            return self.value(body, node.data_inputs[0][0])
+        if op == "Shape" and node.data_inputs and self.shapes is not None:
+            shape = self.shapes.shape(body.name, node.data_inputs[0][0])
+            return shape if shape is not None and all(d >= 0 for d in shape) else None
+        if op == "StridedSlice" and len(node.data_inputs) == 4:
+            return self._strided_slice(body, node)
+        if op in LOOP_OPS:
+            return self._loop_output(body, node, ref.index)
+        if (op in _CALL_OPS or op in self.bodies) and node.called_functions:
+            callee = self.bodies.get(node.called_functions[0])
+            rets = list(callee.rets.values()) if callee is not None else []
+            if ref.index < len(rets):
+                return self.value(callee, rets[ref.index][0])
+        return None
+
+    def _argument(self, body: Body, arg: str) -> _IntValue:
+        sites = self.call_sites.get(body.name, [])
+        index = list(body.arg_dtypes).index(arg)
+        found = []
+        for caller, node in sites:
+            if node.op in LOOP_OPS and not self._invariant(node, index):
+                return None
+            position = index + _ARG_OFFSET.get(node.op, 0)
+            if position >= len(node.data_inputs):
+                return None
+            found.append(self.value(caller, node.data_inputs[position][0]))
+        if not found or any(v is None or v != found[0] for v in found):
+            return None
+        return found[0]
+
+    def _invariant(self, loop: Node, index: int) -> bool:
+        """Does the loop body return loop variable `index` unchanged?"""
+        body = self._loop_body(loop)
+        if body is None:
+            return False
+        ref = _through_identity(body, _ret_ref(body, index))
+        args = list(body.arg_dtypes)
+        return ref is not None and ref.is_arg and index < len(args) and ref.node == args[index]
+
+    def _loop_body(self, loop: Node) -> Body | None:
+        attr = loop.node_def.attr
+        return self.bodies.get(attr["body"].func.name) if "body" in attr else None
+
+    def _strided_slice(self, body: Body, node: Node) -> _IntValue:
+        vector = self.value(body, node.data_inputs[0][0])
+        begin, end, strides = (self.value(body, ref) for ref, _ in node.data_inputs[1:])
+        attr = node.node_def.attr
+        shrink = attr["shrink_axis_mask"].i if "shrink_axis_mask" in attr else 0
+        if not isinstance(vector, tuple) or not all(
+                isinstance(v, tuple) and len(v) == 1 for v in (begin, end, strides)):
+            return None
+        if shrink & 1 and strides[0] == 1 and -len(vector) <= begin[0] < len(vector):
+            return vector[begin[0]]
+        return None
+
+    def _loop_output(self, body: Body, loop: Node, index: int) -> _IntValue:
+        if index >= len(loop.data_inputs):
+            return None
+        start = self.value(body, loop.data_inputs[index][0])
+        if self._invariant(loop, index):
+            return start
+        loop_body = self._loop_body(loop)
+        step = _increment(loop_body, index) if loop_body is not None else None
+        trips = self.trip_count(body, loop)
+        if isinstance(start, int) and step and trips is not None:
+            return start + trips * step
+        return None
+
+    def trip_count(self, caller: Body, node: Node) -> int | None:
+        """Iterations of a While loop, if its cond bounds a counter statically.
+
+        Recognised: the cond compares loop variable j with ``Less`` /
+        ``LessEqual`` against a static value (a Const in the cond, or a
+        loop-invariant variable whose value is static); j starts from a static
+        value and the body adds a positive Const to it. The smallest bound wins
+        (TensorFlow's ``maximum_iterations`` counter and Keras' RNN time step
+        have this form; a gradient loop runs as often as its forward loop's
+        counter says).
+        """
+        key = (caller.name, node.name)
+        if key in self.trips:
+            return self.trips[key]
+        self.trips[key] = None  # cycle guard
+        attr = node.node_def.attr
+        cond = self.bodies.get(attr["cond"].func.name) if "cond" in attr else None
+        body = self._loop_body(node)
+        best = None
+        if cond is not None and body is not None:
+            cond_args = list(cond.arg_dtypes)
+            for cnode in cond.nodes.values():
+                if cnode.op not in _LESS_OPS or len(cnode.data_inputs) != 2:
+                    continue
+                (a, _), (b, _) = cnode.data_inputs
+                if not a.is_arg or a.node not in cond_args:
+                    continue
+                j = cond_args.index(a.node)
+                limit = self.scalar(cond, b)
+                start = (self.scalar(caller, node.data_inputs[j][0])
+                         if j < len(node.data_inputs) else None)
+                step = _increment(body, j)
+                if limit is None or start is None or not step:
+                    continue
+                trips = max(0, -(-(limit - start + _LESS_OPS[cnode.op]) // step))
+                best = trips if best is None else min(best, trips)
+        self.trips[key] = best
+        return best
+
+
+def static_trip_count(view: GraphView, caller: Body, node: Node,
+                      shapes: TensorShapes | None = None) -> int | None:
+    """Iterations of While `node` in body `caller`, or None if not static."""
+    return _IntValues(view, shapes).trip_count(caller, node)
+
+
+def _ret_ref(body: Body, index: int) -> TensorRef | None:
+    rets = list(body.rets.values())
+    return rets[index][0] if index < len(rets) else None
+
+
+def _through_identity(body: Body, ref: TensorRef | None) -> TensorRef | None:
+    while ref is not None and not ref.is_arg:
+        node = body.nodes.get(ref.node)
+        if node is None or node.op != "Identity" or not node.data_inputs:
+            break
+        ref = node.data_inputs[0][0]
+    return ref
+
+
+def _increment(body: Body, index: int) -> int | None:
+    """The positive Const step the loop body adds to loop variable `index`."""
+    args = list(body.arg_dtypes)
+    ref = _through_identity(body, _ret_ref(body, index))
+    producer = None if ref is None or ref.is_arg else body.nodes.get(ref.node)
+    if producer is None or producer.op not in ("Add", "AddV2") \
+            or len(producer.data_inputs) != 2 or index >= len(args):
+        return None
+    (a, _), (b, _) = producer.data_inputs
+    if not (a.is_arg and a.node == args[index]):
+        a, b = b, a
+    if not (a.is_arg and a.node == args[index]) or b.is_arg:
+        return None
+    step = _const_value(body.nodes.get(b.node))
+    return step if isinstance(step, int) and step > 0 else None
+
+
+def _const_value(node: Node | None) -> _IntValue:
+    """An integer scalar or vector Const's value."""
+    if node is None or node.op != "Const" or "value" not in node.node_def.attr:
+        return None
+    tensor = node.node_def.attr["value"].tensor
+    dims = [d.size for d in tensor.tensor_shape.dim]
+    if len(dims) > 1:
+        return None
+    if tensor.int_val or tensor.int64_val:
+        values = list(tensor.int_val) or list(tensor.int64_val)
+    elif tensor.tensor_content and tensor.dtype in (types_pb2.DT_INT32, types_pb2.DT_INT64):
+        import numpy as np
+
+        width = 4 if tensor.dtype == types_pb2.DT_INT32 else 8
+        values = np.frombuffer(tensor.tensor_content, dtype=f"<i{width}").tolist()
+    else:
+        return None
+    if not dims:
+        return int(values[0])
+    if len(values) == 1 and dims[0] > 1:  # a splat
+        values = values * dims[0]
+    return tuple(int(v) for v in values) if len(values) == dims[0] else None
+
+
+def estimate_traffic(view: GraphView, shapes: TensorShapes, weights: CallWeights,
+                     converted: dict[tuple[str, str], tuple[str, ...]] | None = None,
+                     target: int = 0) -> Traffic:
+    """Estimated float bytes written and read per step (see the module docstring).
+
+    Args:
+      view: the graph.
+      shapes: its tensor shapes.
+      weights: runs per step of each body (``body_weights``).
+      converted: to measure the graph tfamp is about to write instead of
+        `view` itself: (function, node) -> the type attributes switched to
+        `target` (a Coloring's decisions). A Cast is then counted wherever an
+        edge's two ends disagree, one per (tensor, dtype), as ``insert_casts``
+        adds them.
+      target: the 16-bit DataType enum `converted` switches to.
+
+    Returns:
+      A Traffic.
+    """
+    return estimate_traffic_before_after(view, shapes, weights, converted or {}, target)[1]
+
+
+def estimate_traffic_before_after(
+        view: GraphView, shapes: TensorShapes, weights: CallWeights,
+        converted: dict[tuple[str, str], tuple[str, ...]], target: int,
+) -> tuple[Traffic, Traffic]:
+    """(traffic of `view` as it is, traffic with `converted` applied), in one pass."""
+    by_body: dict[str, dict[str, tuple[str, ...]]] = {}
+    for (function, node), attrs in converted.items():
+        if attrs:
+            by_body.setdefault(function, {})[node] = attrs
+    totals = [[Bytes(), Bytes(), 0] for _ in range(2)]  # total, cast, casts
+    unknown = counted = 0
+    for body in view.bodies:
+        weight = weights.weights.get(body.name, 0)
+        if not weight:
+            continue
+        acc = _BodyTraffic(body, shapes, by_body.get(body.name, {}), target)
+        acc.run()
+        unknown += acc.unknown
+        counted += acc.known
+        for mode, result in enumerate(totals):
+            result[0] = result[0] + _scale(acc.sums[mode], weight)
+            result[1] = result[1] + _scale(acc.cast_sums[mode], weight)
+            result[2] += acc.casts[mode]
+    known = unknown <= MAX_UNKNOWN_SHARE * (unknown + counted)
+    before, after = (
+        Traffic(total if known else None, cast if known else None, casts, unknown, counted)
+        for total, cast, casts in totals)
+    return before, after
+
+
+def _scale(sums: dict[int, int], factor: int) -> Bytes:
+    return Bytes(tuple(sorted(((d, c * factor) for d, c in sums.items() if c),
+                              reverse=True)))
+
+
+def _passes_through(node: Node) -> bool:
+    return node.op in NO_COPY_OPS or bool(node.called_functions)
+
+
+class _BodyTraffic:
+    """One body's bytes as {degree: bytes} sums, for two modes at once.
+
+    Mode 0 is the body as it is; mode 1 applies `converted` (node -> type
+    attributes now `target`). Lookups by tensor are shared by both.
+    """
+
+    def __init__(self, body: Body, shapes: TensorShapes,
+                 converted: dict[str, tuple[str, ...]], target: int):
+        self.body = body
+        self.counts = shapes.counts(body.name)
+        self.converted = converted
+        self.target = target
+        self.sums: list[dict[int, int]] = [{}, {}]
+        self.cast_sums: list[dict[int, int]] = [{}, {}]
+        self.casts = [0, 0]
+        self.unknown = 0
+        self.known = 0
+        self.ret_dtypes: dict[TensorRef, list[int]] = {}
+        for ref, _, dtype in body.rets.values():
+            self.ret_dtypes.setdefault(ref, []).append(dtype)
+        self.through = {name for name, node in body.nodes.items() if _passes_through(node)}
+
+    def dtype(self, mode: int, name: str, port) -> int:
+        if mode:
+            attrs = self.converted.get(name)
+            if attrs and port.type_attr in attrs:
+                return self.target
+        return port.dtype
+
+    def run(self) -> None:
+        body = self.body
+        for name, dtype in body.arg_dtypes.items():
+            if dtype in FLOAT_TYPES:
+                self._tensor(TensorRef(name, 0, is_arg=True), None, False, None)
+        for name, node in body.nodes.items():
+            write = name not in self.through
+            cast_source = None
+            if node.op == "Cast" and node.data_inputs and node.inputs:
+                cast_source = node.data_inputs[0][0]
+                self._existing_cast(name, node, cast_source)
+            for index, port in enumerate(node.outputs):
+                if port.dtype in FLOAT_TYPES:
+                    self._tensor(TensorRef(name, index), port, write, cast_source)
+
+    def _existing_cast(self, name: str, node: Node, source: TensorRef) -> None:
+        elements = self.counts.get(source)
+        for mode in (0, 1):
+            src = self.dtype(mode, name, node.inputs[0])
+            dst = self.dtype(mode, name, node.outputs[0])
+            if src in FLOAT_TYPES and dst in FLOAT_TYPES and src != dst:
+                self.casts[mode] += 1
+                if elements is not None:
+                    degree, count = elements
+                    sums = self.cast_sums[mode]
+                    sums[degree] = sums.get(degree, 0) + count * (
+                        dtype_bytes(src) + dtype_bytes(dst))
+
+    def _tensor(self, ref: TensorRef, port, write: bool, cast_source) -> None:
+        """`port` is the producing output port, or None for a function argument."""
+        body = self.body
+        consumers = body.consumers.get(ref, ())
+        elements = self.counts.get(ref)
+        if elements is None:
+            if consumers or (write and port is not None):
+                self.unknown += 1
+            return
+        self.known += 1
+        degree, count = elements
+        if port is None:
+            have = (body.arg_dtypes[ref.node],) * 2
+        else:
+            have = (port.dtype, self.dtype(1, ref.node, port))
+        per_element = [dtype_bytes(have[0]), dtype_bytes(have[1])] if write else [0, 0]
+        wanted: list[tuple[int, int]] = []  # (mode, dtype) that need a Cast
+        nodes, through, converted, target = body.nodes, self.through, self.converted, self.target
+        for consumer, index in consumers:
+            inputs = nodes[consumer].inputs
+            if index >= len(inputs):
+                continue
+            in_port = inputs[index]
+            attrs = converted.get(consumer)
+            want = (in_port.dtype,
+                    target if attrs and in_port.type_attr in attrs else in_port.dtype)
+            for mode in (0, 1):
+                if want[mode] != have[mode] and want[mode] in FLOAT_TYPES:
+                    wanted.append((mode, want[mode]))
+            if consumer not in through:
+                per_element[0] += dtype_bytes(want[0])
+                per_element[1] += dtype_bytes(want[1])
+        for dtype in self.ret_dtypes.get(ref, ()):
+            for mode in (0, 1):
+                if dtype != have[mode] and dtype in FLOAT_TYPES:
+                    wanted.append((mode, dtype))
+        for mode, dtype in dict.fromkeys(wanted):
+            if not self._bypass(mode, cast_source, dtype):
+                self._cast(mode, degree, count, have[mode], dtype)
+        for mode in (0, 1):
+            if per_element[mode]:
+                sums = self.sums[mode]
+                sums[degree] = sums.get(degree, 0) + count * per_element[mode]
+
+    def _cast(self, mode: int, degree: int, count: int, have: int, want: int) -> None:
+        moved = count * (dtype_bytes(have) + dtype_bytes(want))
+        self.casts[mode] += 1
+        for sums in (self.sums[mode], self.cast_sums[mode]):
+            sums[degree] = sums.get(degree, 0) + moved
+
+    def _bypass(self, mode: int, cast_source: TensorRef | None, want: int) -> bool:
+        """A Cast's consumer wanting the Cast's own input dtype reads the input."""
+        if cast_source is None:
+            return False
+        port = self.body.producer_port(cast_source)
+        if port is None:
+            return False
+        if cast_source.is_arg:
+            return port.dtype == want
+        return self.dtype(mode, cast_source.node, port) == want
