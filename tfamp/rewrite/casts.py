@@ -52,8 +52,18 @@ def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView,
     for body in view.bodies:
         fdef = functions.get(body.name) if body.is_function else None
         node_list = fdef.node_def if fdef is not None else new_graph_def.node
+        if fdef is not None and body.name in coloring.signatures:
+            _retype_signature(fdef, coloring.signatures[body.name])
         casts.extend(_BodyEditor(body, node_list, fdef, coloring).run())
     return new_graph_def, casts
+
+
+def _retype_signature(fdef, types) -> None:
+    """Sets the argument and result dtypes boundaries.solve changed."""
+    for arg in fdef.signature.input_arg:
+        arg.type = types.args.get(arg.name, arg.type)
+    for arg in fdef.signature.output_arg:
+        arg.type = types.rets.get(arg.name, arg.type)
 
 
 class _BodyEditor:
@@ -66,6 +76,12 @@ class _BodyEditor:
         self.node_defs = {n.name: n for n in node_list}
         self.taken_names = set(self.node_defs) | set(body.arg_dtypes)
         self.cast_for: dict[tuple[TensorRef, int], str] = {}  # -> consumer text
+        signature = coloring.signatures.get(body.name)
+        self.arg_dtypes = dict(body.arg_dtypes)
+        self.ret_dtypes = {name: dtype for name, (_, _, dtype) in body.rets.items()}
+        if signature is not None:
+            self.arg_dtypes.update(signature.args)
+            self.ret_dtypes.update(signature.rets)
         self.records: dict[str, dict] = {}
 
     def converted(self, node: str) -> tuple[str, ...]:
@@ -73,7 +89,7 @@ class _BodyEditor:
 
     def new_output_dtype(self, ref: TensorRef) -> int:
         if ref.is_arg:
-            return self.body.arg_dtypes[ref.node]
+            return self.arg_dtypes[ref.node]
         port = self.body.nodes[ref.node].outputs[ref.index]
         return self.target if port.type_attr in self.converted(ref.node) else port.dtype
 
@@ -89,7 +105,8 @@ class _BodyEditor:
                 wanted = self.target if port.type_attr in self.converted(name) else port.dtype
                 if self.new_output_dtype(ref) != wanted:
                     node_def.input[index] = self._cast(ref, text, wanted, name)
-        for ret_name, (ref, text, dtype) in self.body.rets.items():
+        for ret_name, (ref, text, _) in self.body.rets.items():
+            dtype = self.ret_dtypes[ret_name]
             if self.body.producer_port(ref) and self.new_output_dtype(ref) != dtype:
                 self.fdef.ret[ret_name] = self._cast(ref, text, dtype, f"<ret {ret_name}>")
         return [CastRecord(consumers=tuple(r.pop("consumers")), **r)

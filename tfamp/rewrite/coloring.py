@@ -14,10 +14,13 @@ grappler's AMP pass:
 6. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
    instead, so no second Cast is needed.
 
-Each library function is coloured on its own with its signature fixed: callers
-(PartitionedCall, While, If, Case, ...) keep their types and every body meets
-float32 at its arguments and results. That keeps a loop-carried value one dtype
-on every iteration and lets a function be shared by several callers.
+Each library function is coloured on its own. Call sites (While, If, Case,
+PartitionedCall, ...) and TensorList element types keep their float32 types
+unless ``boundaries.solve`` decides that a whole group of slots that must agree
+(a loop-carried value in the loop, its cond and body; a function argument at
+every caller; every op on one TensorList; a TF1 loop frame) goes 16-bit
+together. It passes those decisions to each body as ``BodyOverrides``: 16-bit
+arguments and results, forced 16-bit slots, and slots held at float32.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Iterable
 
 from tensorflow.core.framework import types_pb2
 
-from tfamp.rewrite import kernels
+from tfamp.rewrite import boundaries, kernels
 from tfamp.config import AmpConfig
 from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
 
@@ -74,6 +77,8 @@ class Coloring:
 
     target: int
     decisions: dict[tuple[str, str], Decision]
+    # function name -> its new signature types where they change (boundaries.py).
+    signatures: dict[str, boundaries.SignatureTypes] = dataclasses.field(default_factory=dict)
 
     def converted_attrs(self, function: str, node: str) -> tuple[str, ...]:
         return self.decisions[(function, node)].converted_attrs
@@ -93,11 +98,13 @@ def color(view: GraphView, config: AmpConfig,
       A Coloring with one Decision per node.
     """
     pinned_outputs = {_parse_tensor_name(name) for name in outputs}
-    decisions: dict[tuple[str, str], Decision] = {}
-    for body in view.bodies:
+
+    def color_body(body: Body, overrides: boundaries.BodyOverrides):
         body_pins = pinned_outputs if not body.is_function else set()
-        decisions.update(_BodyColoring(body, config, body_pins).run())
-    return Coloring(target=config.target_enum, decisions=decisions)
+        return _BodyColoring(body, config, body_pins, overrides).run()
+
+    decisions, signatures = boundaries.solve(view, config, pinned_outputs, color_body)
+    return Coloring(target=config.target_enum, decisions=decisions, signatures=signatures)
 
 
 def _parse_tensor_name(name: str) -> TensorRef:
@@ -108,8 +115,11 @@ def _parse_tensor_name(name: str) -> TensorRef:
 class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
-    def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef]):
+    def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
+                 overrides: boundaries.BodyOverrides | None = None):
         self.body = body
+        self.overrides = overrides or boundaries.BodyOverrides()
+        self.forced: dict[int, tuple[str, str]] = {}  # slot -> (reason, cause)
         self.config = config
         self.lists = config.op_lists
         self.target = config.target_enum
@@ -123,6 +133,7 @@ class _BodyColoring:
         self.blocked: dict[int, str] = {}  # slot -> why it cannot be 16-bit
         self.node_blocks: dict[str, str] = {}  # node -> why none of it can be 16-bit
         self._make_slots(pinned)
+        self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
         self.fanout: list[list[int]] = [[] for _ in self.slot_node]
         self._connect()
@@ -153,6 +164,40 @@ class _BodyColoring:
                     slot = self.slot_index[(name, port.type_attr)]
                     self.blocked.setdefault(
                         slot, "kept float32: a graph output keeps its dtype")
+
+    def _add_slot(self, name: str, attr: str, list_name: str) -> int:
+        slot = len(self.slot_node)
+        self.slot_node.append(name)
+        self.slot_attr.append(attr)
+        self.slot_list.append(list_name)
+        self.slot_index[(name, attr)] = slot
+        return slot
+
+    def _make_boundary_slots(self) -> None:
+        """Applies boundaries.solve's decisions (see BodyOverrides).
+
+        Forced slots are 16-bit seeds; 16-bit arguments and results get
+        pseudo-slots (named ``boundaries.arg_slot_name(...)``) so edges to them
+        take part in the passes like edges to any 16-bit op.
+        """
+        ov = self.overrides
+        for node, attr, reason in ov.blocked:
+            slot = self.slot_index.get((node, attr))
+            if slot is not None:
+                self.blocked[slot] = reason
+        for node, attr, reason in ov.forced:
+            slot = self.slot_index.get((node, attr))
+            if slot is None:  # a type attribute with no float port (EmptyTensorList)
+                slot = self._add_slot(node, attr, "boundary")
+            self.blocked.pop(slot, None)
+            self.slot_list[slot] = "boundary"
+            self.forced[slot] = (reason, "")
+        for arg in sorted(ov.args):
+            slot = self._add_slot(boundaries.arg_slot_name(arg), "T", "boundary")
+            self.forced[slot] = (f"argument {arg!r} arrives {self.target_name}", "")
+        for ret in sorted(ov.rets):
+            slot = self._add_slot(boundaries.ret_slot_name(ret), "T", "boundary")
+            self.forced[slot] = (f"result {ret!r} leaves {self.target_name}", "")
 
     def _node_block(self, name: str, node) -> str:
         for pattern in self.keep_patterns:
@@ -188,13 +233,30 @@ class _BodyColoring:
             for index, (ref, _) in enumerate(node.data_inputs):
                 dst_attr = node.inputs[index].type_attr if index < len(node.inputs) else None
                 dst = self.slot_index.get((name, dst_attr))
-                if dst is None or ref.is_arg:
+                if dst is None:
+                    continue
+                if ref.is_arg:
+                    src = self.slot_index.get((boundaries.arg_slot_name(ref.node), "T"))
+                    if src is not None:
+                        self.fanout[src].append(dst)
+                        self.fanin[dst].append(src)
                     continue
                 port = self.body.producer_port(ref)
                 src = self.slot_index.get((ref.node, port.type_attr)) if port else None
                 if src is not None and port.dtype == DT_FLOAT:
                     self.fanout[src].append(dst)
                     self.fanin[dst].append(src)
+        for ret in self.overrides.rets:
+            dst = self.slot_index[(boundaries.ret_slot_name(ret), "T")]
+            ref = self.body.rets[ret][0]
+            if ref.is_arg:
+                src = self.slot_index.get((boundaries.arg_slot_name(ref.node), "T"))
+            else:
+                port = self.body.producer_port(ref)
+                src = self.slot_index.get((ref.node, port.type_attr)) if port else None
+            if src is not None:
+                self.fanout[src].append(dst)
+                self.fanin[dst].append(src)
 
     # -- the passes -----------------------------------------------------------
 
@@ -203,6 +265,7 @@ class _BodyColoring:
         for slot, list_name in enumerate(self.slot_list):
             if list_name == "allow" and can(slot):
                 self.allow[slot] = (f"allow: compute-heavy, runs in {self.target_name}", "")
+        self.allow.update(self.forced)
         self._propagate_deny()
         self._add_between_allow()
         self._add_infer_after_allow()
@@ -269,8 +332,10 @@ class _BodyColoring:
             if i < len(node.inputs) and node.inputs[i].type_attr == attr))
 
     def _ref_is_16bit(self, ref: TensorRef) -> bool:
+        if ref.is_arg:
+            return ref.node in self.overrides.args
         port = self.body.producer_port(ref)
-        if ref.is_arg or port is None or port.type_attr is None:
+        if port is None or port.type_attr is None:
             return False
         slot = self.slot_index.get((ref.node, port.type_attr))
         return slot is not None and slot in self.allow
@@ -308,8 +373,8 @@ class _BodyColoring:
         are all 16-bit casts straight to the 16-bit type.
         """
         for slot, name in enumerate(self.slot_node):
-            node = self.body.nodes[name]
-            if node.op != "Cast" or not self._candidate(slot) or slot in self.allow:
+            node = self.body.nodes.get(name)
+            if node is None or node.op != "Cast" or not self._candidate(slot) or slot in self.allow:
                 continue
             if self.slot_attr[slot] == "SrcT":
                 ref = node.data_inputs[0][0]
