@@ -20,7 +20,8 @@ Such *groups* are found with a union-find over members (``("arg", fn, name)``,
 ``("ret", fn, name)``, ``("slot", body, node, type_attr)``). A group goes 16-bit
 as a whole or not at all; a group with any member that cannot change (a
 function whose signature the runtime relies on, a graph output, a missing
-kernel, a variant that reaches an op tfamp does not follow) stays float32.
+kernel, a variant that reaches an op tfamp does not follow, a slot that deny
+propagation reaches while every boundary is float32) stays float32.
 
 ``solve`` chooses the groups: colour every body with float32 boundaries, turn
 to 16-bit every open group (later rounds: every open group with a 16-bit
@@ -479,6 +480,7 @@ class _Solver:
         self.target = analysis.target
         self.cache: dict = {}
         self.decisions: dict = {}
+        self.denied: dict = {}  # (body, node, attr) -> deny reason, current colouring
 
     def overrides(self, body: Body, plan: set[int]) -> BodyOverrides:
         args, rets, forced, blocked = set(), set(), [], []
@@ -509,14 +511,17 @@ class _Solver:
         return self._by_body.get(body_name, [])
 
     def color_all(self, plan: set[int]) -> dict:
-        decisions = {}
+        decisions, denied = {}, {}
         for body in self.a.view.bodies:
             overrides = self.overrides(body, plan)
             key = (body.name, overrides)
             if key not in self.cache:
                 self.cache[key] = self.color_body(body, overrides)
-            decisions.update(self.cache[key])
+            body_decisions, body_denied = self.cache[key]
+            decisions.update(body_decisions)
+            denied.update({(body.name, *slot): why for slot, why in body_denied.items()})
         self.decisions = decisions
+        self.denied = denied
         return decisions
 
     # -- cost of a group given the current colouring --------------------------------
@@ -624,7 +629,8 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
       config: the rewrite settings.
       pinned: top-graph tensors whose dtype callers rely on.
       color_body: colours one body under given overrides; returns its
-        decisions keyed by (function, node).
+        decisions keyed by (function, node) and its slots in deny propagation
+        ({(node, type attribute): reason}).
 
     Returns:
       (decisions for every node, new signature types per changed function).
@@ -633,6 +639,13 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
     solver = _Solver(analysis, color_body)
     plan: set[int] = set()
     decisions = solver.color_all(plan)
+    for group in analysis.groups:
+        # Deny propagation reaches a group's slots (a TF1 frame downstream of
+        # Exp, a loop fed by one): the group follows the rule and stays float32.
+        denied = [solver.denied[m[1:]] for m in group.members
+                  if m[0] == "slot" and m[1:] in solver.denied]
+        if denied and not group.block:
+            group.block = denied[0]
     open_groups = [i for i, g in enumerate(analysis.groups) if not g.block]
     rejected: set[int] = set()
     for round_ in range(_MAX_ROUNDS):

@@ -101,7 +101,11 @@ def color(view: GraphView, config: AmpConfig,
 
     def color_body(body: Body, overrides: boundaries.BodyOverrides):
         body_pins = pinned_outputs if not body.is_function else set()
-        return _BodyColoring(body, config, body_pins, overrides).run()
+        body_coloring = _BodyColoring(body, config, body_pins, overrides)
+        decisions = body_coloring.run()
+        denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
+                  for s, (reason, _) in body_coloring.deny.items()}
+        return decisions, denied
 
     decisions, signatures = boundaries.solve(view, config, pinned_outputs, color_body)
     return Coloring(target=config.target_enum, decisions=decisions, signatures=signatures)
