@@ -25,10 +25,10 @@ propagation reaches while every boundary is float32) stays float32.
 
 ``solve`` chooses the groups: colour every body with float32 boundaries, turn
 to 16-bit every open group (later rounds: every open group with a 16-bit
-neighbour), re-colour, and drop the
-groups whose local Cast cost (weighted by loop depth: a Cast in a loop body
-runs on every iteration) is no lower in 16-bit; repeat to a fixpoint, at most
-``_MAX_ROUNDS`` times. Bodies receive the result as ``BodyOverrides``; Casts go
+neighbour), re-colour, and drop each group whose bodies do not need fewer
+Casts with it 16-bit than with it float32 (each body re-coloured both ways;
+Casts weighted by loop depth, since a Cast in a loop body runs on every
+iteration); repeat to a fixpoint, at most ``_MAX_ROUNDS`` times. Bodies receive the result as ``BodyOverrides``; Casts go
 where a group meets a float32 neighbour, once, on the caller side when that is
 outside the loop.
 """
@@ -195,6 +195,7 @@ class _Analysis:
         self.calls: list[tuple[Body, object, dict[str, list[str]]]] = []
         self._find_calls()
         self.weight = self._weights()
+        self.in_frame = {body.name: _tf1_frame_nodes(body) for body in view.bodies}
         self.groups: list[Group] = []
         self._call_groups()
         self._list_groups()
@@ -510,14 +511,32 @@ class _Solver:
                     self._by_body.setdefault(body, []).append(index)
         return self._by_body.get(body_name, [])
 
+    def _colored(self, body: Body, plan: set[int]):
+        """(decisions, denied slots, Casts needed) for `body` under `plan`, cached."""
+        overrides = self.overrides(body, plan)
+        key = (body.name, overrides)
+        if key not in self.cache:
+            decisions, denied = self.color_body(body, overrides)
+            casts = _count_casts(body, decisions, overrides, self.target,
+                                 self.a.in_frame[body.name])
+            self.cache[key] = (decisions, denied, casts)
+        return self.cache[key]
+
+    def weighted_casts(self, index: int, plan: set[int]) -> int:
+        """Loop-weighted Casts in the bodies group `index` touches, under `plan`."""
+        names = dict.fromkeys(m[1] for m in self.a.groups[index].members)
+        return sum(self.a.weight.get(name, 1) * self._colored(self.a.bodies[name], plan)[2]
+                   for name in names)
+
+    def pays_off(self, index: int, plan: set[int]) -> bool:
+        """True if group `index` in 16-bit needs fewer (weighted) Casts than float32."""
+        return (self.weighted_casts(index, plan)
+                < self.weighted_casts(index, plan - {index}))
+
     def color_all(self, plan: set[int]) -> dict:
         decisions, denied = {}, {}
         for body in self.a.view.bodies:
-            overrides = self.overrides(body, plan)
-            key = (body.name, overrides)
-            if key not in self.cache:
-                self.cache[key] = self.color_body(body, overrides)
-            body_decisions, body_denied = self.cache[key]
+            body_decisions, body_denied, _ = self._colored(body, plan)
             decisions.update(body_decisions)
             denied.update({(body.name, *slot): why for slot, why in body_denied.items()})
         self.decisions = decisions
@@ -611,6 +630,57 @@ class _Solver:
         return self.cost(index, plan)[1] > 0
 
 
+def _tf1_frame_nodes(body: Body) -> frozenset[str]:
+    """Nodes inside a TF1 loop frame: reached from an Enter without passing an Exit."""
+    seen: set[str] = set()
+    stack = [name for name, node in body.nodes.items() if node.op in ("Enter", "RefEnter")]
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if body.nodes[name].op in ("Exit", "RefExit"):
+            continue
+        for ref in body.output_refs(name):
+            stack.extend(c for c, _ in body.consumers.get(ref, ()) if c not in seen)
+    return frozenset(seen)
+
+
+def _count_casts(body: Body, decisions: dict, overrides: BodyOverrides, target: int,
+                 in_frame: frozenset[str] = frozenset()) -> int:
+    """Casts casts.insert_casts puts in `body` (one per tensor and dtype).
+
+    A Cast feeding a node inside a TF1 loop frame counts LOOP_WEIGHT times.
+    """
+    arg_dtypes = {a: target if a in overrides.args else d for a, d in body.arg_dtypes.items()}
+
+    def new_dtype(ref: TensorRef):
+        if ref.is_arg:
+            return arg_dtypes.get(ref.node)
+        port = body.producer_port(ref)
+        if port is None:
+            return None
+        converted = decisions[(body.name, ref.node)].converted_attrs
+        return target if port.type_attr in converted else port.dtype
+
+    needed: dict[tuple[TensorRef, int], int] = {}
+    for name, node in body.nodes.items():
+        converted = decisions[(body.name, name)].converted_attrs
+        weight = LOOP_WEIGHT if name in in_frame and node.op not in ("Enter", "RefEnter") else 1
+        for index, (ref, _) in enumerate(node.data_inputs):
+            if index >= len(node.inputs) or body.producer_port(ref) is None:
+                continue
+            port = node.inputs[index]
+            wanted = target if port.type_attr in converted else port.dtype
+            if new_dtype(ref) != wanted:
+                needed[(ref, wanted)] = max(weight, needed.get((ref, wanted), 0))
+    for ret, (ref, _, dtype) in body.rets.items():
+        wanted = target if ret in overrides.rets else dtype
+        if body.producer_port(ref) is not None and new_dtype(ref) != wanted:
+            needed.setdefault((ref, wanted), 1)
+    return sum(needed.values())
+
+
 def _reason(group: Group, target: str) -> str:
     what = {"call": "a value crossing a call or loop boundary",
             "list": "a TensorList's elements",
@@ -658,11 +728,7 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
         plan |= grow
         for _ in range(_MAX_ROUNDS):
             decisions = solver.color_all(plan)
-            drop = set()
-            for i in plan:
-                cost16, cost32 = solver.cost(i, plan)
-                if cost16 >= cost32:
-                    drop.add(i)
+            drop = {i for i in plan if not solver.pays_off(i, plan)}
             if not drop:
                 break
             plan -= drop
