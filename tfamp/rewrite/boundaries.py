@@ -202,13 +202,18 @@ class _Analysis:
         self._tf1_groups()
         self.group_of: dict[Member, int] = {}
         for index, group in enumerate(self.groups):
+            if not group.block and not any(m[1] in self.reached for m in group.members):
+                group.block = "its functions are not run from this graph"
             for member in group.members:
                 self.group_of[member] = index
 
     def _find_calls(self) -> None:
         called_known: set[str] = set()
+        edges: dict[str, set[str]] = {}
         for body in self.view.bodies:
             for node in body.nodes.values():
+                edges.setdefault(body.name, set()).update(
+                    [fn for _, fn in _called(node, None)] + [node.op])
                 if node.op in self.functions:
                     self.hidden.setdefault(
                         node.op, f"called directly as an op by {node.name!r}")
@@ -234,6 +239,13 @@ class _Analysis:
                                     f"implementation selector relies on its signature")
         for name, why in self.hidden.items():
             self.fixed.setdefault(name, why)
+        self.reached = {""}
+        stack = [""]
+        while stack:
+            for fn in edges.get(stack.pop(), ()):
+                if fn in self.functions and fn not in self.reached:
+                    self.reached.add(fn)
+                    stack.append(fn)
 
     def _weights(self) -> dict[str, int]:
         # The top graph and functions nothing here calls (run by the runtime,
