@@ -168,6 +168,56 @@ def test_a_graph_output_from_a_call_keeps_its_dtype():
         assert _types(call.attr["Tin"]) == ["float16", "float16"]
 
 
+# -- one function, two callers -----------------------------------------------------------
+
+
+@tf.function
+def _shared(a, b):
+    return a * b + 1.0
+
+
+def two_disagreeing_callers(x, w):
+    y = _shared(tf.matmul(x, w), w)  # 16-bit producer, 16-bit consumer
+    z = _shared(tf.exp(x * 0.1), x)  # float32 producers (Exp is deny)
+    return tf.matmul(y, w) + z
+
+
+def two_agreeing_callers(x, w):
+    return tf.matmul(_shared(tf.matmul(x, w), w), w) + tf.matmul(_shared(tf.matmul(w, x), x), w)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_callers_that_disagree_get_their_own_copy_of_the_body(dtype):
+    graph_def, new_graph_def, _ = rewrite(two_disagreeing_callers, M, M, dtype=dtype)
+    calls = {n.name: n for _, n in _calls(new_graph_def, ("PartitionedCall",
+                                                         "StatefulPartitionedCall"))}
+    assert len(calls) == 2
+    called = {name: n.attr["f"].func.name for name, n in calls.items()}
+    original = next(n.attr["f"].func.name for n in graph_def.node if n.op.endswith("Call"))
+    assert len(set(called.values())) == 2 and original in called.values()
+    for name, node in calls.items():  # each call matches the function it calls
+        fdef = _fdef(new_graph_def, called[name])
+        assert _types(node.attr["Tin"]) == _sig(fdef, "in")
+        assert _types(node.attr["Tout"]) == _sig(fdef, "out")
+    sixteen = {name for name, n in calls.items() if _types(n.attr["Tin"]) == [dtype, dtype]}
+    plain = {name for name, n in calls.items() if _types(n.attr["Tin"]) == ["float32"] * 2}
+    assert len(sixteen) == len(plain) == 1
+    assert called[plain.pop()] == original + "_tfamp_f32"
+    assert len(new_graph_def.library.function) == len(graph_def.library.function) + 1
+    feeds = _rng_feeds("x", "w")
+    np.testing.assert_allclose(run_graph_def(new_graph_def, feeds, ["Identity:0"])[0],
+                               run_graph_def(graph_def, feeds, ["Identity:0"])[0],
+                               rtol=3e-2, atol=3e-2)
+
+
+def test_callers_that_agree_share_one_body():
+    graph_def, new_graph_def, _ = rewrite(two_agreeing_callers, M, M)
+    calls = [n for _, n in _calls(new_graph_def, ("PartitionedCall", "StatefulPartitionedCall"))]
+    assert len(calls) == 2 and len({n.attr["f"].func.name for n in calls}) == 1
+    assert len(new_graph_def.library.function) == len(graph_def.library.function)
+    assert [_types(n.attr["Tin"]) for n in calls] == [["float16", "float16"]] * 2
+
+
 # -- TensorList accumulators: forward loop and its gradient loop ------------------------
 
 

@@ -166,21 +166,29 @@ class _UnionFind:
 # -- finding groups ---------------------------------------------------------------
 
 
-def _called(node, op_attrs) -> list[tuple[str, str]]:
-    """(attribute, function name) for every function attribute of `node`."""
+Site = tuple  # (body, node, function attribute, index in a list of functions)
+
+
+def _called(body_name: str, node, targets: dict[Site, str]) -> list[tuple[str, str]]:
+    """(attribute, function name) for every function attribute of `node`.
+
+    `targets` redirects call sites to clones (see ``_clone_call_sites``).
+    """
     result = []
     for attr_name, value in node.node_def.attr.items():
-        if value.HasField("func"):
-            result.append((attr_name, value.func.name))
-        result.extend((attr_name, f.name) for f in value.list.func)
+        funcs = [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]
+        for index, fn in enumerate(funcs):
+            result.append((attr_name, targets.get((body_name, node.name, attr_name, index), fn)))
     return result
 
 
 class _Analysis:
     """Groups, their blocks and the loop weight of every body."""
 
-    def __init__(self, view: GraphView, config: AmpConfig, pinned: set[TensorRef]):
+    def __init__(self, view: GraphView, config: AmpConfig, pinned: set[TensorRef],
+                 targets: dict[Site, str] | None = None):
         self.view = view
+        self.targets = targets or {}
         self.config = config
         self.target = config.target_enum
         self.device_type = kernels.resolve_device_type(config.device_type)
@@ -213,13 +221,13 @@ class _Analysis:
         for body in self.view.bodies:
             for node in body.nodes.values():
                 edges.setdefault(body.name, set()).update(
-                    [fn for _, fn in _called(node, None)] + [node.op])
+                    [fn for _, fn in _called(body.name, node, self.targets)] + [node.op])
                 if node.op in self.functions:
                     self.hidden.setdefault(
                         node.op, f"called directly as an op by {node.name!r}")
                 known = _CALL_OPS.get(node.op, ())
                 by_attr: dict[str, list[str]] = {}
-                for attr_name, fn in _called(node, None):
+                for attr_name, fn in _called(body.name, node, self.targets):
                     if fn not in self.functions:
                         continue
                     if attr_name in known:
@@ -701,9 +709,121 @@ def _reason(group: Group, target: str) -> str:
             f"(every producer and consumer agrees)")
 
 
+@dataclasses.dataclass
+class Solution:
+    """What ``solve`` decided.
+
+    Attributes:
+      decisions: (function, node) -> Decision, clones included.
+      signatures: function -> its changed argument/result dtypes.
+      clones: new function name -> the library function it copies.
+      call_targets: call site (body, node, attribute, index) -> the clone it
+        now calls.
+    """
+
+    decisions: dict
+    signatures: dict[str, SignatureTypes]
+    clones: dict[str, str]
+    call_targets: dict[Site, str]
+
+
+def _clone_call_sites(view: GraphView) -> tuple[GraphView, dict[str, str], dict[Site, str]]:
+    """Gives every call site after the first of a shared function its own copy.
+
+    Only functions whose every reference is a known call op (While, If,
+    Case, PartitionedCall, ...) and whose signature nothing outside relies on.
+    ``solve`` merges copies that end up coloured like the original back.
+    """
+    sites: dict[str, list[Site]] = {}
+    unclonable: set[str] = set()
+    functions = {b.name: b for b in view.bodies if b.is_function}
+    for body in view.bodies:
+        for node in body.nodes.values():
+            if node.op in functions:
+                unclonable.add(node.op)
+            known = _CALL_OPS.get(node.op, ())
+            for attr_name, value in node.node_def.attr.items():
+                funcs = ([value.func.name] if value.HasField("func")
+                         else [f.name for f in value.list.func])
+                for index, fn in enumerate(funcs):
+                    sites.setdefault(fn, []).append((body.name, node.name, attr_name, index))
+                    if attr_name not in known:
+                        unclonable.add(fn)
+    clones: dict[str, str] = {}
+    targets: dict[Site, str] = {}
+    bodies = list(view.bodies)
+    for fn, fn_sites in sites.items():
+        body = functions.get(fn)
+        if (body is None or fn in unclonable or len(fn_sites) < 2
+                or body.function_attrs & _SIGNATURE_FIXING_ATTRS):
+            continue
+        for k, site in enumerate(fn_sites[1:], start=1):
+            clone = f"{fn}_tfamp_copy{k}"
+            clones[clone] = fn
+            targets[site] = clone
+            bodies.append(dataclasses.replace(body, name=clone))
+    if not clones:
+        return view, {}, {}
+    signatures = dict(view.signatures)
+    signatures.update({c: view.signatures[fn] for c, fn in clones.items()})
+    return GraphView(bodies=bodies, signatures=signatures), clones, targets
+
+
+def _merge_clones(solution: Solution, view: GraphView, target: int) -> Solution:
+    """Drops copies coloured like their original; names the rest.
+
+    A kept copy is ``<fn>_tfamp_<f16|bf16>`` when its signature has 16-bit
+    types, ``<fn>_tfamp_f32`` when it keeps float32 ones.
+    """
+    if not solution.clones:
+        return solution
+    nodes = {b.name: list(b.nodes) for b in view.bodies}
+    taken = set(nodes)
+    short = {"float16": "f16", "bfloat16": "bf16"}[dtype_name(target)]
+
+    def result(name: str):
+        types = solution.signatures.get(name, SignatureTypes({}, {}))
+        return (tuple(sorted(types.args.items())), tuple(sorted(types.rets.items())),
+                tuple(solution.decisions[(name, n)].converted_attrs
+                      for n in nodes[solution.clones.get(name, name)]))
+
+    renamed: dict[str, str] = {}
+    for clone, fn in solution.clones.items():
+        key = result(clone)
+        if key == result(fn):
+            renamed[clone] = fn
+            continue
+        twin = next((new for old, new in renamed.items()
+                     if solution.clones.get(old) == fn and new != fn and result(old) == key), None)
+        if twin is None:
+            # Named after its signature: 16-bit somewhere, or all float32.
+            tag = short if key[0] or key[1] else "f32"
+            twin, suffix = f"{fn}_tfamp_{tag}", 2
+            while twin in taken:
+                twin, suffix = f"{fn}_tfamp_{tag}_{suffix}", suffix + 1
+            taken.add(twin)
+        renamed[clone] = twin
+    kept = {new: solution.clones[old] for old, new in renamed.items() if new != solution.clones[old]}
+    decisions = {}
+    for (name, node), decision in solution.decisions.items():
+        if name in renamed:
+            if renamed[name] in kept:
+                decisions[(renamed[name], node)] = decision
+        else:
+            decisions[(name, node)] = decision
+    signatures = {}
+    for name, types in solution.signatures.items():
+        if name not in renamed:
+            signatures[name] = types
+        elif renamed[name] in kept:
+            signatures[renamed[name]] = types
+    call_targets = {site: renamed[c] for site, c in solution.call_targets.items()
+                    if renamed[c] != solution.clones[c]}
+    return Solution(decisions, signatures, kept, call_targets)
+
+
 def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
-          color_body: Callable[[Body, BodyOverrides], dict]
-          ) -> tuple[dict, dict[str, SignatureTypes]]:
+          color_body: Callable[[Body, BodyOverrides], dict]) -> Solution:
     """Chooses which boundary groups go 16-bit and colours every body.
 
     Args:
@@ -715,9 +835,12 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
         ({(node, type attribute): reason}).
 
     Returns:
-      (decisions for every node, new signature types per changed function).
+      A Solution: decisions for every node, new signature types, and the
+      copies of functions whose callers disagree.
     """
-    analysis = _Analysis(view, config, pinned)
+    original_view = view
+    view, clones, targets = _clone_call_sites(view)
+    analysis = _Analysis(view, config, pinned, targets)
     solver = _Solver(analysis, color_body)
     plan: set[int] = set()
     decisions = solver.color_all(plan)
@@ -759,4 +882,5 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
         log.debug("tfamp boundaries: %d of %d groups 16-bit: %s", len(plan),
                   len(analysis.groups),
                   ", ".join(analysis.groups[i].describe() for i in sorted(plan)))
-    return decisions, signatures
+    solution = Solution(decisions, signatures, clones, targets)
+    return _merge_clones(solution, original_view, solver.target)

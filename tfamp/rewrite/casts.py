@@ -48,14 +48,37 @@ def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView,
     new_graph_def = graph_pb2.GraphDef()
     new_graph_def.CopyFrom(graph_def)
     functions = {f.signature.name: f for f in new_graph_def.library.function}
+    bodies = list(view.bodies)
+    by_name = {body.name: body for body in view.bodies}
+    for clone, original in coloring.clones.items():  # callers that disagree get a copy
+        fdef = new_graph_def.library.function.add()
+        fdef.CopyFrom(functions[original])
+        fdef.signature.name = clone
+        functions[clone] = fdef
+        bodies.append(dataclasses.replace(by_name[original], name=clone))
     casts: list[CastRecord] = []
-    for body in view.bodies:
+    for body in bodies:
         fdef = functions.get(body.name) if body.is_function else None
         node_list = fdef.node_def if fdef is not None else new_graph_def.node
         if fdef is not None and body.name in coloring.signatures:
             _retype_signature(fdef, coloring.signatures[body.name])
         casts.extend(_BodyEditor(body, node_list, fdef, coloring).run())
+    _retarget_calls(new_graph_def, functions, coloring.call_targets)
     return new_graph_def, casts
+
+
+def _retarget_calls(graph_def, functions, call_targets) -> None:
+    """Points each redirected call site at the function copy it now calls."""
+    node_defs: dict[str, dict] = {}
+    for (body, node, attr, index), function in call_targets.items():
+        if body not in node_defs:
+            nodes = graph_def.node if body == "" else functions[body].node_def
+            node_defs[body] = {n.name: n for n in nodes}
+        value = node_defs[body][node].attr[attr]
+        if value.HasField("func"):
+            value.func.name = function
+        else:
+            value.list.func[index].name = function
 
 
 def _retype_signature(fdef, types) -> None:

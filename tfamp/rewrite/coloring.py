@@ -79,6 +79,10 @@ class Coloring:
     decisions: dict[tuple[str, str], Decision]
     # function name -> its new signature types where they change (boundaries.py).
     signatures: dict[str, boundaries.SignatureTypes] = dataclasses.field(default_factory=dict)
+    # new function name -> the function it copies (callers that disagree, boundaries.py)
+    clones: dict[str, str] = dataclasses.field(default_factory=dict)
+    # call site (body, node, attribute, index in a function list) -> the copy it calls
+    call_targets: dict[tuple[str, str, str, int], str] = dataclasses.field(default_factory=dict)
 
     def converted_attrs(self, function: str, node: str) -> tuple[str, ...]:
         return self.decisions[(function, node)].converted_attrs
@@ -107,8 +111,10 @@ def color(view: GraphView, config: AmpConfig,
                   for s, (reason, _) in body_coloring.deny.items()}
         return decisions, denied
 
-    decisions, signatures = boundaries.solve(view, config, pinned_outputs, color_body)
-    return Coloring(target=config.target_enum, decisions=decisions, signatures=signatures)
+    solution = boundaries.solve(view, config, pinned_outputs, color_body)
+    return Coloring(target=config.target_enum, decisions=solution.decisions,
+                    signatures=solution.signatures, clones=solution.clones,
+                    call_targets=solution.call_targets)
 
 
 def _parse_tensor_name(name: str) -> TensorRef:
