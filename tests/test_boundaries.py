@@ -317,7 +317,7 @@ def _keras_step(kind):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
         grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
     return step
 

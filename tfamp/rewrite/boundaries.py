@@ -28,9 +28,17 @@ to 16-bit every open group (later rounds: every open group with a 16-bit
 neighbour), re-colour, and drop each group whose bodies do not need fewer
 Casts with it 16-bit than with it float32 (each body re-coloured both ways;
 Casts weighted by loop depth, since a Cast in a loop body runs on every
-iteration); repeat to a fixpoint, at most ``_MAX_ROUNDS`` times. Bodies receive the result as ``BodyOverrides``; Casts go
-where a group meets a float32 neighbour, once, on the caller side when that is
-outside the loop.
+iteration); repeat to a fixpoint, at most ``_MAX_ROUNDS`` times. Bodies
+receive the result as ``BodyOverrides``; casts.py retypes signatures and call
+sites and puts Casts where a group meets a float32 neighbour (for a loop, once
+before or after it rather than on every iteration).
+
+Callers that disagree: every call site after the first of a shared function
+gets its own copy of the body while solving; copies coloured exactly like the
+original are merged back, the rest are kept as ``<fn>_tfamp_<f16|bf16|f32>``.
+Functions tagged ``api_implements`` (Keras LSTM/GRU, swapped by grappler's
+implementation selector) keep their signature and are never copied; the
+loops inside them are free.
 """
 
 from __future__ import annotations
@@ -264,7 +272,7 @@ class _Analysis:
             for body, node, by_attr in self.calls:
                 if body.name not in weight:
                     continue
-                for attr_name, fns in by_attr.items():
+                for fns in by_attr.values():
                     factor = LOOP_WEIGHT if node.op in _WHILE_OPS else 1
                     for fn in fns:
                         w = weight[body.name] * factor
@@ -296,7 +304,7 @@ class _Analysis:
         for body, node, by_attr in self.calls:
             fns = [fn for fns in by_attr.values() for fn in fns]
             is_while = node.op in _WHILE_OPS
-            for index, port in enumerate(node.inputs):
+            for port in node.inputs:
                 if port.dtype != DT_FLOAT or port.type_attr is None:
                     continue
                 slot: Member = ("slot", body.name, node.name, port.type_attr)
@@ -316,7 +324,7 @@ class _Analysis:
                         uf.union(slot, ("ret", by_attr["body"][0], rets[k]))
             if is_while:
                 continue
-            for index, port in enumerate(node.outputs):
+            for port in node.outputs:
                 if port.dtype != DT_FLOAT or port.type_attr is None:
                     continue
                 slot = ("slot", body.name, node.name, port.type_attr)
@@ -803,7 +811,8 @@ def _merge_clones(solution: Solution, view: GraphView, target: int) -> Solution:
                 twin, suffix = f"{fn}_tfamp_{tag}_{suffix}", suffix + 1
             taken.add(twin)
         renamed[clone] = twin
-    kept = {new: solution.clones[old] for old, new in renamed.items() if new != solution.clones[old]}
+    kept = {new: solution.clones[old] for old, new in renamed.items()
+            if new != solution.clones[old]}
     decisions = {}
     for (name, node), decision in solution.decisions.items():
         if name in renamed:
