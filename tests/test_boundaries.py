@@ -188,7 +188,7 @@ def two_agreeing_callers(x, w):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_callers_that_disagree_get_their_own_copy_of_the_body(dtype):
-    graph_def, new_graph_def, _ = rewrite(two_disagreeing_callers, M, M, dtype=dtype)
+    graph_def, new_graph_def, report = rewrite(two_disagreeing_callers, M, M, dtype=dtype)
     calls = {n.name: n for _, n in _calls(new_graph_def, ("PartitionedCall",
                                                          "StatefulPartitionedCall"))}
     assert len(calls) == 2
@@ -202,8 +202,12 @@ def test_callers_that_disagree_get_their_own_copy_of_the_body(dtype):
     sixteen = {name for name, n in calls.items() if _types(n.attr["Tin"]) == [dtype, dtype]}
     plain = {name for name, n in calls.items() if _types(n.attr["Tin"]) == ["float32"] * 2}
     assert len(sixteen) == len(plain) == 1
-    assert called[plain.pop()] == original + "_tfamp_f32"
+    assert called[next(iter(plain))] == original + "_tfamp_f32"
     assert len(new_graph_def.library.function) == len(graph_def.library.function) + 1
+    copy_name = original + "_tfamp_f32"
+    copied = [n for n in report.nodes if n.function == copy_name]
+    assert copied and not any(n.converted for n in copied)  # reported, all float32
+    assert report.nodes_after == len(report.nodes) + report.casts_inserted
     feeds = _rng_feeds("x", "w")
     np.testing.assert_allclose(run_graph_def(new_graph_def, feeds, ["Identity:0"])[0],
                                run_graph_def(graph_def, feeds, ["Identity:0"])[0],
@@ -297,6 +301,8 @@ def test_tf1_loop_frame_has_one_dtype(deny_before_loop, frame_dtype):
     assert {n.op for n in frame} == {"Enter", "Merge", "Switch", "NextIteration", "Exit"}
     assert {dtype_name(n.attr["T"].type) for n in frame} == {frame_dtype}
     assert report.node("while/MatMul").converted
+    frame_kept = report.kept_fp32.get("TF1 loop frame", 0)
+    assert frame_kept > 0 if frame_dtype == "float32" else frame_kept == 0
     feeds = _rng_feeds("x", "w")
     np.testing.assert_allclose(_run_v1(new_graph_def, feeds), _run_v1(graph_def, feeds),
                                rtol=2e-2, atol=2e-2)

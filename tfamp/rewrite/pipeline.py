@@ -71,15 +71,20 @@ def _rewrite(graph_def, config, outputs, function_name):
         outputs = _unconsumed_float_outputs(view.bodies[0])
     coloring = color(view, config, outputs)
     new_graph_def, casts = insert_casts(graph_def, view, coloring)
+    # Copies of functions whose callers disagree (boundaries.py) are reported
+    # under their new names, after the original bodies.
+    bodies = {body.name: body for body in view.bodies}
+    reported = [(body.name, body) for body in view.bodies] + [
+        (clone, bodies[original]) for clone, original in coloring.clones.items()]
     nodes = [
-        NodeReport(name=name, function=body.name, op=node.op,
-                   **_decision_fields(coloring.decisions[(body.name, name)]))
-        for body in view.bodies for name, node in body.nodes.items()
+        NodeReport(name=name, function=function, op=node.op,
+                   **_decision_fields(coloring.decisions[(function, name)]))
+        for function, body in reported for name, node in body.nodes.items()
     ]
     report = RewriteReport(
         function=function_name, dtype=config.dtype,
         nodes_before=view.node_count(),
-        nodes_after=view.node_count() + len(casts),
+        nodes_after=len(nodes) + len(casts),
         nodes=nodes, casts=casts)
     log.debug("%s", report.summary_line())
     return new_graph_def, report

@@ -131,6 +131,8 @@ def reason_kind(reason: str) -> str:
         return "variable op"
     if "calls " in reason:
         return "function call"
+    if "loop frame" in reason:
+        return "TF1 loop frame"
     if "TensorList" in reason:
         return "TensorList element type"
     if reason.startswith(("infer: stays", "clear: stays")):
