@@ -75,6 +75,11 @@ def cond_matmul_both(x, w, flag):
                    lambda: tf.matmul(w, x, name="else_mm"))
 
 
+def case_matmul_all(x, w, index):
+    return tf.switch_case(index, [lambda: tf.matmul(x, w), lambda: tf.matmul(w, x),
+                                  lambda: tf.matmul(x, x)])
+
+
 def loop_with_exp_state(x, w):
     # The carried value goes through Exp (deny) every iteration: it stays float32.
     def body(i, h):
@@ -100,6 +105,9 @@ CASES = [
     Case("if: MatMul in both branches", cond_matmul_both, (M, M, tf.TensorSpec([], tf.bool)),
          {**_rng_feeds("x", "w"), "flag": np.array(True)}, ("If", "StatelessIf"), "Tin",
          {0: True, 1: True}),
+    Case("case: MatMul in every branch", case_matmul_all, (M, M, tf.TensorSpec([], tf.int32)),
+         {**_rng_feeds("x", "w"), "index": np.array(1, dtype="int32")}, ("Case", "StatelessCase"),
+         "Tin", {0: True, 1: True}),
     # h: a Cast per iteration either way (before MatMul or after Exp): float32;
     # w is loop-invariant and only feeds MatMul: 16-bit.
     Case("while: Exp on the carried state keeps it float32", loop_with_exp_state, (M, M),

@@ -402,6 +402,8 @@ class _Analysis:
                    if i < len(node.inputs) and node.inputs[i].dtype == DT_VARIANT]
         for ref in out_refs:
             uf.find(value(body, ref))
+            if body.name == "" and ref in self.pinned:
+                blocked_values[value(body, ref)] = "a graph output"
         if not in_refs and not out_refs:
             return
         if node.op.startswith("TensorList") or node.op == "EmptyTensorList":
@@ -430,11 +432,7 @@ class _Analysis:
             blocked_values[value(body, ref)] = why
             uf.find(value(body, ref))
         for ref in out_refs:
-            blocked_values[value(body, ref)] = why
-        if body.name == "":
-            for ref in out_refs:
-                if ref in self.pinned:
-                    blocked_values[value(body, ref)] = "a graph output"
+            blocked_values.setdefault(value(body, ref), why)
 
     def _variant_call(self, body, node, by_attr, uf, value) -> None:
         fns = [fn for fns in by_attr.values() for fn in fns]
