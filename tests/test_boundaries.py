@@ -372,3 +372,13 @@ def test_keras_recurrent_training_step(kind, dtype):
     assert after < before / 3, (before, after)
     lists = [n for _, n in _calls(graph_def, ("TensorListPushBack",))]
     assert lists  # the forward loop keeps accumulators for the gradient loop
+
+
+def test_a_loop_named_in_keep_fp32_keeps_its_types_on_every_side():
+    graph_def, new_graph_def, report = rewrite(loop_matmul_tanh, M, M, keep_fp32=["^while$"])
+    (_, loop), = _calls(new_graph_def, ("While", "StatelessWhile"))
+    old = next(n for n in graph_def.node if n.name == loop.name)
+    assert _types(loop.attr["T"]) == _types(old.attr["T"])
+    body = _fdef(new_graph_def, loop.attr["body"].func.name)
+    assert _sig(body, "in") == _sig(_fdef(graph_def, loop.attr["body"].func.name), "in")
+    assert report.node("while/body_mm", body.signature.name).converted  # the body still is

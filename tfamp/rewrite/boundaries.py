@@ -507,7 +507,7 @@ class _Solver:
         self.target = analysis.target
         self.cache: dict = {}
         self.decisions: dict = {}
-        self.denied: dict = {}  # (body, node, attr) -> deny reason, current colouring
+        self.denied: dict = {}  # (body, node, attr) -> why it must stay float32 (see solve)
 
     def overrides(self, body: Body, plan: set[int]) -> BodyOverrides:
         args, rets, forced, blocked = set(), set(), [], []
@@ -838,8 +838,9 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
       config: the rewrite settings.
       pinned: top-graph tensors whose dtype callers rely on.
       color_body: colours one body under given overrides; returns its
-        decisions keyed by (function, node) and its slots in deny propagation
-        ({(node, type attribute): reason}).
+        decisions keyed by (function, node) and the slots that must stay
+        float32 whatever the boundaries ({(node, type attribute): reason}:
+        reached by deny propagation, or blocked for their own reasons).
 
     Returns:
       A Solution: decisions for every node, new signature types, and the
@@ -853,7 +854,8 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
     decisions = solver.color_all(plan)
     for group in analysis.groups:
         # Deny propagation reaches a group's slots (a TF1 frame downstream of
-        # Exp, a loop fed by one): the group follows the rule and stays float32.
+        # Exp, a loop fed by one), or a slot is blocked for its own reasons (no
+        # kernel, keep_fp32, a graph output): the group stays float32.
         denied = [solver.denied[m[1:]] for m in group.members
                   if m[0] == "slot" and m[1:] in solver.denied]
         if denied and not group.block:

@@ -109,7 +109,7 @@ def color(view: GraphView, config: AmpConfig,
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _) in body_coloring.deny.items()}
-        return decisions, denied
+        return decisions, {**denied, **body_coloring.hard_blocked}
 
     solution = boundaries.solve(view, config, pinned_outputs, color_body)
     return Coloring(target=config.target_enum, decisions=solution.decisions,
@@ -142,6 +142,7 @@ class _BodyColoring:
         self.slot_index: dict[tuple[str, str], int] = {}
         self.blocked: dict[int, str] = {}  # slot -> why it cannot be 16-bit
         self.node_blocks: dict[str, str] = {}  # node -> why none of it can be 16-bit
+        self.hard_blocked: dict[tuple[str, str], str] = {}  # blocks boundaries cannot lift
         self._make_slots(pinned)
         self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
@@ -169,11 +170,16 @@ class _BodyColoring:
                 block = node_block or self._attr_block(node, attr)
                 if block:
                     self.blocked[slot] = block
+                    # Blocks boundaries.solve may lift for a whole group: a
+                    # call's signature, a TensorList's element type.
+                    if block not in (self._call_block(node), self._fixed_block(node, attr)):
+                        self.hard_blocked[(name, attr)] = block
             for index, port in enumerate(node.outputs):
                 if TensorRef(name, index) in pinned and port.type_attr in attrs:
                     slot = self.slot_index[(name, port.type_attr)]
                     self.blocked.setdefault(
                         slot, "kept float32: a graph output keeps its dtype")
+                    self.hard_blocked[(name, port.type_attr)] = self.blocked[slot]
 
     def _add_slot(self, name: str, attr: str, list_name: str) -> int:
         slot = len(self.slot_node)
@@ -215,10 +221,9 @@ class _BodyColoring:
                 return f"kept float32: name matches keep_fp32 pattern {pattern.pattern!r}"
         if not node.known_op:
             return f"unknown op {node.op!r}: no OpDef, left as it is"
-        if node.called_functions:
-            called = ", ".join(repr(f) for f in dict.fromkeys(node.called_functions))
-            return (f"calls {called}: its signature is kept and the body is "
-                    f"rewritten on its own")
+        call_block = self._call_block(node)
+        if call_block:
+            return call_block
         if any(p.dtype == types_pb2.DT_RESOURCE for p in node.inputs + node.outputs):
             return "variable op: master weights and their reads stay float32"
         for ref, _ in node.data_inputs:
@@ -226,17 +231,29 @@ class _BodyColoring:
                 return f"input {ref.node!r} has no known type: left float32"
         return ""
 
+    @staticmethod
+    def _call_block(node) -> str:
+        if not node.called_functions:
+            return ""
+        called = ", ".join(repr(f) for f in dict.fromkeys(node.called_functions))
+        return (f"calls {called}: its signature is kept and the body is "
+                f"rewritten on its own")
+
+    @staticmethod
+    def _fixed_block(node, attr: str) -> str:
+        if attr not in FIXED_TYPE_ATTRS.get(node.op, ()):
+            return ""
+        return (f"{attr} stays float32: a TensorList's element type must "
+                f"match every op that touches the list")
+
     def _attr_block(self, node, attr: str) -> str:
-        if attr in FIXED_TYPE_ATTRS.get(node.op, ()):
-            return (f"{attr} stays float32: a TensorList's element type must "
-                    f"match every op that touches the list")
         base_attr = attr.split("[")[0]
         if not kernels.opdef_allows(node.op, base_attr, self.target):
             return f"{node.op}'s OpDef does not allow {self.target_name} for {base_attr}"
         if not kernels.has_kernel(node.op, base_attr, self.target, self.device_type):
             return (f"no {self.target_name} {self.device_type} kernel "
                     f"for {node.op} ({base_attr})")
-        return ""
+        return self._fixed_block(node, attr)
 
     def _connect(self) -> None:
         for name, node in self.body.nodes.items():
