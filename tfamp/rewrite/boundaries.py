@@ -44,11 +44,13 @@ loops inside them are free.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import re
 from collections.abc import Callable
 
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import op_def_registry
 
 from tfamp.config import AmpConfig
 from tfamp.rewrite import kernels
@@ -177,12 +179,21 @@ class _UnionFind:
 Site = tuple  # (body, node, function attribute, index in a list of functions)
 
 
+@functools.cache
+def _has_func_attrs(op: str) -> bool:
+    """False if `op`'s OpDef has no function-valued attribute (most ops)."""
+    op_def = op_def_registry.get(op)
+    return op_def is None or any(a.type in ("func", "list(func)") for a in op_def.attr)
+
+
 def _called(body_name: str, node, targets: dict[Site, str]) -> list[tuple[str, str]]:
     """(attribute, function name) for every function attribute of `node`.
 
     `targets` redirects call sites to clones (see ``_clone_call_sites``).
     """
     result = []
+    if not _has_func_attrs(node.op):
+        return result
     for attr_name, value in node.node_def.attr.items():
         funcs = [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]
         for index, fn in enumerate(funcs):
@@ -227,15 +238,19 @@ class _Analysis:
         called_known: set[str] = set()
         edges: dict[str, set[str]] = {}
         for body in self.view.bodies:
+            out = edges.setdefault(body.name, set())
             for node in body.nodes.values():
-                edges.setdefault(body.name, set()).update(
-                    [fn for _, fn in _called(body.name, node, self.targets)] + [node.op])
                 if node.op in self.functions:
+                    out.add(node.op)
                     self.hidden.setdefault(
                         node.op, f"called directly as an op by {node.name!r}")
+                called = _called(body.name, node, self.targets)
+                if not called:
+                    continue
+                out.update(fn for _, fn in called)
                 known = _CALL_OPS.get(node.op, ())
                 by_attr: dict[str, list[str]] = {}
-                for attr_name, fn in _called(body.name, node, self.targets):
+                for attr_name, fn in called:
                     if fn not in self.functions:
                         continue
                     if attr_name in known:
@@ -358,6 +373,9 @@ class _Analysis:
 
     def _list_groups(self) -> None:
         """TensorLists: follow variant values; every op on one list agrees."""
+        if not any(node.op.startswith(("TensorList", "EmptyTensorList"))
+                   for body in self.view.bodies for node in body.nodes.values()):
+            return
         uf = _UnionFind()
         blocked_values: dict = {}
         element_slots: dict = {}  # value key -> [slot members]
@@ -743,10 +761,14 @@ def _clone_call_sites(view: GraphView) -> tuple[GraphView, dict[str, str], dict[
     sites: dict[str, list[Site]] = {}
     unclonable: set[str] = set()
     functions = {b.name: b for b in view.bodies if b.is_function}
+    if not functions:
+        return view, {}, {}
     for body in view.bodies:
         for node in body.nodes.values():
             if node.op in functions:
                 unclonable.add(node.op)
+            if not _has_func_attrs(node.op):
+                continue
             known = _CALL_OPS.get(node.op, ())
             for attr_name, value in node.node_def.attr.items():
                 funcs = ([value.func.name] if value.HasField("func")
