@@ -35,9 +35,10 @@ from tfamp.rewrite import boundaries, kernels
 from tfamp.config import AmpConfig
 from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
 
-# Type attributes that never change, whatever list the op is on. A TensorList's
-# element type must agree with every op that touches the list, and lists flow
-# through loop boundaries into other functions.
+# Type attributes that do not change on their own, whatever list the op is on.
+# A TensorList's element type must agree with every op that touches the list,
+# and lists flow through loop boundaries into other functions: boundaries.solve
+# lifts this for a whole list (every op on it, in every function) at once.
 FIXED_TYPE_ATTRS = {
     op: frozenset({"element_dtype"}) for op in (
         "EmptyTensorList", "TensorListConcat", "TensorListConcatLists",
