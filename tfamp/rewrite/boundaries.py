@@ -526,11 +526,15 @@ class _Solver:
         self.cache: dict = {}
         self.decisions: dict = {}
         self.denied: dict = {}  # (body, node, attr) -> why it must stay float32 (see solve)
+        self.by_body: dict[str, list[int]] = {}  # body -> groups with a member there
+        for index, group in enumerate(analysis.groups):
+            for body in dict.fromkeys(m[1] for m in group.members):
+                self.by_body.setdefault(body, []).append(index)
 
     def overrides(self, body: Body, plan: set[int]) -> BodyOverrides:
         args, rets, forced, blocked = set(), set(), [], []
         target = dtype_name(self.target)
-        for index in self._groups_in(body.name):
+        for index in self.by_body.get(body.name, ()):
             group = self.a.groups[index]
             on = index in plan
             for member in group.members:
@@ -541,19 +545,11 @@ class _Solver:
                     if on:
                         forced.append((node, attr, _reason(group, target)))
                     elif group.kind == "tf1":
-                        why = group.block or "not worth a Cast on every iteration"
+                        why = group.block or f"{target} would not need fewer Casts"
                         blocked.append((node, attr, f"TF1 loop frame kept float32 "
                                                     f"as a whole: {why}"))
         return BodyOverrides(frozenset(args), frozenset(rets), tuple(sorted(forced)),
                              tuple(sorted(blocked)))
-
-    def _groups_in(self, body_name: str) -> list[int]:
-        if not hasattr(self, "_by_body"):
-            self._by_body: dict[str, list[int]] = {}
-            for index, group in enumerate(self.a.groups):
-                for body in dict.fromkeys(m[1] for m in group.members):
-                    self._by_body.setdefault(body, []).append(index)
-        return self._by_body.get(body_name, [])
 
     def _colored(self, body: Body, plan: set[int]):
         """(decisions, denied slots, Casts needed) for `body` under `plan`, cached."""
@@ -631,7 +627,13 @@ class _Solver:
         return wanted
 
     def cost(self, index: int, plan: set[int]) -> tuple[int, int]:
-        """(Casts if the group is 16-bit, Casts if float32), loop-weighted."""
+        """(Casts if the group is 16-bit, Casts if float32), loop-weighted.
+
+        A local estimate with every neighbour as coloured now; it picks
+        candidates. Whether a group stays 16-bit is decided by ``pays_off``,
+        which re-colours its bodies (neighbours that follow the group move
+        Casts rather than remove them).
+        """
         group = self.a.groups[index]
         cost16 = cost32 = 0
 
