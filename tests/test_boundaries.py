@@ -348,9 +348,7 @@ def _loop_body_casts(graph_def, report):
 
 
 @pytest.mark.parametrize("kind,dtype", [
-    ("LSTM", "float16"), ("GRU", "bfloat16"),
-    pytest.param("LSTM", "bfloat16", marks=pytest.mark.slow),
-    pytest.param("GRU", "float16", marks=pytest.mark.slow)])
+    ("LSTM", "float16"), ("LSTM", "bfloat16"), ("GRU", "float16"), ("GRU", "bfloat16")])
 def test_keras_recurrent_training_step(kind, dtype):
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=(4, 10, 8)).astype("float32"))
