@@ -452,6 +452,11 @@ def _rename_library(graph_def, suffix: str) -> None:
         fix(fdef.node_def)
         for value in fdef.attr.values():
             fix_attr(value)
+        # As tfamp's runner does: a per-run implementation-selector tag, or
+        # grappler may swap in a same-tagged body registered by another run
+        # (the original, or the other tool's), whose TensorList types differ.
+        if "api_implements" in fdef.attr:
+            fdef.attr["api_implements"].s += suffix.encode()
     del graph_def.library.gradient[:]
 
 

@@ -229,8 +229,8 @@ CASES = [
     Case("tf1_loop_back_edge_kept_with_its_merge", tf1_loop_deny_entry,
          dtypes={"loop/Merge_1": "float32", "loop/MatMul": "float16",
                  "loop/NextIteration_1": "float32", "loop/Exit_1": "float32"},
-         kinds={"loop/NextIteration_1": rk.KIND_INVALID_GRAPH},
-         reason_has={"loop/NextIteration_1": "cycle"}),
+         kinds={"loop/NextIteration_1": rk.KIND_TF1_FRAME},
+         reason_has={"loop/NextIteration_1": "TF1 loop frame kept float32 as a whole"}),
     Case("tf1_loop_matmul_relu", tf1_loop_matmul_relu,
          dtypes={"loop/MatMul": "float16"}),
     Case("const_listed_by_user", const_and_placeholder_with_default,
@@ -312,15 +312,20 @@ def test_rewrite_is_valid_with_expected_dtypes_and_numerics(case):
         np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-2 * max(1.0, np.abs(w).max()))
 
 
-def test_tf1_loop_defect_is_what_the_self_check_repairs(monkeypatch):
-    """Without the self-check the loop case really is invalid (the check can fail)."""
+def test_tf1_loop_frame_is_coloured_whole_without_the_self_check(monkeypatch):
+    """The loop defect is gone by construction: a TF1 frame is one boundary group.
+
+    With the self-check switched off, the frame (Merge, NextIteration, ...)
+    still keeps one dtype, so the result imports (no Cast on the back edge).
+    """
     built = tf1_loop_deny_entry()
     monkeypatch.setattr(pipeline, "find_problems", lambda view, **kw: [])
-    broken, report = tfamp.rewrite_graph_def(built.graph_def, tfamp.AmpConfig(
+    new_graph_def, report = tfamp.rewrite_graph_def(built.graph_def, tfamp.AmpConfig(
         device_type="GPU"), outputs=built.fetches)
-    assert report.node("loop/NextIteration_1").converted
-    problems = tfamp.check_graph_def(broken)
-    assert problems and "cycle" in problems[0]
+    back_edge = report.node("loop/NextIteration_1")
+    assert not back_edge.converted and back_edge.kind == rk.KIND_TF1_FRAME
+    assert report.node("loop/MatMul").converted
+    assert tfamp.check_graph_def(new_graph_def) == []
 
 
 def test_self_check_raises_naming_the_node_when_keeping_float32_does_not_help(monkeypatch):

@@ -57,12 +57,45 @@ def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView,
     new_graph_def = graph_pb2.GraphDef()
     new_graph_def.CopyFrom(graph_def)
     functions = {f.signature.name: f for f in new_graph_def.library.function}
+    bodies = list(view.bodies)
+    by_name = {body.name: body for body in view.bodies}
+    for clone, original in coloring.clones.items():  # callers that disagree get a copy
+        fdef = new_graph_def.library.function.add()
+        fdef.CopyFrom(functions[original])
+        fdef.signature.name = clone
+        functions[clone] = fdef
+        bodies.append(dataclasses.replace(by_name[original], name=clone))
     casts: list[CastRecord] = []
-    for body in view.bodies:
+    for body in bodies:
         fdef = functions.get(body.name) if body.is_function else None
         node_list = fdef.node_def if fdef is not None else new_graph_def.node
+        if fdef is not None and body.name in coloring.signatures:
+            _retype_signature(fdef, coloring.signatures[body.name])
         casts.extend(_BodyEditor(body, node_list, fdef, coloring).run())
+    _retarget_calls(new_graph_def, functions, coloring.call_targets)
     return new_graph_def, casts
+
+
+def _retarget_calls(graph_def, functions, call_targets) -> None:
+    """Points each redirected call site at the function copy it now calls."""
+    node_defs: dict[str, dict] = {}
+    for (body, node, attr, index), function in call_targets.items():
+        if body not in node_defs:
+            nodes = graph_def.node if body == "" else functions[body].node_def
+            node_defs[body] = {n.name: n for n in nodes}
+        value = node_defs[body][node].attr[attr]
+        if value.HasField("func"):
+            value.func.name = function
+        else:
+            value.list.func[index].name = function
+
+
+def _retype_signature(fdef, types) -> None:
+    """Sets the argument and result dtypes boundaries.solve changed."""
+    for arg in fdef.signature.input_arg:
+        arg.type = types.args.get(arg.name, arg.type)
+    for arg in fdef.signature.output_arg:
+        arg.type = types.rets.get(arg.name, arg.type)
 
 
 class _BodyEditor:
@@ -75,6 +108,12 @@ class _BodyEditor:
         self.node_defs = {n.name: n for n in node_list}
         self.taken_names = set(self.node_defs) | set(body.arg_dtypes)
         self.cast_for: dict[tuple[TensorRef, int], str] = {}  # -> consumer text
+        signature = coloring.signatures.get(body.name)
+        self.arg_dtypes = dict(body.arg_dtypes)
+        self.ret_dtypes = {name: dtype for name, (_, _, dtype) in body.rets.items()}
+        if signature is not None:
+            self.arg_dtypes.update(signature.args)
+            self.ret_dtypes.update(signature.rets)
         self.records: dict[str, dict] = {}
 
     def converted(self, node: str) -> tuple[str, ...]:
@@ -82,7 +121,7 @@ class _BodyEditor:
 
     def new_output_dtype(self, ref: TensorRef) -> int:
         if ref.is_arg:
-            return self.body.arg_dtypes[ref.node]
+            return self.arg_dtypes[ref.node]
         port = self.body.nodes[ref.node].outputs[ref.index]
         return self.target if port.type_attr in self.converted(ref.node) else port.dtype
 
@@ -98,7 +137,8 @@ class _BodyEditor:
                 wanted = self.target if port.type_attr in self.converted(name) else port.dtype
                 if self.new_output_dtype(ref) != wanted:
                     node_def.input[index] = self._cast(ref, text, wanted, name)
-        for ret_name, (ref, text, dtype) in self.body.rets.items():
+        for ret_name, (ref, text, _) in self.body.rets.items():
+            dtype = self.ret_dtypes[ret_name]
             if self.body.producer_port(ref) and self.new_output_dtype(ref) != dtype:
                 self.fdef.ret[ret_name] = self._cast(ref, text, dtype, f"<ret {ret_name}>")
         return [CastRecord(consumers=tuple(r.pop("consumers")), **r)

@@ -17,10 +17,13 @@ grappler's AMP pass:
 6. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
    instead, so no second Cast is needed.
 
-Each library function is coloured on its own with its signature fixed: callers
-(PartitionedCall, While, If, Case, ...) keep their types and every body meets
-float32 at its arguments and results. That keeps a loop-carried value one dtype
-on every iteration and lets a function be shared by several callers.
+Each library function is coloured on its own. Call sites (While, If, Case,
+PartitionedCall, ...) and TensorList element types keep their float32 types
+unless ``boundaries.solve`` decides that a whole group of slots that must agree
+(a loop-carried value in the loop, its cond and body; a function argument at
+every caller; every op on one TensorList; a TF1 loop frame) goes 16-bit
+together. It passes those decisions to each body as ``BodyOverrides``: 16-bit
+arguments and results, forced 16-bit slots, and slots held at float32.
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ from tensorflow.core.framework import types_pb2
 
 from tfamp.config import AmpConfig
 from tfamp.oplists import DATA_BOUND_OPS
-from tfamp.rewrite import kernels
+from tfamp.rewrite import boundaries, kernels
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
 from tfamp.rewrite.shapes import Bytes, TensorShapes, elements_of, format_elements
 
-# Type attributes that never change, whatever list the op is on. A TensorList's
-# element type must agree with every op that touches the list, and lists flow
-# through loop boundaries into other functions.
+# Type attributes that do not change on their own, whatever list the op is on.
+# A TensorList's element type must agree with every op that touches the list,
+# and lists flow through loop boundaries into other functions: boundaries.solve
+# lifts this for a whole list (every op on it, in every function) at once.
 FIXED_TYPE_ATTRS = {
     op: frozenset({"element_dtype"}) for op in (
         "EmptyTensorList", "TensorListConcat", "TensorListConcatLists",
@@ -90,6 +94,12 @@ class Coloring:
 
     target: int
     decisions: dict[tuple[str, str], Decision]
+    # function name -> its new signature types where they change (boundaries.py).
+    signatures: dict[str, boundaries.SignatureTypes] = dataclasses.field(default_factory=dict)
+    # new function name -> the function it copies (callers that disagree, boundaries.py)
+    clones: dict[str, str] = dataclasses.field(default_factory=dict)
+    # call site (body, node, attribute, index in a function list) -> the copy it calls
+    call_targets: dict[tuple[str, str, str, int], str] = dataclasses.field(default_factory=dict)
 
     def converted_attrs(self, function: str, node: str) -> tuple[str, ...]:
         return self.decisions[(function, node)].converted_attrs
@@ -117,14 +127,27 @@ def color(view: GraphView, config: AmpConfig,
     """
     pinned_outputs = {_parse_tensor_name(name) for name in outputs}
     keep = keep or {}
-    decisions: dict[tuple[str, str], Decision] = {}
-    for body in view.bodies:
+
+    def color_body(body: Body, overrides: boundaries.BodyOverrides):
         body_pins = pinned_outputs if not body.is_function else set()
-        body_keep = {node: why for (fn, node), why in keep.items() if fn == body.name}
-        body_shapes = shapes.shapes.get(body.name, {}) if shapes is not None else {}
-        decisions.update(
-            _BodyColoring(body, config, body_pins, body_keep, body_shapes).run())
-    return Coloring(target=config.target_enum, decisions=decisions)
+        original = boundaries.original_function_name(body.name)
+        body_keep = {node: why for (fn, node), why in keep.items()
+                     if boundaries.original_function_name(fn) == original}
+        body_shapes = {}
+        if shapes is not None:
+            body_shapes = shapes.shapes.get(body.name) or shapes.shapes.get(original, {})
+        body_coloring = _BodyColoring(body, config, body_pins, body_keep, body_shapes,
+                                      overrides)
+        decisions = body_coloring.run()
+        denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
+                  for s, (reason, _, _) in body_coloring.deny.items()}
+        hard = {slot: why for slot, (why, _) in body_coloring.hard_blocked.items()}
+        return decisions, {**denied, **hard}
+
+    solution = boundaries.solve(view, config, pinned_outputs, color_body)
+    return Coloring(target=config.target_enum, decisions=solution.decisions,
+                    signatures=solution.signatures, clones=solution.clones,
+                    call_targets=solution.call_targets)
 
 
 def _parse_tensor_name(name: str) -> TensorRef:
@@ -136,14 +159,20 @@ class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
     def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
-                 keep: Mapping[str, str] | None = None, shapes: dict | None = None):
+                 keep: Mapping[str, str] | None = None, shapes: dict | None = None,
+                 overrides: boundaries.BodyOverrides | None = None):
         self.body = body
+        self.overrides = overrides or boundaries.BodyOverrides()
+        self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.keep = keep or {}
         self.shapes = shapes or {}
         # slot -> (why float32, cause, kind), for slots the byte count kept float32
         self.kept: dict[int, tuple[str, str, str]] = {}
         self._refs_by_slot: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
-        self._ret_refs = {ref for ref, _, _ in body.rets.values()}
+        # result tensor -> the dtypes (16-bit?) its results leave in
+        self._ret_wants: dict[TensorRef, set[bool]] = {}
+        for ret, (ref, _, _) in body.rets.items():
+            self._ret_wants.setdefault(ref, set()).add(ret in self.overrides.rets)
         self._order: list[int] | None = None
         self.config = config
         self.lists = config.op_lists
@@ -159,7 +188,10 @@ class _BodyColoring:
         self.blocked: dict[int, tuple[str, str]] = {}  # slot -> why it cannot be 16-bit
         # node -> why none of it can be 16-bit; ("", "") when nothing blocks it
         self.node_blocks: dict[str, tuple[str, str]] = {}
+        # (node, type attribute) -> (reason, kind): blocks boundaries cannot lift
+        self.hard_blocked: dict[tuple[str, str], tuple[str, str]] = {}
         self._make_slots(pinned)
+        self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
         self.fanout: list[list[int]] = [[] for _ in self.slot_node]
         self._connect()
@@ -185,11 +217,52 @@ class _BodyColoring:
                 block = node_block if node_block[0] else self._attr_block(node, attr)
                 if block[0]:
                     self.blocked[slot] = block
+                    # Blocks boundaries.solve may lift for a whole group: a
+                    # call's signature, a TensorList's element type.
+                    if block not in (self._call_block(node), self._fixed_block(node, attr)):
+                        self.hard_blocked[(name, attr)] = block
             for index, port in enumerate(node.outputs):
                 if TensorRef(name, index) in pinned and port.type_attr in attrs:
                     slot = self.slot_index[(name, port.type_attr)]
                     self.blocked.setdefault(slot, (
                         "kept float32: a graph output keeps its dtype", rk.KIND_GRAPH_OUTPUT))
+                    self.hard_blocked[(name, port.type_attr)] = self.blocked[slot]
+
+    def _add_slot(self, name: str, attr: str, list_name: str) -> int:
+        slot = len(self.slot_node)
+        self.slot_node.append(name)
+        self.slot_attr.append(attr)
+        self.slot_list.append(list_name)
+        self.slot_index[(name, attr)] = slot
+        return slot
+
+    def _make_boundary_slots(self) -> None:
+        """Applies boundaries.solve's decisions (see BodyOverrides).
+
+        Forced slots are 16-bit seeds; 16-bit arguments and results get
+        pseudo-slots (named ``boundaries.arg_slot_name(...)``) so edges to them
+        take part in the passes like edges to any 16-bit op.
+        """
+        ov = self.overrides
+        for node, attr, reason in ov.blocked:
+            slot = self.slot_index.get((node, attr))
+            if slot is not None:
+                self.blocked[slot] = (reason, rk.KIND_TF1_FRAME)
+        for node, attr, reason in ov.forced:
+            slot = self.slot_index.get((node, attr))
+            if slot is None:  # a type attribute with no float port (EmptyTensorList)
+                slot = self._add_slot(node, attr, "boundary")
+            self.blocked.pop(slot, None)
+            self.slot_list[slot] = "boundary"
+            self.forced[slot] = (reason, "", rk.KIND_BOUNDARY)
+        for arg in sorted(ov.args):
+            slot = self._add_slot(boundaries.arg_slot_name(arg), "T", "boundary")
+            self.forced[slot] = (f"argument {arg!r} arrives {self.target_name}", "",
+                                 rk.KIND_BOUNDARY)
+        for ret in sorted(ov.rets):
+            slot = self._add_slot(boundaries.ret_slot_name(ret), "T", "boundary")
+            self.forced[slot] = (f"result {ret!r} leaves {self.target_name}", "",
+                                 rk.KIND_BOUNDARY)
 
     def _node_block(self, name: str, node) -> tuple[str, str]:
         """(why no slot of `node` can be 16-bit, reason kind), or ("", "")."""
@@ -201,10 +274,9 @@ class _BodyColoring:
                         rk.KIND_USER_OVERRIDE)
         if not node.known_op:
             return f"unknown op {node.op!r}: no OpDef, left as it is", rk.KIND_UNKNOWN_OP
-        if node.called_functions:
-            called = ", ".join(repr(f) for f in dict.fromkeys(node.called_functions))
-            return (f"calls {called}: its signature is kept and the body is "
-                    f"rewritten on its own", rk.KIND_FUNCTION_CALL)
+        call_block = self._call_block(node)
+        if call_block[0]:
+            return call_block
         ports = node.inputs + node.outputs
         if any(p.dtype == types_pb2.DT_RESOURCE for p in ports):
             return ("variable op: master weights and their reads stay float32",
@@ -224,11 +296,23 @@ class _BodyColoring:
                     f"({DATA_BOUND_OPS[node.op]})", rk.KIND_DATA_BOUND)
         return "", ""
 
+    @staticmethod
+    def _call_block(node) -> tuple[str, str]:
+        if not node.called_functions:
+            return "", ""
+        called = ", ".join(repr(f) for f in dict.fromkeys(node.called_functions))
+        return (f"calls {called}: its signature is kept and the body is "
+                f"rewritten on its own", rk.KIND_FUNCTION_CALL)
+
+    @staticmethod
+    def _fixed_block(node, attr: str) -> tuple[str, str]:
+        if attr not in FIXED_TYPE_ATTRS.get(node.op, ()):
+            return "", ""
+        return (f"{attr} stays float32: a TensorList's element type must "
+                f"match every op that touches the list", rk.KIND_TENSOR_LIST)
+
     def _attr_block(self, node, attr: str) -> tuple[str, str]:
         """(why type attribute `attr` of `node` cannot be 16-bit, kind), or ("", "")."""
-        if attr in FIXED_TYPE_ATTRS.get(node.op, ()):
-            return (f"{attr} stays float32: a TensorList's element type must "
-                    f"match every op that touches the list", rk.KIND_TENSOR_LIST)
         base_attr = attr.split("[")[0]
         if not kernels.opdef_allows(node.op, base_attr, self.target):
             return (f"{node.op}'s OpDef does not allow {self.target_name} for {base_attr}",
@@ -239,20 +323,37 @@ class _BodyColoring:
             where = f" on its device {device!r}" if device else ""
             return (f"no {self.target_name} {device_type} kernel "
                     f"for {node.op} ({base_attr}){where}", rk.KIND_NO_KERNEL)
-        return "", ""
+        return self._fixed_block(node, attr)
 
     def _connect(self) -> None:
         for name, node in self.body.nodes.items():
             for index, (ref, _) in enumerate(node.data_inputs):
                 dst_attr = node.inputs[index].type_attr if index < len(node.inputs) else None
                 dst = self.slot_index.get((name, dst_attr))
-                if dst is None or ref.is_arg:
+                if dst is None:
+                    continue
+                if ref.is_arg:
+                    src = self.slot_index.get((boundaries.arg_slot_name(ref.node), "T"))
+                    if src is not None:
+                        self.fanout[src].append(dst)
+                        self.fanin[dst].append(src)
                     continue
                 port = self.body.producer_port(ref)
                 src = self.slot_index.get((ref.node, port.type_attr)) if port else None
                 if src is not None and port.dtype == DT_FLOAT:
                     self.fanout[src].append(dst)
                     self.fanin[dst].append(src)
+        for ret in self.overrides.rets:
+            dst = self.slot_index[(boundaries.ret_slot_name(ret), "T")]
+            ref = self.body.rets[ret][0]
+            if ref.is_arg:
+                src = self.slot_index.get((boundaries.arg_slot_name(ref.node), "T"))
+            else:
+                port = self.body.producer_port(ref)
+                src = self.slot_index.get((ref.node, port.type_attr)) if port else None
+            if src is not None:
+                self.fanout[src].append(dst)
+                self.fanin[dst].append(src)
 
     # -- the passes -----------------------------------------------------------
 
@@ -262,6 +363,7 @@ class _BodyColoring:
             if list_name == "allow" and can(slot):
                 self.allow[slot] = (
                     f"allow: compute-heavy, runs in {self.target_name}", "", rk.KIND_ALLOW)
+        self.allow.update(self.forced)
         self._propagate_deny()
         self._add_between_allow()
         # Infer after 16-bit and clear propagation feed each other (an infer op
@@ -470,7 +572,7 @@ class _BodyColoring:
             if not shared:
                 total = total + Bytes.of(elements, own + (2 if have16 else 4))
                 casts.append(elements)
-        rets = self._ret_refs
+        rets = self._ret_wants
         for ref in self._slot_output_refs(slot):
             consumers = self.body.consumers.get(ref, ())
             if not consumers and ref not in rets:
@@ -481,8 +583,7 @@ class _BodyColoring:
             total = total + Bytes.of(elements, own)
             wants = {self._consumer_is_16bit(c, i) for c, i in consumers
                      if not self._follows_any_dtype(c, i)}
-            if ref in rets:
-                wants.add(False)
+            wants |= rets.get(ref, set())
             for want16 in wants:
                 total = total + Bytes.of(elements, 2 if want16 else 4)
                 if want16 != as16:
@@ -494,8 +595,10 @@ class _BodyColoring:
         return self._slot_refs(slot)[0]
 
     def _ref_is_16bit(self, ref: TensorRef) -> bool:
+        if ref.is_arg:
+            return ref.node in self.overrides.args
         port = self.body.producer_port(ref)
-        if ref.is_arg or port is None or port.type_attr is None:
+        if port is None or port.type_attr is None:
             return False
         slot = self.slot_index.get((ref.node, port.type_attr))
         return slot is not None and slot in self.allow
@@ -553,8 +656,8 @@ class _BodyColoring:
         are all 16-bit casts straight to the 16-bit type.
         """
         for slot, name in enumerate(self.slot_node):
-            node = self.body.nodes[name]
-            if node.op != "Cast" or not self._candidate(slot) or slot in self.allow:
+            node = self.body.nodes.get(name)
+            if node is None or node.op != "Cast" or not self._candidate(slot) or slot in self.allow:
                 continue
             if self.slot_attr[slot] == "SrcT":
                 ref = node.data_inputs[0][0]

@@ -93,6 +93,8 @@ class Body:
     rets: dict[str, tuple[TensorRef, str, int]]
     # producer -> [(consumer node name, flat input index)]
     consumers: dict[TensorRef, list[tuple[str, int]]]
+    # FunctionDef attribute names (e.g. "api_implements"); empty for the top graph.
+    function_attrs: frozenset[str] = frozenset()
 
     def producer_port(self, ref: TensorRef) -> Port | None:
         """The port that produces `ref`, or None if its producer is unknown."""
@@ -255,7 +257,8 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef) -> Body:
             ref = _parse_input(text, True, arg_dtypes, output_offsets)
             rets[arg.name] = (ref, text, arg.type)
     return Body(name=name, is_function=is_function, nodes=nodes,
-                arg_dtypes=arg_dtypes, rets=rets, consumers=consumers)
+                arg_dtypes=arg_dtypes, rets=rets, consumers=consumers,
+                function_attrs=frozenset(fdef.attr) if is_function else frozenset())
 
 
 def _parse_input(text: str, is_function: bool, arg_dtypes, output_offsets) -> TensorRef:

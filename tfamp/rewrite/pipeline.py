@@ -14,8 +14,12 @@ from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
 from tfamp.rewrite.coloring import color
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.report import NodeReport, RewriteReport
-from tfamp.rewrite.shapes import tensor_shapes
-from tfamp.rewrite.traffic import body_weights, estimate_traffic_before_after
+from tfamp.rewrite.shapes import TensorShapes, tensor_shapes
+from tfamp.rewrite.traffic import (
+    body_weights,
+    estimate_traffic,
+    estimate_traffic_before_after,
+)
 
 log = logging.getLogger("tfamp")
 
@@ -98,7 +102,8 @@ def _rewrite(graph_def, config, outputs, function_name):
         new_graph_def, casts = insert_casts(graph_def, view, coloring)
         # The whole result is read again from its NodeDefs, trusting nothing the
         # colouring or the Cast insertion believe they did.
-        problems = find_problems(build_view(new_graph_def))
+        new_view = build_view(new_graph_def)
+        problems = find_problems(new_view)
         if problems and known is None:
             known = {p.message for p in find_problems(view)}
         problems = [p for p in problems if p.message not in (known or ())]
@@ -110,16 +115,21 @@ def _rewrite(graph_def, config, outputs, function_name):
         log.info("tfamp: keeping %d node(s) float32 so the graph stays valid: %s",
                  len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
         keep.update(added)
-    traffic = _traffic_fields(view, shapes, coloring)
+    traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view)
+    # Copies of functions whose callers disagree (boundaries.py) are reported
+    # under their new names, after the original bodies.
+    bodies = {body.name: body for body in view.bodies}
+    reported = [(body.name, body) for body in view.bodies] + [
+        (clone, bodies[original]) for clone, original in coloring.clones.items()]
     nodes = [
-        NodeReport(name=name, function=body.name, op=node.op,
-                   **_decision_fields(coloring.decisions[(body.name, name)]))
-        for body in view.bodies for name, node in body.nodes.items()
+        NodeReport(name=name, function=function, op=node.op,
+                   **_decision_fields(coloring.decisions[(function, name)]))
+        for function, body in reported for name, node in body.nodes.items()
     ]
     report = RewriteReport(
         function=function_name, dtype=config.dtype,
         nodes_before=view.node_count(),
-        nodes_after=view.node_count() + len(casts),
+        nodes_after=len(nodes) + len(casts),
         nodes=nodes, casts=casts, **traffic)
     log.debug("%s", report.summary_line())
     return new_graph_def, report
@@ -150,7 +160,7 @@ def _unrepairable(problems: list[Problem]) -> GraphCheckError:
         f"{hint.strip()}")
 
 
-def _traffic_fields(view, shapes, coloring) -> dict:
+def _traffic_fields(view, shapes, coloring, new_graph_def, new_view) -> dict:
     """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown."""
     if not shapes.any_known():
         return dict(traffic_note="no shapes")
@@ -159,6 +169,15 @@ def _traffic_fields(view, shapes, coloring) -> dict:
                  if d.converted_attrs}
     before, after = estimate_traffic_before_after(
         view, shapes, weights, converted, coloring.target)
+    if coloring.signatures or coloring.clones:
+        # Boundary groups changed signatures or copied functions, which the
+        # estimate from decisions does not model: measure the graph written.
+        known = TensorShapes({**shapes.shapes, **{
+            clone: shapes.shapes.get(original, {})
+            for clone, original in coloring.clones.items()}})
+        new_shapes = tensor_shapes(new_graph_def, new_view, fallback=known)
+        after = estimate_traffic(new_view, new_shapes,
+                                 body_weights(new_view, shapes=new_shapes))
     notes = []
     if after.total is None:
         notes.append(f"shapes unknown for {after.unknown_tensors} of "

@@ -15,6 +15,7 @@ KIND_BETWEEN = "between 16-bit ops"  # infer/clear on a path between 16-bit ops
 KIND_AFTER_16BIT = "after a 16-bit op"  # infer op right after one, saving casts
 KIND_NEXT_TO_16BIT = "next to a 16-bit op"  # clear op following a neighbour
 KIND_CAST_RETARGETED = "Cast retargeted"  # an existing Cast meets 16-bit directly
+KIND_BOUNDARY = "boundary group"  # a loop/call/TensorList value 16-bit on every side
 
 # -- kept float32 -------------------------------------------------------------
 KIND_DENY_LIST = "deny list"  # on the deny list
@@ -24,7 +25,8 @@ KIND_USER_OVERRIDE = "user override"  # name matches AmpConfig.keep_fp32
 KIND_GRAPH_OUTPUT = "graph output"  # callers rely on the output's dtype
 KIND_VARIABLE = "variable op"  # variables (resource or ref) and their reads
 KIND_FUNCTION_CALL = "function call"  # a call keeps its callee's signature
-KIND_TENSOR_LIST = "TensorList element type"  # element_dtype never changes
+KIND_TENSOR_LIST = "TensorList element type"  # element_dtype kept with its whole list
+KIND_TF1_FRAME = "TF1 loop frame"  # a TF1 loop frame kept float32 as a whole
 KIND_NO_NEIGHBOUR = "no 16-bit neighbour"  # infer/clear with nothing 16-bit around
 KIND_FEWER_BYTES = "fewer bytes in float32"  # next to 16-bit, but converting moves more bytes
 KIND_DATA_BOUND = "dtype bound to data"  # Const, PyFunc, ...: see oplists.DATA_BOUND_OPS
@@ -37,4 +39,5 @@ KIND_OTHER = "other"  # only from reports written before kinds were recorded
 
 CONVERTED_KINDS = frozenset({
     KIND_ALLOW, KIND_BETWEEN, KIND_AFTER_16BIT, KIND_NEXT_TO_16BIT, KIND_CAST_RETARGETED,
+    KIND_BOUNDARY,
 })

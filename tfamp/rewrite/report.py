@@ -203,6 +203,8 @@ def reason_kind(reason: str) -> str:
         return rk.KIND_VARIABLE
     if "calls " in reason:
         return rk.KIND_FUNCTION_CALL
+    if "loop frame" in reason:
+        return rk.KIND_TF1_FRAME
     if "TensorList" in reason:
         return rk.KIND_TENSOR_LIST
     if reason.startswith(("infer: stays float32 after", "clear: stays float32 next to")):
