@@ -227,6 +227,27 @@ def test_bias_add_grad_converts_and_casts_its_small_result():
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max())
 
 
+def test_unscaling_by_a_run_time_scale_stays_float32():
+    """g * (1 / scale) right after a 16-bit MatMul: bytes alone would convert it,
+    but the scale (a variable) is known only at run time and 2^-15 flushes
+    float16 gradients to zero, so it stays float32; a constant factor converts."""
+    scale = tf.Variable(2.0**15)
+
+    def unscale(x, w):
+        g = tf.matmul(x, w, name="mm")
+        return (g * tf.math.reciprocal(scale.read_value()) * 1.0,
+                tf.identity(tf.matmul(x, w, name="mm2") * 0.5, name="halved"))
+
+    _, _, report, _ = rewritten(unscale, tf.TensorSpec([64, 32]), tf.TensorSpec([32, 128]))
+    mul = next(n for n in report.nodes if n.op == "Mul" and n.cause == "mm")
+    assert not mul.converted and mul.kind == "scaled by a run-time value", mul.reason
+    assert "ReadVariableOp" in mul.reason
+    constant = next(n for n in report.nodes if n.op == "Mul" and n.cause == "mm2")
+    assert constant.converted, constant.reason
+    # (That this matters for training: tests/test_ranges.py, where float16
+    # unscaling would flush every gradient and training would stall.)
+
+
 def test_unknown_batch_still_decides_by_bytes():
     """An unknown batch B: 64 elements against 65,536 x B, compared for large B."""
     def grads(x, w, b, dh):

@@ -45,6 +45,17 @@ from tfamp.rewrite.shapes import Bytes, TensorShapes, elements_of, format_elemen
 # A TensorList's element type must agree with every op that touches the list,
 # and lists flow through loop boundaries into other functions: boundaries.solve
 # lifts this for a whole list (every op on it, in every function) at once.
+# Ops that scale a tensor by another; with a scalar operand known only at run
+# time they stay float32 after a 16-bit op (see _BodyColoring._run_time_scale).
+SCALING_OPS = frozenset({"Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "TruncateDiv"})
+VARIABLE_READ_OPS = frozenset({"ReadVariableOp", "Identity_ref_read", "VariableV2",
+                               "Variable", "Placeholder", "PlaceholderWithDefault"})
+# How a scalar may be derived from such a value on its way to a scaling op.
+SCALAR_ARITHMETIC_OPS = frozenset({
+    "Identity", "Cast", "Reciprocal", "Inv", "RealDiv", "Div", "DivNoNan", "Mul",
+    "Neg", "Sqrt", "Rsqrt", "Pow", "AddV2", "Add", "Sub", "Maximum", "Minimum",
+    "Reshape", "Squeeze", "ExpandDims", "StopGradient"})
+
 FIXED_TYPE_ATTRS = {
     op: frozenset({"element_dtype"}) for op in (
         "EmptyTensorList", "TensorListConcat", "TensorListConcatLists",
@@ -429,6 +440,14 @@ class _BodyColoring:
             if not sixteen:
                 continue
             cause = self.slot_node[sixteen[0]]
+            scale = self._run_time_scale(slot)
+            if scale is not None:
+                self.kept[slot] = (
+                    f"infer: stays float32 after {self.target_name} op {cause!r}: it "
+                    f"scales by {scale!r}, a value known only at run time (a loss "
+                    f"scale or learning rate may leave {self.target_name}'s range)",
+                    cause, rk.KIND_RUN_TIME_SCALE)
+                continue
             by_bytes = self._cheaper_in_16bit(slot)
             if by_bytes is not None:
                 convert, detail = by_bytes
@@ -443,6 +462,45 @@ class _BodyColoring:
                 self.kept[slot] = (
                     f"infer: stays float32 after {self.target_name} op {cause!r}: "
                     f"{detail}", cause, rk.KIND_FEWER_BYTES)
+
+    def _run_time_scale(self, slot: int) -> str | None:
+        """The node a scaling op's scalar operand comes from, if only known at run time.
+
+        Mul/Div ops whose other operand is a scalar computed from a variable
+        (a loss scale's reciprocal, a learning rate) or a function argument:
+        its value is unknown here, and multiplying by 2^-15 in float16 flushes
+        most values to zero. Gradient unscaling must happen in float32, so the
+        "infer after a 16-bit op" extension stops there (grappler, converting
+        infer ops only between 16-bit ops, never goes that far either).
+        """
+        name = self.slot_node[slot]
+        node = self.body.nodes[name]
+        if node.op not in SCALING_OPS:
+            return None
+        for ref, _ in node.data_inputs:
+            if elements_of(self.shapes.get(ref)) != (0, 1):
+                continue
+            source = self._scalar_source(ref)
+            if source is not None:
+                return source
+        return None
+
+    def _scalar_source(self, ref: TensorRef, depth: int = 6) -> str | None:
+        """The variable read or argument a scalar `ref` is computed from, or None."""
+        if ref.is_arg:
+            return ref.node
+        node = self.body.nodes.get(ref.node)
+        if node is None or depth == 0:
+            return None
+        if node.op in VARIABLE_READ_OPS:
+            return node.name
+        if node.op not in SCALAR_ARITHMETIC_OPS:
+            return None
+        for source_ref, _ in node.data_inputs:
+            source = self._scalar_source(source_ref, depth - 1)
+            if source is not None:
+                return source
+        return None
 
     def _slot_order(self) -> list[int]:
         """Position of each slot in a producer-first order of the float edges.

@@ -28,6 +28,7 @@ KIND_FUNCTION_CALL = "function call"  # a call keeps its callee's signature
 KIND_TENSOR_LIST = "TensorList element type"  # element_dtype kept with its whole list
 KIND_TF1_FRAME = "TF1 loop frame"  # a TF1 loop frame kept float32 as a whole
 KIND_NO_NEIGHBOUR = "no 16-bit neighbour"  # infer/clear with nothing 16-bit around
+KIND_RUN_TIME_SCALE = "scaled by a run-time value"  # e.g. gradient unscaling: float32
 KIND_FEWER_BYTES = "fewer bytes in float32"  # next to 16-bit, but converting moves more bytes
 KIND_DATA_BOUND = "dtype bound to data"  # Const, PyFunc, ...: see oplists.DATA_BOUND_OPS
 KIND_INVALID_GRAPH = "would make an invalid graph"  # the pass's self-check pinned it
