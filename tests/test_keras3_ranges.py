@@ -12,16 +12,15 @@ import zipfile
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 import tf_keras
 
 import tfamp
 from tfamp import cli
-from tfamp.config import AmpConfig
 from tfamp.inspect.nonfinite import locate_keras_nonfinite
-from tfamp.inspect.ranges import E_MIN, NUM_BINS
 from tfamp.keras.range_monitor import KerasRangeProbe, RangeMonitor, collect_keras_ranges
-from tests import keras3_helpers
+from tests import keras3_helpers, test_ranges
+from tests.test_nonfinite import EXP_16BIT, X, Y
+from tests.test_ranges import check_tensorboard_histograms, regression_data, run_with_tfamp_ranges
 
 MULTIPLIER = 2.0**-26  # the loss is this small: its gradients sit below 2^-24
 
@@ -40,13 +39,6 @@ def underflow_model(seed: int = 0):
         keras.layers.Dense(1, name="out")], name="tiny_loss")
     model.compile(optimizer=keras.optimizers.Adam(1e-2, epsilon=1e-30), loss=small_mse)
     return model
-
-
-def regression_data(samples=256, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((samples, 8)).astype("float32")
-    y = (x @ rng.standard_normal((8, 1)) * 0.5).astype("float32")
-    return x, y
 
 
 def test_underflow_report_shows_loss_at_scale_1_and_none_at_the_recommended():
@@ -74,11 +66,7 @@ def test_keras3_and_tf_keras_probes_agree_on_the_same_weights():
     # Same layers and weights in both Kerases: the buckets must be identical.
     x, y = regression_data()
     k3 = underflow_model()
-    tk = tf_keras.Sequential([tf_keras.layers.Dense(32, activation="tanh", input_shape=(8,),
-                                                    name="hidden"),
-                              tf_keras.layers.Dense(1, name="out")], name="tiny_loss")
-    tk.compile(optimizer="adam", loss=lambda a, b: MULTIPLIER * tf.reduce_mean(
-        tf.square(a - b), axis=-1))
+    tk = test_ranges.underflow_model()  # the tf_keras twin: same layers, same loss
     tk.set_weights([v.numpy() for v in k3.weights])
     batch = [(x[:64], y[:64])]
     a = collect_keras_ranges(k3, batch, steps=1)
@@ -159,19 +147,7 @@ def test_enable_ranges_on_keras3_writes_the_files_and_tensorboard_histograms(tmp
     assert written["steps"] == 3 and written["loss_scale"] == 2.0**15
     assert written["model"] == "tiny_loss"
     assert (tmp_path / "out" / "ranges.png").stat().st_size > 20_000
-    events = list((tmp_path / "tb" / "tfamp_ranges").glob("events.out.tfevents.*"))
-    assert events
-    tags = {}
-    for event in tf.compat.v1.train.summary_iterator(str(events[0])):
-        for value in event.summary.value:
-            tags[value.tag] = (value.metadata.plugin_data.plugin_name,
-                               tf.make_ndarray(value.tensor))
-    plugin, buckets = tags["tfamp_ranges/activation_gradient/out"]
-    assert plugin == "histograms" and buckets.shape == (NUM_BINS, 3)
-    out = next(t for t in written["tensors"]
-               if t["name"] == "out" and t["kind"] == "activation_gradient")
-    np.testing.assert_array_equal(buckets[:, 2], out["counts"])
-    assert buckets[0, 0] == E_MIN
+    tags = check_tensorboard_histograms(tmp_path / "tb", written)
     assert "tfamp_ranges/weight_gradient/tiny_loss/out/kernel" in tags
 
 
@@ -225,11 +201,6 @@ def overflow_model():
     return model
 
 
-X = np.ones((16, 4), "float32")
-Y = np.zeros((16, 1), "float32")
-EXP_16BIT = AmpConfig(allow_add=["Exp"])
-
-
 def test_planted_exp_overflow_in_keras3_is_named_with_its_fix():
     model = overflow_model()
     weights = keras3_helpers.weights_of(model)
@@ -277,34 +248,14 @@ def test_keras3_stuck_at_floor_warning_names_the_op():
 
 # ----------------------------------------------------- TFAMP_RANGES end to end
 
-RANGES_SCRIPT = """
-import numpy as np
-import keras
-keras.utils.set_random_seed(0)
-x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
-y = x[:, :2].sum(axis=1, keepdims=True)
-model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                          keras.layers.Dense(1)], name="k3seq")
-model.compile(optimizer="adam", loss="mse")
-model.fit(x, y, epochs=1, batch_size=64, verbose=0)
-"""
+# tests/test_ranges.py's script, written for Keras 3
+RANGES_SCRIPT = test_ranges.RANGES_SCRIPT.replace("import tf_keras as keras", "import keras")
 
 
 @pytest.mark.slow  # a fresh interpreter importing TensorFlow: ~25 s on 2 busy cores
 def test_tfamp_ranges_with_tfamp_enable_on_keras3(tmp_path):
-    import sysconfig
-    from pathlib import Path
-
-    from tests.test_env_activation import run
-
-    hook = Path(sysconfig.get_paths()["purelib"]) / "tfamp_startup.pth"
-    assert hook.is_file(), "run `bash scripts/setup.sh`: this test uses the installed package"
-    script = tmp_path / "train.py"
-    script.write_text(RANGES_SCRIPT)
-    result = run(script, tmp_path, TFAMP_ENABLE="1", TFAMP_RANGES="ranges_out")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "value ranges of 'k3seq' written to" in result.stderr
-    data = json.loads((tmp_path / "ranges_out" / "ranges.json").read_text())
+    data = run_with_tfamp_ranges(RANGES_SCRIPT, tmp_path)
+    assert "import keras\n" in RANGES_SCRIPT and data["model"] == "sequential"
     assert data["steps"] == 3 and data["loss_scale"] == 2.0**15
     # float32 reference values: the probe is not rewritten by TFAMP_ENABLE
     assert any("float32 reference" in note for note in data["notes"])

@@ -51,7 +51,6 @@ too.
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 import weakref
@@ -73,7 +72,6 @@ from tfamp.keras.loss_scale import (
 )
 from tfamp.keras.scale_update import apply_if_finite, unscale, update_scale
 
-log = logging.getLogger("tfamp")
 
 SCALED_LOSS_MARK = "_tfamp_scaled_loss"
 INNER_MARK = "_tfamp_inner_of_loss_scale_optimizer"
