@@ -242,7 +242,13 @@ def test_enable_ranges_adds_the_monitor_and_tensorboard_histograms(tmp_path):
     model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[board])
     written = json.loads((tmp_path / "out" / "ranges.json").read_text())
     assert written["steps"] == 3 and written["loss_scale"] == 2.0**15
-    events = list((tmp_path / "tb" / "tfamp_ranges").glob("events.out.tfevents.*"))
+    check_tensorboard_histograms(tmp_path / "tb", written)
+
+
+def check_tensorboard_histograms(log_dir, written: dict) -> dict:
+    """Asserts the 'out' activation-gradient histogram in `log_dir` matches the JSON
+    report `written`; returns every tag -> (plugin name, buckets)."""
+    events = list((log_dir / "tfamp_ranges").glob("events.out.tfevents.*"))
     assert events
     tags = {}
     for event in tf.compat.v1.train.summary_iterator(str(events[0])):
@@ -255,6 +261,7 @@ def test_enable_ranges_adds_the_monitor_and_tensorboard_histograms(tmp_path):
                if t["name"] == "out" and t["kind"] == "activation_gradient")
     np.testing.assert_array_equal(buckets[:, 2], out["counts"])
     assert buckets[0, 0] == E_MIN
+    return tags
 
 
 def test_tfamp_ranges_env(tmp_path):
@@ -377,8 +384,9 @@ model.fit(x, y, epochs=1, batch_size=64, verbose=0)
 """
 
 
-@pytest.mark.slow  # a fresh interpreter importing TensorFlow: ~25 s on 2 busy cores
-def test_tfamp_ranges_with_tfamp_enable_writes_the_picture(tmp_path):
+def run_with_tfamp_ranges(script_text: str, tmp_path) -> dict:
+    """Runs `script_text` under TFAMP_ENABLE=1 TFAMP_RANGES=ranges_out; returns the JSON
+    report it wrote, after checking the run and the log line."""
     import sysconfig
     from pathlib import Path
 
@@ -387,11 +395,17 @@ def test_tfamp_ranges_with_tfamp_enable_writes_the_picture(tmp_path):
     hook = Path(sysconfig.get_paths()["purelib"]) / "tfamp_startup.pth"
     assert hook.is_file(), "run `bash scripts/setup.sh`: this test uses the installed package"
     script = tmp_path / "train.py"
-    script.write_text(RANGES_SCRIPT)
+    script.write_text(script_text)
     result = run(script, tmp_path, TFAMP_ENABLE="1", TFAMP_RANGES="ranges_out")
     assert result.returncode == 0, result.stderr[-3000:]
     folder = tmp_path / "ranges_out"
-    assert "value ranges of 'sequential' written to" in result.stderr
-    data = json.loads((folder / "ranges.json").read_text())
-    assert data["steps"] == 3 and data["loss_scale"] == 2.0**15
+    assert re.search(r"value ranges of '\w+' written to", result.stderr)
     assert (folder / "ranges.png").stat().st_size > 20_000
+    return json.loads((folder / "ranges.json").read_text())
+
+
+@pytest.mark.slow  # a fresh interpreter importing TensorFlow: ~25 s on 2 busy cores
+def test_tfamp_ranges_with_tfamp_enable_writes_the_picture(tmp_path):
+    data = run_with_tfamp_ranges(RANGES_SCRIPT, tmp_path)
+    assert data["model"] == "sequential"
+    assert data["steps"] == 3 and data["loss_scale"] == 2.0**15

@@ -148,6 +148,37 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
     """
     import tensorflow as tf
 
+    model, compiled = load_keras_file(path)
+    graph = graph or ("train" if compiled else "predict")
+    if graph == "train" and not compiled:
+        raise GraphFileError(f"{path} was saved without compile(), so it has no training "
+                             f"step; use --graph predict")
+    specs = [tf.TensorSpec([8, *t.shape[1:]], t.dtype) for t in model.inputs]
+    inputs = specs[0] if len(specs) == 1 else specs
+    if graph == "predict":
+        concrete = tf.function(lambda x: model(x, training=False)).get_concrete_function(inputs)
+        return _from_concrete(f"{path.stem}:predict", concrete)
+    targets = target_specs(model, 8)
+    target = targets[0] if len(targets) == 1 else targets
+    try:
+        concrete = tf.function(lambda x, y: model.train_step((x, y))).get_concrete_function(
+            inputs, target)
+    except (ValueError, TypeError, tf.errors.OpError) as err:
+        raise GraphFileError(
+            f"could not trace the training step of {path} with float32 targets shaped like "
+            f"the model's outputs ({_first_line(err)}); use --graph predict") from err
+    return _from_concrete(f"{path.stem}:train", concrete)
+
+
+def load_keras_file(path: Path):
+    """(model, saved compiled?) for a .keras / .h5 file, by the Keras that saved it.
+
+    The loader is chosen from the ``keras_version`` the file records: Keras 3
+    (``keras`` / ``tf.keras``) for 3.x, tf_keras for 2.x.
+
+    Raises:
+      GraphFileError: the file does not load (naming unregistered custom classes).
+    """
     flavour = keras_flavour(path)
     if flavour == "keras3":
         import keras
@@ -166,29 +197,21 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
     else:
         compiled = getattr(model, "optimizer", None) is not None and bool(
             getattr(model, "compiled_loss", None))
-    graph = graph or ("train" if compiled else "predict")
-    if graph == "train" and not compiled:
-        raise GraphFileError(f"{path} was saved without compile(), so it has no training "
-                             f"step; use --graph predict")
-    specs = [tf.TensorSpec([8, *t.shape[1:]], t.dtype) for t in model.inputs]
-    inputs = specs[0] if len(specs) == 1 else specs
-    if graph == "predict":
-        concrete = tf.function(lambda x: model(x, training=False)).get_concrete_function(inputs)
-        return _from_concrete(f"{path.stem}:predict", concrete)
+    return model, compiled
+
+
+def target_specs(model, batch: int | None) -> list:
+    """TensorSpecs for a compiled Keras model's targets, one per output.
+
+    float32 shaped like the output, or int64 class labels (one per output row)
+    when the loss is a sparse one.
+    """
+    import tensorflow as tf
+
     loss_name = str(getattr(model.loss, "name", getattr(model.loss, "__name__", model.loss)))
-    if "sparse" in loss_name.lower():  # integer class labels, one per output row
-        targets = [tf.TensorSpec([8, *t.shape[1:-1]], tf.int64) for t in model.outputs]
-    else:
-        targets = [tf.TensorSpec([8, *t.shape[1:]], tf.float32) for t in model.outputs]
-    target = targets[0] if len(targets) == 1 else targets
-    try:
-        concrete = tf.function(lambda x, y: model.train_step((x, y))).get_concrete_function(
-            inputs, target)
-    except (ValueError, TypeError, tf.errors.OpError) as err:
-        raise GraphFileError(
-            f"could not trace the training step of {path} with float32 targets shaped like "
-            f"the model's outputs ({_first_line(err)}); use --graph predict") from err
-    return _from_concrete(f"{path.stem}:train", concrete)
+    if "sparse" in loss_name.lower():
+        return [tf.TensorSpec([batch, *t.shape[1:-1]], tf.int64) for t in model.outputs]
+    return [tf.TensorSpec([batch, *t.shape[1:]], tf.float32) for t in model.outputs]
 
 
 def keras_flavour(path: Path) -> str:

@@ -185,19 +185,19 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
 def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
                            config: AmpConfig | None = None,
                            loss_scale: float = 1.0) -> NonFiniteOp | None:
-    """The first inf/nan op of a tf_keras model's training step on one batch.
+    """The first inf/nan op of a Keras model's training step on one batch.
 
     Computes the loss (times `loss_scale`) and its gradients in the graph tfamp
     would run, applies nothing, and restores the model's non-trainable and
     metric variables, so weights, optimizer state and loss scale are unchanged.
 
     Args:
-      model: a compiled tf_keras model.
+      model: a compiled tf_keras or Keras 3 (TensorFlow backend) model.
       x, y, sample_weight: one batch.
       config: the rewrite settings (the model's ``tfamp.enable`` config if None).
       loss_scale: the loss scale to run the step at.
     """
-    from tfamp.keras.range_monitor import _state_variables
+    from tfamp.keras.range_monitor import plain_function, state_variables
 
     if config is None:
         state = getattr(model, "_tfamp_state", None)
@@ -213,10 +213,10 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
         return loss, [g for g in grads if g is not None]
 
     scale = tf.constant(float(loss_scale), tf.float32)
-    saved = [(v, v.numpy()) for v in _state_variables(model)]
+    saved = [(v, v.numpy()) for v in state_variables(model)]
     metrics_before = {id(m) for m in model.metrics}
     try:
-        concrete = tf.function(loss_and_grads).get_concrete_function(x, y, sample_weight,
+        concrete = plain_function(loss_and_grads).get_concrete_function(x, y, sample_weight,
                                                                      scale)
         return locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
                                 loss_scale=loss_scale)

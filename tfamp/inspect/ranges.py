@@ -604,7 +604,7 @@ def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
                         config=None) -> RangeReport:
     """Ranges of a saved model on `steps` synthetic batches (``tfamp inspect --ranges``).
 
-    A compiled Keras file (.keras, .h5) gives activations, activation
+    A compiled Keras file (.keras, .h5; tf_keras or Keras 3) gives activations, activation
     gradients and weight gradients (random inputs, random targets shaped like
     the outputs; integer labels for sparse losses). A SavedModel directory
     gives forward activations only (FORWARD_ONLY_NOTE).
@@ -618,22 +618,17 @@ def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
 
     path = Path(path)
     if path.suffix.lower() in (".keras", ".h5"):
-        import tf_keras as keras
-
+        from tfamp.inspect.graph_files import load_keras_file, target_specs
+        from tfamp.keras.flavour import flavour_of
         from tfamp.keras.range_monitor import collect_keras_ranges
 
-        model = keras.models.load_model(str(path))
-        if not getattr(model, "compiled_loss", None):
+        model, _ = load_keras_file(path)  # tf_keras or Keras 3, by the file's keras_version
+        if not flavour_of(model).has_loss(model):
             raise ValueError(f"{path} was saved without compile(): gradients need the "
                              f"loss; compile the model before saving it")
-        loss_name = str(getattr(model.loss, "name", getattr(model.loss, "__name__",
-                                                                  model.loss)))
-        sparse = "sparse" in loss_name.lower()
         x_specs = [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in model.inputs]
-        if sparse:
-            y_specs = [tf.TensorSpec([None, *t.shape[1:-1]], tf.int64) for t in model.outputs]
-        else:
-            y_specs = [tf.TensorSpec([None, *t.shape[1:]], tf.float32) for t in model.outputs]
+        y_specs = target_specs(model, None)
+        sparse = y_specs[0].dtype == tf.int64
         classes = int(model.outputs[0].shape[-1]) if sparse else None
         xs = synthetic_batches(x_specs, steps, seed=0)
         ys = synthetic_batches(y_specs, steps, seed=1, classes=classes)

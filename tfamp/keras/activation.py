@@ -126,12 +126,9 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
         validate_settings(loss_scale, initial_scale, growth_interval, min_scale)
     ranges = _check_ranges(ranges)
     if keras3 is not None:
-        if ranges is not None:
-            raise NotImplementedError(
-                "tfamp.enable(ranges=...) is not supported on Keras 3 models yet; use "
-                "tfamp.RangeMonitor on a tf_keras model, or tfamp inspect --ranges.")
         keras3.enable(model, keras3.Keras3State(
-            config, loss_scale, initial_scale, growth_interval, min_scale, check))
+            config, loss_scale, initial_scale, growth_interval, min_scale, check,
+            ranges=ranges))
         log.info("tfamp: enabled %s on Keras 3 model %r (loss scale: %s)", config.dtype,
                  model.name, loss_scale)
         return model
@@ -292,16 +289,10 @@ def _install_hooks(model, state: _EnabledState) -> None:
         return result
 
     def fit(*args, **kwargs):
-        from tfamp.keras import range_monitor
+        from tfamp.keras.range_monitor import prepare_fit
 
-        # Kept for the stuck-at-floor diagnosis (a copy of one batch, or the dataset).
-        object.__setattr__(model, "_tfamp_fit_batch", range_monitor.fit_batch_source(args, kwargs))
-        if state.ranges is not None:
-            monitor = range_monitor.monitor_for_fit(state.ranges, args, kwargs)
-            if monitor is not None and len(args) > 5:  # callbacks given positionally
-                args = (*args[:5], [*(args[5] or []), monitor], *args[6:])
-            elif monitor is not None:
-                kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), monitor]
+        # Keeps one batch for the stuck-at-floor diagnosis; adds the RangeMonitor.
+        args, kwargs = prepare_fit(model, state.ranges, args, kwargs)
         return cls.fit(model, *args, **kwargs)
 
     def train_step(data):

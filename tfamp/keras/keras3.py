@@ -31,7 +31,7 @@ from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
 
-_HOOKED_METHODS = ("compile", "make_train_function", "make_test_function",
+_HOOKED_METHODS = ("compile", "fit", "make_train_function", "make_test_function",
                    "make_predict_function", "train_step", "_get_metrics_result_or_logs")
 _LOG_KEYS = ("loss_scale", "skipped_steps")
 _FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
@@ -52,6 +52,7 @@ class Keras3State:
     growth_interval: int
     min_scale: float
     check: bool
+    ranges: object = None  # None, True, or an output directory for RangeMonitor
 
     def wrap_optimizer(self, optimizer):
         if self.loss_scale is None or optimizer is None:
@@ -227,6 +228,13 @@ def _install_hooks(model, state: Keras3State) -> None:
         model.optimizer = _wrapped(model, state)
         return result
 
+    def fit(*args, **kwargs):
+        from tfamp.keras.range_monitor import prepare_fit
+
+        # Keeps one batch for the stuck-at-floor diagnosis; adds the RangeMonitor.
+        args, kwargs = prepare_fit(model, state.ranges, args, kwargs)
+        return cls.fit(model, *args, **kwargs)
+
     def train_step(data):
         optimizer = model.optimizer
         lso = optimizer if isinstance(optimizer, LossScaleOptimizer) else None
@@ -281,10 +289,13 @@ def _install_hooks(model, state: Keras3State) -> None:
     def after_train_call(_outputs):
         optimizer = model.optimizer
         if isinstance(optimizer, LossScaleOptimizer):
-            optimizer.check_stuck()
+            from tfamp.inspect.nonfinite import diagnose_keras_model
+
+            optimizer.check_stuck(diagnose=functools.partial(diagnose_keras_model, model))
 
     hooks = {
         "compile": compile,
+        "fit": fit,
         "train_step": train_step,
         "_get_metrics_result_or_logs": get_metrics_result_or_logs,
         "make_train_function": hooked_maker("train_function", "make_train_function",

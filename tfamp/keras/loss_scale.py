@@ -209,23 +209,42 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         self._warned_stuck = True
         indices = [int(i) for i in self._loss_scale.first_nonfinite.numpy() if i >= 0]
         names = [self._variable_names[i] for i in indices if i < len(self._variable_names)]
-        message = (
-            f"tfamp: loss scale is stuck at its floor ({self.min_scale:g}) and steps keep "
-            f"being skipped ({int(self.skipped_steps.numpy())} skipped so far): the "
-            f"gradients are inf/nan even unscaled, so no weights are being updated. "
-            f"First non-finite gradients: {', '.join(names) or 'unknown'}. Check the "
-            f"data and learning rate, keep the op producing them float32 "
-            f"(keep_fp32=...), or try dtype='bfloat16'.")
-        if diagnose is not None:
-            try:
-                found = diagnose()
-            except Exception as err:  # the warning matters more than the diagnosis
-                found = f"tfamp could not localise the op ({type(err).__name__}: {err})"
-            if found:
-                message += f" Localised: {found}"
-        log.error("%s", message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        warn_stuck(self.min_scale, int(self.skipped_steps.numpy()), names, diagnose)
         return True
+
+
+def warn_stuck(min_scale: float, skipped: int, names: list[str],
+               diagnose: Callable[[], str | None] | None = None) -> str:
+    """Logs and warns (RuntimeWarning) that the scale is stuck at its floor.
+
+    Shared by the tf_keras and Keras 3 loss-scale optimizers.
+
+    Args:
+      min_scale: the floor; skipped: steps skipped so far.
+      names: the variables whose gradients were first non-finite.
+      diagnose: called once to name the first op that made an inf/nan
+        (``tfamp.inspect.nonfinite``); its answer is appended. It must not
+        change any state; if it fails, the warning says so and still goes out.
+
+    Returns:
+      the message.
+    """
+    message = (
+        f"tfamp: loss scale is stuck at its floor ({min_scale:g}) and steps keep "
+        f"being skipped ({skipped} skipped so far): the gradients are inf/nan even "
+        f"unscaled, so no weights are being updated. First non-finite gradients: "
+        f"{', '.join(names) or 'unknown'}. Check the data and learning rate, keep the "
+        f"op producing them float32 (keep_fp32=...), or try dtype='bfloat16'.")
+    if diagnose is not None:
+        try:
+            found = diagnose()
+        except Exception as err:  # the warning matters more than the diagnosis
+            found = f"tfamp could not localise the op ({type(err).__name__}: {err})"
+        if found:
+            message += f" Localised: {found}"
+    log.error("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return message
 
 
 def validate_settings(loss_scale, initial_scale: float, growth_interval: int,

@@ -51,10 +51,10 @@ too.
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
@@ -68,10 +68,10 @@ from tfamp.keras.loss_scale import (
     DEFAULT_MIN_SCALE,
     STUCK_PATIENCE,
     validate_settings,
+    warn_stuck,
 )
 from tfamp.keras.scale_update import apply_if_finite, unscale, update_scale
 
-log = logging.getLogger("tfamp")
 
 SCALED_LOSS_MARK = "_tfamp_scaled_loss"
 INNER_MARK = "_tfamp_inner_of_loss_scale_optimizer"
@@ -126,15 +126,6 @@ def consume_scaled_loss(optimizer) -> bool:
 def is_scaled_loss(tensor) -> bool:
     """True if `tensor` came out of a loss-scale optimizer's ``scale_loss``."""
     return bool(getattr(tensor, SCALED_LOSS_MARK, False))
-
-
-def stuck_message(min_scale: float, skipped: int, names: list[str]) -> str:
-    return (
-        f"tfamp: loss scale is stuck at its floor ({min_scale:g}) and steps keep "
-        f"being skipped ({skipped} skipped so far): the gradients are inf/nan even "
-        f"unscaled, so no weights are being updated. First non-finite gradients: "
-        f"{', '.join(names) or 'unknown'}. Check the data and learning rate, keep the "
-        f"op producing them float32 (keep_fp32=...), or try dtype='bfloat16'.")
 
 
 # -- the optimizer ---------------------------------------------------------------
@@ -268,8 +259,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "tfamp's LossScaleOptimizer supports the TensorFlow backend's stateful "
             "apply only (model.fit, optimizer.apply / apply_gradients).")
 
-    def check_stuck(self) -> bool:
+    def check_stuck(self, diagnose: Callable[[], str | None] | None = None) -> bool:
         """Warns once if steps keep being skipped with the scale at its floor.
+
+        Args:
+          diagnose: called once, when warning, to name the first op that made
+            an inf/nan (``tfamp.inspect.nonfinite``); its answer goes into the
+            warning. It must not change any state.
 
         Returns:
           True if the warning was issued now.
@@ -280,9 +276,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._warned_stuck = True
         indices = [int(i) for i in self.first_nonfinite.numpy() if i >= 0]
         names = [self._variable_names[i] for i in indices if i < len(self._variable_names)]
-        message = stuck_message(self.min_scale, int(self.skipped_steps.numpy()), names)
-        log.error("%s", message)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        warn_stuck(self.min_scale, int(self.skipped_steps.numpy()), names, diagnose)
         return True
 
     # -- saving --------------------------------------------------------------

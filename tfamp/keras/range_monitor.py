@@ -18,6 +18,11 @@ training batches and then writes the text summary (log), JSON, HTML page and
 PNG to `output_dir`, and log2 histograms to TensorBoard when a log directory
 is known. ``tfamp.enable(model, ranges=...)`` and ``TFAMP_RANGES`` add it to
 ``fit`` with batches taken from ``fit``'s own data.
+
+tf_keras and Keras 3 models (TensorFlow backend) are handled alike; what
+differs between them (layer graph, variable names, loss check) is asked of
+``tfamp.keras.flavour``. ``RangeMonitor`` subclasses both Keras's ``Callback``
+classes, so the same object goes into either ``fit``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import tf_keras as keras
 
 from tfamp.inspect import ranges as ranges_lib
 from tfamp.inspect.ranges import RangeReport, TensorRange
+from tfamp.keras.flavour import all_flavours, flavour_of, keras3_module
 
 log = logging.getLogger("tfamp")
 
@@ -47,10 +53,11 @@ FLOAT32_NOTE = ("magnitudes are float32 reference values (the probe runs unconve
 
 
 class KerasRangeProbe:
-    """Buckets a tf_keras model's activations and gradients for one batch at a time.
+    """Buckets a Keras model's activations and gradients for one batch at a time.
 
     Args:
-      model: a built tf_keras model compiled with a loss.
+      model: a built tf_keras or Keras 3 (TensorFlow backend) model compiled
+        with a loss.
 
     Example:
       >>> probe = KerasRangeProbe(model)
@@ -58,21 +65,18 @@ class KerasRangeProbe:
     """
 
     def __init__(self, model):
-        if not isinstance(model, keras.Model):
-            raise TypeError(f"KerasRangeProbe expects a tf_keras.Model, received "
-                            f"{type(model).__module__}.{type(model).__name__}")
-        if not getattr(model, "compiled_loss", None) and type(model).compute_loss is \
-                keras.Model.compute_loss:
+        self.flavour = flavour_of(model)
+        if not self.flavour.has_loss(model):
             raise ValueError(
                 f"model {model.name!r} has no loss: compile it first "
                 f"(model.compile(optimizer=..., loss=...)); the ranges of gradients need "
                 f"the loss the model trains on")
         self.model = model
         self.notes = [FLOAT32_NOTE]
-        self._labels, self._sub, self._pred_index = _intermediate_outputs(model)
+        self._labels, self._sub, self._pred_index = _intermediate_outputs(model, self.flavour)
         if self._sub is None:
             self.notes.insert(0, SUBCLASSED_NOTE)
-        self._fn = tf.function(self._step)
+        self._fn = plain_function(self._step)
         self._ready = False
 
     def _step(self, x, y, sample_weight):
@@ -81,8 +85,9 @@ class KerasRangeProbe:
         # Restored in the same graph at the end (automatic control dependencies
         # keep reads first and these assigns last): BatchNorm statistics and
         # metric variables must not remember this pass.
-        state = _state_variables(model)
-        saved = [tf.identity(v.read_value()) for v in state]
+        state = state_variables(model)
+        saved = [tf.identity(v.read_value() if hasattr(v, "read_value") else v.value)
+                 for v in state]
         with tf.GradientTape() as tape:
             if self._sub is not None:
                 outputs = tf.nest.flatten(self._sub(x, training=True))
@@ -107,13 +112,13 @@ class KerasRangeProbe:
                 continue
             if isinstance(grad, tf.IndexedSlices):
                 grad = grad.values
-            tensors.append(("weight_gradient", _variable_label(var), grad))
+            tensors.append(("weight_gradient", self.flavour.variable_label(var), grad))
         counts, maxes = ranges_lib.bucket_counts_many([t for _, _, t in tensors])
         self._kinds = [(kind, label) for kind, label, _ in tensors]  # set while tracing
         known = {id(v) for v in state}
         restores = [v.assign(value) for v, value in zip(state, saved, strict=True)]
         # Metric variables compute_loss created while tracing start from zeros.
-        restores += [v.assign(tf.zeros_like(v)) for v in _state_variables(model)
+        restores += [v.assign(tf.zeros_like(v)) for v in state_variables(model)
                      if id(v) not in known]
         with tf.control_dependencies(restores):
             return tf.identity(counts), tf.identity(maxes)
@@ -123,10 +128,10 @@ class KerasRangeProbe:
         if not self._ready:
             # compute_loss may create the loss metrics while tracing. The graph
             # must list them among the variables it restores, so trace again.
-            before = len(_state_variables(self.model))
+            before = len(state_variables(self.model))
             self._fn.get_concrete_function(x, y, sample_weight)
-            if len(_state_variables(self.model)) != before:
-                self._fn = tf.function(self._step)
+            if len(state_variables(self.model)) != before:
+                self._fn = plain_function(self._step)
             self._ready = True
         counts, maxes = self._fn(x, y, sample_weight)
         counts, maxes = counts.numpy(), maxes.numpy()
@@ -134,8 +139,15 @@ class KerasRangeProbe:
                 for (kind, label), row, top in zip(self._kinds, counts, maxes, strict=True)]
 
 
-def _state_variables(model) -> list:
-    """Variables a forward pass in training mode or compute_loss may update."""
+def plain_function(python_function):
+    """A tf.function tfamp does not rewrite (under TFAMP_ENABLE tf.function is tfamp's):
+    the probe measures float32 reference values."""
+    return getattr(tf.function, "_tfamp_original", tf.function)(python_function)
+
+
+def state_variables(model) -> list:
+    """Variables a forward pass in training mode or compute_loss may update
+    (non-trainable weights such as BatchNorm statistics, metric variables)."""
     seen, result = set(), []
     for variable in [*model.non_trainable_variables,
                      *(v for m in model.metrics for v in m.variables)]:
@@ -145,16 +157,16 @@ def _state_variables(model) -> list:
     return result
 
 
-def _intermediate_outputs(model):
+def _intermediate_outputs(model, flavour):
     """(labels, sub-model returning every layer's outputs, index of each model output).
 
     (labels=[], None, None) for models without a graph of layers.
     """
-    if not getattr(model, "_is_graph_network", False) or not model.inputs:
+    if not flavour.is_graph_network(model):
         return [], None, None
     labels, tensors = [], []
     for layer in model.layers:
-        if isinstance(layer, keras.layers.InputLayer):
+        if flavour.is_input_layer(layer):
             continue
         try:
             output = layer.output
@@ -170,12 +182,8 @@ def _intermediate_outputs(model):
         if id(output) not in position:  # e.g. an output that is an input
             return [], None, None
         pred_index.append(position[id(output)])
-    sub = keras.Model(model.inputs, tensors, name=f"{model.name}_tfamp_ranges")
+    sub = flavour.keras.Model(model.inputs, tensors, name=f"{model.name}_tfamp_ranges")
     return labels, sub, pred_index
-
-
-def _variable_label(variable) -> str:
-    return variable.name.split(":")[0]
 
 
 def _layer_of(kind: str, label: str) -> str:
@@ -189,7 +197,9 @@ def current_loss_scale(model) -> float | None:
     optimizer = getattr(model, "optimizer", None)
     scale = getattr(optimizer, "loss_scale", None) if optimizer is not None else None
     if scale is None:
-        scale = getattr(optimizer, "dynamic_scale", None)  # Keras 3
+        scale = getattr(optimizer, "dynamic_scale", None)  # Keras 3's LossScaleOptimizer
+    if scale is None and isinstance(getattr(optimizer, "initial_scale", None), (int, float)):
+        scale = optimizer.initial_scale  # Keras 3's, not built yet
     if scale is None:
         return None
     try:
@@ -203,7 +213,7 @@ def collect_keras_ranges(model, batches: Iterable, *, steps: int = DEFAULT_STEPS
     """Collects ranges for up to `steps` batches (weights are not changed).
 
     Args:
-      model: a compiled tf_keras model.
+      model: a compiled tf_keras or Keras 3 model.
       batches: an iterable of (x, y) or (x, y, sample_weight) tuples, e.g. a
         batched tf.data.Dataset.
       steps: how many batches to use.
@@ -295,8 +305,18 @@ def write_tensorboard(report: RangeReport, log_dir: str | os.PathLike, step: int
     writer.close()
 
 
-class RangeMonitor(keras.callbacks.Callback):
+def _callback_bases() -> tuple[type, ...]:
+    """tf_keras's Callback, and Keras 3's when Keras 3 is installed: one RangeMonitor
+    object goes into either Keras's ``fit``."""
+    keras3 = keras3_module()
+    return (keras.callbacks.Callback,) + ((keras3.callbacks.Callback,) if keras3 else ())
+
+
+class RangeMonitor(*_callback_bases()):
     """Shows where a model's gradients sit against float16's limits (Keras callback).
+
+    The same object works in a tf_keras ``fit`` and a Keras 3 (``import keras``
+    / ``tf.keras``, TensorFlow backend) ``fit``: it is a callback of both.
 
     For the first `steps` training batches it runs ``KerasRangeProbe`` (a
     separate float32 forward and backward pass, no weight change) on a batch of
@@ -321,7 +341,8 @@ class RangeMonitor(keras.callbacks.Callback):
     def __init__(self, data, *, steps: int = DEFAULT_STEPS, batch_size: int = 32,
                  output_dir: str | os.PathLike | None = DEFAULT_OUTPUT_DIR,
                  tensorboard_dir: str | os.PathLike | None = None, png: bool = True):
-        super().__init__()
+        for base in _callback_bases():  # each Keras's Callback sets its own fields
+            base.__init__(self)
         if not isinstance(steps, int) or steps <= 0:
             raise ValueError(f"steps must be a positive integer, received {steps!r}")
         self._batches = _batches_from(data, batch_size, steps)
@@ -335,6 +356,18 @@ class RangeMonitor(keras.callbacks.Callback):
         self._tensors: list[TensorRange] = []
         self._done = 0
         self._scale: float | None = None
+
+    # Keras 3's Callback has a read-only `model` property; tf_keras assigns it.
+    @property
+    def model(self):
+        return self.__dict__.get("_model")
+
+    @model.setter
+    def model(self, value):
+        self.__dict__["_model"] = value
+
+    def set_model(self, model):
+        self.model = model
 
     def on_train_begin(self, logs=None):
         self._probe, self._tensors, self._done, self.report = None, [], 0, None
@@ -437,9 +470,30 @@ def monitor_for_fit(settings, args: Sequence, kwargs: dict) -> RangeMonitor | No
     if any(isinstance(c, RangeMonitor) for c in callbacks):
         return None
     tensorboard = next((c for c in callbacks
-                        if isinstance(c, keras.callbacks.TensorBoard)), None)
+                        if any(f.is_tensorboard(c) for f in all_flavours())), None)
     return RangeMonitor(batches, steps=len(batches), output_dir=output_dir,
                         tensorboard_dir=getattr(tensorboard, "log_dir", None))
+
+
+def prepare_fit(model, ranges, args: Sequence, kwargs: dict) -> tuple[tuple, dict]:
+    """What an enabled model's ``fit`` hook does first (tf_keras and Keras 3 alike).
+
+    Keeps a way to re-read one batch of fit's data (for the stuck-at-floor
+    diagnosis) on the model, and, when `ranges` is set (``tfamp.enable(ranges=)``
+    / ``TFAMP_RANGES``), adds a RangeMonitor to fit's callbacks.
+
+    Returns:
+      fit's (args, kwargs), with the monitor added to the callbacks.
+    """
+    object.__setattr__(model, "_tfamp_fit_batch", fit_batch_source(args, kwargs))
+    if ranges is None:
+        return tuple(args), kwargs
+    monitor = monitor_for_fit(ranges, args, kwargs)
+    if monitor is None:
+        return tuple(args), kwargs
+    if len(args) > 5:  # callbacks given positionally
+        return (*args[:5], [*(args[5] or []), monitor], *args[6:]), kwargs
+    return tuple(args), {**kwargs, "callbacks": [*(kwargs.get("callbacks") or []), monitor]}
 
 
 def fit_batch_source(args: Sequence, kwargs: dict):

@@ -223,7 +223,8 @@ def _patch_keras3(active: _Activation) -> None:
                          "scaling to Keras.", self.name)
             else:
                 activation.enable(self, config=active.settings.config,
-                                  loss_scale=active.settings.loss_scale)
+                                  loss_scale=active.settings.loss_scale,
+                                  ranges=active.settings.ranges_dir)
         return result
 
     base_trainer.Trainer.compile = compile
