@@ -122,8 +122,31 @@ class ModelLoop:
         return self._own_state
 
 
+_plain = threading.local()
+
+
+class plain_calls:  # noqa: N801  (a context manager, like tf.name_scope)
+    """Within it, enabled models run their class's ``call`` as is.
+
+    For tfamp's own probes that trace a model in a plain tf.function on purpose
+    (the float32 range probe, the non-finite localiser, which rewrites the
+    whole graph itself).
+    """
+
+    def __enter__(self):
+        self._previous = getattr(_plain, "on", False)
+        _plain.on = True
+        return self
+
+    def __exit__(self, *exc):
+        _plain.on = self._previous
+        return False
+
+
 def run_call(loop: ModelLoop, model, args, kwargs):
     """What an enabled model's ``call`` hook does (tf_keras and Keras 3)."""
+    if getattr(_plain, "on", False):
+        return loop.class_call(model, *args, **kwargs)
     if tf.executing_eagerly():
         if not loop.warned_eager and record.could_possibly_record():
             loop.warned_eager = True

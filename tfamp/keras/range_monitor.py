@@ -33,6 +33,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tfamp.inspect import ranges as ranges_lib
+from tfamp.keras import custom_loop
 from tfamp.inspect.ranges import RangeReport, TensorRange
 
 log = logging.getLogger("tfamp")
@@ -83,7 +84,7 @@ class KerasRangeProbe:
         # metric variables must not remember this pass.
         state = _state_variables(model)
         saved = [tf.identity(v.read_value()) for v in state]
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, custom_loop.plain_calls():  # float32 on purpose
             if self._sub is not None:
                 outputs = tf.nest.flatten(self._sub(x, training=True))
                 tape.watch(outputs)
