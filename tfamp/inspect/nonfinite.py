@@ -197,6 +197,7 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
       config: the rewrite settings (the model's ``tfamp.enable`` config if None).
       loss_scale: the loss scale to run the step at.
     """
+    from tfamp.keras import custom_loop
     from tfamp.keras.range_monitor import plain_function, state_variables
 
     if config is None:
@@ -205,7 +206,8 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
     variables = model.trainable_variables
 
     def loss_and_grads(x, y, sample_weight, scale):
-        with tf.GradientTape() as tape:
+        # The whole step is rewritten below: the model's call must not be on its own.
+        with tf.GradientTape() as tape, custom_loop.plain_calls():
             y_pred = model(x, training=True)
             loss = model.compute_loss(x, y, y_pred, sample_weight)
             scaled = loss * tf.cast(scale, loss.dtype)

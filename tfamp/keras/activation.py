@@ -9,7 +9,9 @@ saved files are unaffected): ``make_train_function``, ``make_test_function`` and
 ``make_predict_function`` wrap the tf.functions Keras builds in tfamp's
 ``RewrittenFunction``; ``train_step`` adds ``loss_scale`` and ``skipped_steps``
 to the logs (so they reach History and TensorBoard); ``compile`` wraps the
-optimizer it is given. Disabling removes the hooks and unwraps the optimizer.
+optimizer it is given; ``call`` runs the model rewritten, with loss scaling, inside
+the user's own tf.function (``tfamp.keras.custom_loop``). Disabling removes the
+hooks and unwraps the optimizer.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ import functools
 import logging
 import sys
 import types
-import warnings
-from pathlib import Path
 
 import tensorflow as tf
 import tf_keras as keras
 
 from tfamp.config import AmpConfig
+from tfamp.keras import custom_loop
 from tfamp.keras.loss_scale import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INITIAL_SCALE,
@@ -33,7 +34,7 @@ from tfamp.keras.loss_scale import (
     LossScaleOptimizer,
     validate_settings,
 )
-from tfamp.runtime.runner import RewrittenFunction, is_tracing_for_tfamp
+from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
 
@@ -52,7 +53,7 @@ class _EnabledState:
     growth_interval: int
     min_scale: float
     check: bool
-    warned_custom_loop: bool = False
+    loop: object = None  # custom_loop.ModelLoop, set when the hooks are installed
     ranges: object = None  # None, True, or an output directory for RangeMonitor
 
     def wrap_optimizer(self, optimizer):
@@ -344,16 +345,18 @@ def _install_hooks(model, state: _EnabledState) -> None:
             optimizer.check_stuck(diagnose=lambda: _diagnose(model))
 
     class_call = cls.call
+    state.loop = custom_loop.ModelLoop(
+        model, class_call, state.config, state.check, state.loss_scale,
+        lambda: (model.optimizer if isinstance(getattr(model, "optimizer", None),
+                                               LossScaleOptimizer) else None),
+        state.initial_scale, state.growth_interval, state.min_scale)
 
     # A bound method with the class's signature, like the original: Keras
     # inspects `call` (SavedModel export traces it with its argument names).
+    # Inside the user's own tf.function it runs rewritten (tfamp.keras.custom_loop).
     @functools.wraps(class_call)
     def call_function(self, *args, **kwargs):
-        if not state.warned_custom_loop and _in_plain_tf_function():
-            state.warned_custom_loop = True
-            warnings.warn(_custom_loop_message(self), UserWarning,
-                          stacklevel=_user_stacklevel())
-        return class_call(self, *args, **kwargs)
+        return custom_loop.run_call(state.loop, self, args, kwargs)
 
     call = types.MethodType(call_function, model)
 
@@ -370,38 +373,6 @@ def _install_hooks(model, state: _EnabledState) -> None:
     }
     for name, hook in hooks.items():
         object.__setattr__(model, name, hook)
-
-
-def _in_plain_tf_function() -> bool:
-    """True when tracing a tf.function that tfamp will not rewrite (e.g. the user's step)."""
-    if tf.executing_eagerly() or is_tracing_for_tfamp():
-        return False
-    from tensorflow.python.saved_model import save_context
-
-    return not save_context.in_save_context()  # saving traces call: not a training step
-
-
-def _user_stacklevel() -> int:
-    """The warnings stacklevel of the first frame outside TensorFlow, Keras and tfamp."""
-    library_dirs = tuple(str(Path(m.__file__).parent) for m in (tf, keras)) + (
-        str(Path(__file__).parent.parent),)
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith(library_dirs) or "__autograph_generated" in name):
-            return level
-        frame, level = frame.f_back, level + 1
-    return 2
-
-
-def _custom_loop_message(model) -> str:
-    return (f"tfamp: model {model.name!r} is called inside a tf.function that tfamp does "
-            f"not rewrite (your own training step?), so it runs in float32 there: "
-            f"tfamp.enable(model) converts only Keras's fit/evaluate/predict. For mixed "
-            f"precision in your own loop, decorate the step with @tfamp.function instead "
-            f"of @tf.function and scale the loss with model.optimizer.get_scaled_loss / "
-            f"get_unscaled_gradients (tfamp's LossScaleOptimizer), or run the script with "
-            f"TFAMP_ENABLE=1, which does both for you.")
 
 
 def _diagnose(model):

@@ -7,7 +7,8 @@ predict) builds a Python ``train_function`` around two tf.functions: the step
 Keras builds them, tfamp hands the trainer module a ``tf.function`` that wraps
 the *first* function built, the step, in ``RewrittenFunction``; the loop stays
 a plain tf.function that calls the rewritten step (so it is not coloured
-again). ``train_step`` runs under a gradient-tape hook (so an overridden
+again). ``call`` runs the model rewritten, with loss scaling, inside the user's own
+tf.function (``tfamp.keras.custom_loop``). ``train_step`` runs under a gradient-tape hook (so an overridden
 ``train_step`` that never calls ``scale_loss`` still gets loss scaling, applied
 once) and adds ``loss_scale`` / ``skipped_steps`` to the logs; ``compile``
 wraps the optimizer in tfamp's Keras 3 ``LossScaleOptimizer``.
@@ -19,12 +20,14 @@ import dataclasses
 import functools
 import logging
 import threading
+import types
 
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as trainer_module
 
 from tfamp.config import AmpConfig
+from tfamp.keras import custom_loop
 from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer, is_scaled_loss
 from tfamp.keras.scale_update import unscale
 from tfamp.runtime.runner import RewrittenFunction
@@ -32,7 +35,8 @@ from tfamp.runtime.runner import RewrittenFunction
 log = logging.getLogger("tfamp")
 
 _HOOKED_METHODS = ("compile", "fit", "make_train_function", "make_test_function",
-                   "make_predict_function", "train_step", "_get_metrics_result_or_logs")
+                   "make_predict_function", "train_step", "_get_metrics_result_or_logs",
+                   "call")
 _LOG_KEYS = ("loss_scale", "skipped_steps")
 _FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
 
@@ -53,6 +57,8 @@ class Keras3State:
     min_scale: float
     check: bool
     ranges: object = None  # None, True, or an output directory for RangeMonitor
+
+    loop: object = None  # custom_loop.ModelLoop, set when the hooks are installed
 
     def wrap_optimizer(self, optimizer):
         if self.loss_scale is None or optimizer is None:
@@ -293,7 +299,23 @@ def _install_hooks(model, state: Keras3State) -> None:
 
             optimizer.check_stuck(diagnose=functools.partial(diagnose_keras_model, model))
 
+    class_call = cls.call
+    state.loop = custom_loop.ModelLoop(
+        model, class_call, state.config, state.check, state.loss_scale,
+        lambda: (model.optimizer if isinstance(getattr(model, "optimizer", None),
+                                               LossScaleOptimizer) else None),
+        state.initial_scale, state.growth_interval, state.min_scale)
+
+    # Inside the user's own tf.function the model runs rewritten, with loss
+    # scaling (tfamp.keras.custom_loop); elsewhere exactly as the class's call.
+    @functools.wraps(class_call)
+    def call_function(self, *args, **kwargs):
+        return custom_loop.run_call(state.loop, self, args, kwargs)
+
+    call = types.MethodType(call_function, model)  # bound, with the class's signature
+
     hooks = {
+        "call": call,
         "compile": compile,
         "fit": fit,
         "train_step": train_step,

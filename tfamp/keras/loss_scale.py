@@ -186,7 +186,21 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
 
     # -- applying ------------------------------------------------------------
 
+    def get_scaled_loss(self, loss):
+        scaled = super().get_scaled_loss(loss)
+        try:  # scaled by hand: tfamp's custom-loop tape hook leaves it alone
+            setattr(scaled, "_tfamp_scaled_loss", True)
+        except (AttributeError, TypeError):
+            pass
+        return scaled
+
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        from tfamp.keras import custom_loop
+
+        if custom_loop.take_pending() is not None:
+            # tfamp's tape hook scaled and unscaled (a custom loop); this optimizer
+            # checks finiteness itself. Keeps tf_keras's "you forgot" warning quiet.
+            self._loss_has_been_scaled = self._gradients_have_been_unscaled = True
         grads_and_vars = list(grads_and_vars)
         # Same filter the parent applies before the finiteness check, so index i
         # of the recorded flags names variable i here.

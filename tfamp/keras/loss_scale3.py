@@ -229,6 +229,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -- applying ------------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
+        from tfamp.keras import custom_loop
+
+        custom_loop.take_pending()  # a custom-loop step: this optimizer checks it itself
         grads = list(grads)
         if not self.built:
             with keras.name_scope(self.name, caller=self):

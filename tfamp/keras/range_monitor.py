@@ -38,6 +38,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tfamp.inspect import ranges as ranges_lib
+from tfamp.keras import custom_loop
 from tfamp.inspect.ranges import RangeReport, TensorRange
 from tfamp.keras.flavour import all_flavours, flavour_of, keras3_module
 
@@ -88,7 +89,7 @@ class KerasRangeProbe:
         state = state_variables(model)
         saved = [tf.identity(v.read_value() if hasattr(v, "read_value") else v.value)
                  for v in state]
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, custom_loop.plain_calls():  # float32 on purpose
             if self._sub is not None:
                 outputs = tf.nest.flatten(self._sub(x, training=True))
                 tape.watch(outputs)

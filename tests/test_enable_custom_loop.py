@@ -1,0 +1,231 @@
+"""tfamp.enable(model) + the user's own GradientTape loop (issue 11, item 2).
+
+Inside a plain ``@tf.function`` step an enabled model runs as a nested
+tfamp-rewritten function (16-bit forward, and so 16-bit backward), the tape
+scales the loss, and the optimizer update skips non-finite steps. Both Keras
+flavours: tf_keras and Keras 3.
+"""
+
+import warnings
+
+import keras as keras3
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tfamp
+from tfamp.keras import custom_loop
+
+FLAVOURS = ["tf_keras", "keras3"]
+HALF = tf.float16.as_datatype_enum
+STEPS = 25
+
+
+def make_model(flavour, compiled=True, optimizer="sgd"):
+    k = tf_keras if flavour == "tf_keras" else keras3
+    k.utils.set_random_seed(0)
+    model = k.Sequential([k.Input((8,)), k.layers.Dense(16, activation="relu"),
+                          k.layers.Dense(1)])
+    opt = k.optimizers.SGD(0.05) if optimizer == "sgd" else k.optimizers.Adam(1e-2)
+    if compiled:
+        model.compile(optimizer=opt, loss="mse")
+    return model, opt
+
+
+def data():
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    return x, x[:, :1] * 0.5
+
+
+def apply(flavour, optimizer, grads, variables):
+    if flavour == "tf_keras":
+        optimizer.apply_gradients(zip(grads, variables))
+    else:
+        optimizer.apply(grads, variables)
+
+
+def make_step(model, optimizer, flavour, *, wrap=tf.function, scale_by_hand=False):
+    @wrap
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            target = loss
+            if scale_by_hand:
+                target = (optimizer.get_scaled_loss(loss) if flavour == "tf_keras"
+                          else optimizer.scale_loss(loss))
+        grads = tape.gradient(target, model.trainable_variables)
+        if scale_by_hand and flavour == "tf_keras":
+            grads = optimizer.get_unscaled_gradients(grads)
+        apply(flavour, optimizer, grads, model.trainable_variables)
+        return loss
+    return step
+
+
+def train(flavour, enable, *, which="model", optimizer="sgd", scale_by_hand=False):
+    """Returns (model, step, losses, optimizer used) after STEPS custom-loop steps."""
+    model, own = make_model(flavour, compiled=which != "separate", optimizer=optimizer)
+    if enable:
+        tfamp.enable(model, verbose=False)
+    used = model.optimizer if which == "model" else own
+    step = make_step(model, used, flavour, scale_by_hand=scale_by_hand)
+    x, y = data()
+    losses = [float(step(x, y)) for _ in range(STEPS)]
+    return model, step, losses, used
+
+
+def matmul_types(concrete):
+    """{function name: [T of every MatMul]} over the step's graph and its library."""
+    graph_def = concrete.graph.as_graph_def()
+    found = {"<step>": [n.attr["T"].type for n in graph_def.node if n.op == "MatMul"]}
+    for function in graph_def.library.function:
+        found[function.signature.name] = [n.attr["T"].type for n in function.node_def
+                                           if n.op == "MatMul"]
+    return found
+
+
+def scale_of(model):
+    return float(custom_loop.current_scale(model._tfamp_state.loop.scale_owner()))
+
+
+def record_warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [w for w in caught if "tfamp" in str(w.message)]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_plain_tf_function_step_runs_16bit_matmuls_forward_and_backward(flavour):
+    (model, step, _, _), caught = record_warnings(lambda: train(flavour, True))
+    assert caught == []
+    found = matmul_types(step.get_concrete_function(*data()))
+    every = [t for types in found.values() for t in types]
+    backward = [t for name, types in found.items() if "backward" in name for t in types]
+    assert every and all(t == HALF for t in every), found  # no float32 MatMul left
+    assert len(backward) >= 3, found  # dW for both layers, dX for the second
+    assert all(v.dtype == "float32" for v in model.trainable_variables)
+    x, y = data()
+    probe = tf.function(lambda: tf.gradients(  # the gradients the step's optimizer gets
+        tf.reduce_mean((model(x, training=True) - y) ** 2), model.trainable_variables))
+    assert all(g.dtype == tf.float32 for g in probe())
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("which", ["model", "inner", "separate"])
+def test_custom_loop_converges_like_float32(flavour, which):
+    # "model": model.optimizer (tfamp's loss-scale optimizer); "inner": the
+    # optimizer given to compile; "separate": a model never compiled.
+    _, _, want, _ = train(flavour, False, which=which)
+    model, _, got, _ = train(flavour, True, which=which)
+    assert got != want  # 16-bit rounding is visible...
+    np.testing.assert_allclose(got, want, rtol=0.02)  # ...and small
+    assert got[-1] < 0.3 * got[0]
+    assert scale_of(model) == 2.0 ** 15  # nothing overflowed, nothing skipped
+
+
+def optimizer_state(optimizer):
+    # The update's own state (a loss-scale optimizer's inner one; its scale
+    # state is checked through scale_of).
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    variables = optimizer.variables
+    variables = variables() if callable(variables) else variables
+    return {v.name if hasattr(v, "name") else str(i): np.array(v.numpy())
+            for i, v in enumerate(variables) if "iteration" not in v.name}
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("which", ["model", "inner", "separate"])
+def test_overflowing_batch_is_skipped_and_the_scale_halves(flavour, which):
+    model, step, _, used = train(flavour, True, which=which, optimizer="adam")
+    x, y = data()
+    weights = [v.numpy() for v in model.trainable_variables]
+    state = optimizer_state(used)
+    assert state  # Adam's moments exist
+    bad = x.copy()
+    bad[0, 0] = 1e6  # float16 overflows in the forward, so the gradients are inf/nan
+    step(bad, y)
+    assert scale_of(model) == 2.0 ** 14
+    for before, variable in zip(weights, model.trainable_variables):
+        np.testing.assert_array_equal(before, variable.numpy())
+    for name, value in optimizer_state(used).items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    step(x, y)  # the next good batch trains again
+    assert any(not np.array_equal(b, v.numpy())
+               for b, v in zip(weights, model.trainable_variables))
+    assert scale_of(model) == 2.0 ** 14
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_loss_scaled_by_hand_is_scaled_once(flavour):
+    _, _, want, _ = train(flavour, False)
+    model, _, got, optimizer = train(flavour, True, scale_by_hand=True)
+    # Scaled twice, the update would be 2**15 times too large (or small): no match.
+    np.testing.assert_allclose(got, want, rtol=0.02)
+    assert got[-1] < 0.3 * got[0]
+    assert float(custom_loop.current_scale(optimizer)) == 2.0 ** 15
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_eager_custom_loop_warns_once_and_runs_float32(flavour):
+    model, _ = make_model(flavour)
+    x, y = data()
+    want = float(tf.reduce_mean((model(x) - y) ** 2))
+    tfamp.enable(model, verbose=False)
+
+    def eager_steps():
+        losses = []
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            losses.append(float(loss))
+            tape.gradient(loss, model.trainable_variables)
+        return losses
+
+    losses, caught = record_warnings(eager_steps)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "float32" in message and "@tf.function" in message and model.name in message
+    assert caught[0].filename == __file__  # points at the user's code
+    assert losses[0] == want  # really float32, as it says
+    _, caught = record_warnings(lambda: model(x))  # eager inference: no tape, no warning
+    assert caught == []
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_inference_in_a_plain_tf_function_runs_16bit(flavour):
+    model, _ = make_model(flavour)
+    x, _ = data()
+    want = model(x).numpy()
+    tfamp.enable(model, verbose=False)
+    predict = tf.function(lambda x: model(x, training=False))
+    got = predict(x).numpy()
+    found = matmul_types(predict.get_concrete_function(x))
+    assert [t for types in found.values() for t in types].count(HALF) >= 2, found
+    assert not np.array_equal(got, want)
+    np.testing.assert_allclose(got, want, rtol=0.02, atol=0.02)
+    assert got.dtype == np.float32  # outputs keep their dtype
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_enabled_model_as_a_layer_of_a_new_functional_model_builds(flavour):
+    # Keras traces layers symbolically in scratch graphs: not a step, no nested function.
+    k = tf_keras if flavour == "tf_keras" else keras3
+    inner, _ = make_model(flavour)
+    tfamp.enable(inner, verbose=False)
+    inputs = k.Input((8,))
+    outer = k.Model(inputs, k.layers.Dense(2)(inner(inputs)))
+    x, _ = data()
+    assert outer.predict(x, verbose=0).shape == (64, 2)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_disable_restores_the_float32_step(flavour):
+    model, _ = make_model(flavour)
+    tfamp.enable(model, verbose=False)
+    tfamp.disable(model)
+    step = make_step(model, model.optimizer, flavour)
+    step(*data())
+    found = matmul_types(step.get_concrete_function(*data()))
+    assert HALF not in [t for types in found.values() for t in types], found
+    assert "call" not in model.__dict__

@@ -1,0 +1,444 @@
+"""An enabled model inside the user's own training step: mixed precision there too.
+
+``tfamp.enable(model)`` rewrites Keras's own fit / evaluate / predict functions.
+A custom loop traces its step with the plain ``tf.function``, which tfamp does
+not rewrite; this module makes the model's part of such a step mixed precision
+anyway, for tf_keras and Keras 3 models alike:
+
+* **Forward (and its gradient).** When an enabled model is called while a plain
+  tf.function is being traced, its ``call`` runs as a nested tfamp-rewritten
+  function (one per model, traced per input signature). TensorFlow
+  differentiates a function call from the called graph itself, so the backward
+  of the rewritten forward is 16-bit where the forward is; variables stay
+  float32 and their gradients arrive float32 (through the Casts' gradients).
+* **Loss scaling**, only for a tape whose scalar float loss depends on such a
+  call and whose sources include that model's variables: backprop is seeded
+  with the loss scale and the gradients are unscaled in float32 (as
+  ``TFAMP_ENABLE`` does). The scale is the model's tfamp loss-scale optimizer's
+  (``model.optimizer`` after ``compile``); a model without one gets its own
+  scale state. A loss marked as already scaled (``get_scaled_loss`` /
+  ``scale_loss`` of a tfamp or Keras loss-scale optimizer) is left alone, so a
+  user who scales by hand gets it once.
+* **Skipping non-finite steps.** The tape records one pending scaled step for
+  this trace and thread. The next optimizer update in that trace consumes it:
+  tfamp's own loss-scale optimizers check finiteness themselves; any other
+  optimizer (the inner one, or one the model was never compiled with) is run
+  through ``scale_update.apply_if_finite`` with the model's scale state, so
+  weights and slots stay untouched on an overflow and the scale halves. The
+  optimizer patches act only when such a step is pending, so nothing else in
+  the process changes.
+
+Eager custom loops (no tf.function) stay float32: tfamp rewrites graphs. The
+model says so once, with the fix, when it is called eagerly under a recording
+GradientTape.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import warnings
+import weakref
+from pathlib import Path
+
+import tensorflow as tf
+from tensorflow.python.eager import record
+from tensorflow.python.util import nest
+
+from tfamp.keras import scale_update
+from tfamp.runtime.runner import RewrittenFunction, is_tracing_for_tfamp
+
+log = logging.getLogger("tfamp")
+
+SCALED_LOSS_MARK = "_tfamp_scaled_loss"  # the mark loss_scale3 uses too
+
+# Per traced graph: {name of an op an enabled model's rewritten call produced: model}.
+_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_calls_lock = threading.Lock()
+# Pending scaled steps, per thread (replica) and graph (trace): [owner, ...].
+_pending = threading.local()
+_patch_lock = threading.Lock()
+_patched = False
+
+
+class ModelLoop:
+    """Per enabled model: its rewritten forward and its custom-loop scale.
+
+    Args:
+      model: the enabled Keras model (tf_keras or Keras 3).
+      class_call: the class's ``call`` (unbound).
+      config, check: the rewrite settings of ``tfamp.enable``.
+      loss_scale: the ``tfamp.enable`` setting ("dynamic", a number, None).
+      find_optimizer: returns the model's tfamp loss-scale optimizer, or None.
+    """
+
+    def __init__(self, model, class_call, config, check, loss_scale, find_optimizer,
+                 initial_scale, growth_interval, min_scale):
+        self.model_ref = weakref.ref(model)
+        self.class_call = class_call
+        self.config = config
+        self.check = check
+        self.loss_scale = loss_scale
+        self.find_optimizer = find_optimizer
+        self._scale_settings = (initial_scale, growth_interval, min_scale)
+        self._forward = None
+        self._own_state = None
+        self.warned_eager = False
+        self.warned = set()
+
+    # -- the forward --------------------------------------------------------
+
+    def forward(self):
+        if self._forward is None:
+            model, class_call = self.model_ref(), self.class_call
+            model_ref = self.model_ref
+
+            def call(*args, **kwargs):
+                return class_call(model_ref(), *args, **kwargs)
+
+            call.__name__ = f"{_safe_name(model.name)}_call"
+            self._forward = RewrittenFunction(call, self.config, check=self.check)
+        return self._forward
+
+    # -- the scale ------------------------------------------------------------
+
+    def scale_owner(self):
+        """What keeps this model's custom-loop scale: its loss-scale optimizer or own state."""
+        if self.loss_scale is None:
+            return None
+        optimizer = self.find_optimizer()
+        if optimizer is not None:
+            return optimizer
+        if self._own_state is None:
+            from tfamp.keras.loss_scale import _ScaleState
+
+            initial, growth, floor = self._scale_settings
+            with tf.init_scope():
+                if self.loss_scale == "dynamic":
+                    self._own_state = _ScaleState(initial, growth, floor)
+                else:
+                    self._own_state = _ScaleState(float(self.loss_scale), None, floor)
+        return self._own_state
+
+
+_plain = threading.local()
+
+
+class plain_calls:  # noqa: N801  (a context manager, like tf.name_scope)
+    """Within it, enabled models run their class's ``call`` as is.
+
+    For tfamp's own probes that trace a model in a plain tf.function on purpose
+    (the float32 range probe, the non-finite localiser, which rewrites the
+    whole graph itself).
+    """
+
+    def __enter__(self):
+        self._previous = getattr(_plain, "on", False)
+        _plain.on = True
+        return self
+
+    def __exit__(self, *exc):
+        _plain.on = self._previous
+        return False
+
+
+def run_call(loop: ModelLoop, model, args, kwargs):
+    """What an enabled model's ``call`` hook does (tf_keras and Keras 3)."""
+    if getattr(_plain, "on", False):
+        return loop.class_call(model, *args, **kwargs)
+    if tf.executing_eagerly():
+        if not loop.warned_eager and record.could_possibly_record():
+            loop.warned_eager = True
+            warnings.warn(eager_message(model), UserWarning, stacklevel=user_stacklevel())
+        return loop.class_call(model, *args, **kwargs)
+    if not _in_user_tf_function():
+        return loop.class_call(model, *args, **kwargs)
+    install_patches()
+    owner = loop.scale_owner()
+    _build_if_needed(owner, model)
+    outputs = loop.forward()(*args, **kwargs)
+    graph = tf.compat.v1.get_default_graph()
+    names = {t.op.name for t in nest.flatten(outputs, expand_composites=True)
+             if isinstance(t, tf.Tensor)}
+    with _calls_lock:
+        table = _calls.setdefault(graph, {})
+        for name in names:
+            table[name] = loop
+    return outputs
+
+
+def _in_user_tf_function() -> bool:
+    """True when tracing a tf.function tfamp does not rewrite (e.g. the user's own step)."""
+    if tf.executing_eagerly() or is_tracing_for_tfamp():
+        return False
+    from tensorflow.python.saved_model import save_context
+
+    if save_context.in_save_context():
+        return False  # saving traces call: not a training step
+    graph = tf.compat.v1.get_default_graph()
+    name = getattr(graph, "name", "") or ""
+    # Keras's symbolic calls (functional construction, output specs) trace in
+    # scratch graphs: not a step that runs.
+    return getattr(graph, "_building_function", False) and not (
+        "scratch_graph" in name or name == "keras_graph")
+
+
+def _build_if_needed(owner, model) -> None:
+    """A Keras 3 loss-scale optimizer's scale is a variable only once built."""
+    if owner is None or getattr(owner, "built", True) or not hasattr(owner, "dynamic_scale"):
+        return
+    with tf.init_scope():
+        owner.build(model.trainable_variables)
+
+
+# -- loss scaling on the tape ---------------------------------------------------------
+
+def _loops_reached(target) -> list[ModelLoop]:
+    """The enabled models whose rewritten call `target` depends on (in its graph)."""
+    graph = getattr(target, "graph", None)
+    with _calls_lock:
+        table = dict(_calls.get(graph, {})) if graph is not None else {}
+    if not table:
+        return []
+    found: dict[int, ModelLoop] = {}
+    seen = set()
+    pending = [target.op]
+    while pending:
+        op = pending.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.name in table:
+            found[id(table[op.name])] = table[op.name]
+            continue
+        pending.extend(t.op for t in op.inputs)
+    return list(found.values())
+
+
+def _variable_ids(variables) -> set[int]:
+    ids = set()
+    for v in nest.flatten(variables):
+        ids.add(id(v))
+        inner = getattr(v, "_value", None)  # a Keras 3 variable's tf.Variable
+        if inner is not None:
+            ids.add(id(inner))
+    return ids
+
+
+def scale_owner_for(target, sources):
+    """The scale owner for ``tape.gradient(target, sources)``, or None (do not scale)."""
+    if (tf.executing_eagerly() or not _is_scalar_float(target)
+            or getattr(target, SCALED_LOSS_MARK, False)):
+        return None
+    source_ids = _variable_ids(sources)
+    owners = {}
+    for loop in _loops_reached(target):
+        model = loop.model_ref()
+        if model is None or not (_variable_ids(model.trainable_variables) & source_ids):
+            continue
+        owner = loop.scale_owner()
+        if owner is not None:
+            owners[id(owner)] = owner
+    if len(owners) > 1:
+        _warn_once("owners", "tfamp: one loss depends on enabled models with different "
+                   "loss-scale optimizers and is differentiated for both; tfamp cannot "
+                   "scale it with two scales, so these gradients are not loss-scaled. "
+                   "Compute one loss per model (per optimizer).")
+        return None
+    return next(iter(owners.values()), None)
+
+
+def current_scale(owner):
+    """The owner's current loss scale as a float32 tensor."""
+    if hasattr(owner, "_update_state"):  # tfamp's Keras 3 loss-scale optimizer
+        return tf.cast(tf.convert_to_tensor(owner.dynamic_scale), tf.float32)
+    state = getattr(owner, "_loss_scale", owner)  # tfamp's tf_keras optimizer, or a state
+    return tf.convert_to_tensor(state.current_loss_scale)
+
+
+def _scaled_gradient(original, tape, target, sources, owner, kwargs):
+    scale = current_scale(owner)
+    seed = tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
+    grads = original(tape, target, sources, seed, **kwargs)
+    _push_pending(owner)
+    return tf.nest.map_structure(lambda g: scale_update.unscale(g, scale), grads)
+
+
+# -- pending scaled steps ---------------------------------------------------------------
+
+def _pending_list() -> list:
+    table = getattr(_pending, "table", None)
+    if table is None:
+        table = _pending.table = weakref.WeakKeyDictionary()
+    graph = tf.compat.v1.get_default_graph()
+    return table.setdefault(graph, [])
+
+
+def _push_pending(owner) -> None:
+    _pending_list().append(owner)
+
+
+def take_pending():
+    """The scale owner of the oldest pending scaled step in this trace and thread, or None."""
+    if tf.executing_eagerly():
+        return None
+    pending = _pending_list()
+    return pending.pop(0) if pending else None
+
+
+def update_owner_scale(owner, flags) -> None:
+    """Updates `owner`'s scale state after a step whose gradient flags are `flags`."""
+    if hasattr(owner, "_update_state"):  # tfamp's Keras 3 loss-scale optimizer
+        owner._update_state(flags)
+        return
+    state = getattr(owner, "_loss_scale", owner)  # tfamp's tf_keras optimizer, or a state
+    scale_update.update_scale(
+        flags, scale=state.current_loss_scale, good_steps=state.counter,
+        skipped_steps=state.skipped_steps, floor_skips=state.floor_skips,
+        first_nonfinite=state.first_nonfinite, dynamic=state.is_dynamic,
+        growth_interval=state.growth_steps, min_scale=state.min_scale)
+
+
+def install_patches() -> None:
+    """GradientTape.gradient and the optimizers' update, once per process.
+
+    Inert unless an enabled model's rewritten call is in the traced graph (tape)
+    or a scaled step is pending in it (optimizers).
+    """
+    global _patched
+    with _patch_lock:
+        if _patched:
+            return
+        _patched = True
+        _patch_tape()
+        _patch_tf_keras_optimizer()
+        _patch_keras3_optimizer()
+
+
+def _patch_tape() -> None:
+    original = tf.GradientTape.gradient
+
+    @functools.wraps(original)
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        if output_gradients is None:
+            owner = scale_owner_for(target, sources)
+            if owner is not None:
+                return _scaled_gradient(original, self, target, sources, owner, kwargs)
+        return original(self, target, sources, output_gradients, **kwargs)
+
+    tf.GradientTape.gradient = gradient
+
+
+def _is_tfamp_optimizer(optimizer) -> bool:
+    module = type(optimizer).__module__
+    return module.startswith("tfamp.") and "LossScaleOptimizer" in type(optimizer).__name__
+
+
+def _patch_tf_keras_optimizer() -> None:
+    try:
+        import tf_keras
+    except ImportError:
+        return
+    optimizer_class = tf_keras.optimizers.Optimizer
+    original = optimizer_class.apply_gradients
+
+    @functools.wraps(original)
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        owner = None if _is_tfamp_optimizer(self) else take_pending()
+        if owner is None:
+            return original(self, grads_and_vars, *args, **kwargs)
+        grads_and_vars = list(grads_and_vars)
+        variables = [v for _, v in grads_and_vars]
+        if not (getattr(self, "built", False) or getattr(self, "_built", False)):
+            with tf.init_scope():
+                self.build(variables)  # slots exist before the conditional update
+
+        def apply(grads):
+            original(self, list(zip(grads, variables, strict=True)), *args, **kwargs)
+
+        def skip():
+            self.iterations.assign_add(1)  # as tf_keras's own wrapper
+
+        scale_update.apply_if_finite([g for g, _ in grads_and_vars], apply,
+                                     functools.partial(update_owner_scale, owner), skip)
+        return self.iterations
+
+    optimizer_class.apply_gradients = apply_gradients
+
+
+def _patch_keras3_optimizer() -> None:
+    try:
+        import keras
+    except ImportError:
+        return
+    if not getattr(keras, "__version__", "0").startswith("3"):
+        return
+    optimizer_class = keras.optimizers.Optimizer
+    original = optimizer_class.apply
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        owner = None if _is_tfamp_optimizer(self) else take_pending()
+        if owner is None:
+            return original(self, grads, trainable_variables)
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                with tf.init_scope():
+                    self.build(trainable_variables)
+        scale_update.apply_if_finite(
+            grads, lambda g: original(self, g, trainable_variables),
+            functools.partial(update_owner_scale, owner))
+        return None
+
+    optimizer_class.apply = apply
+
+
+# -- telling the user -----------------------------------------------------------------
+
+def _warn_once(key: str, message: str) -> None:
+    if key in _warned_keys:
+        return
+    _warned_keys.add(key)
+    log.warning("%s", message)
+    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
+
+
+_warned_keys: set[str] = set()
+
+
+def eager_message(model) -> str:
+    return (f"tfamp: model {model.name!r} is called eagerly under a GradientTape (a custom "
+            f"training loop without tf.function?), so it runs in float32 there: tfamp "
+            f"rewrites traced graphs. Decorate the training step with @tf.function; tfamp "
+            f"then runs the model in mixed precision with loss scaling inside it.")
+
+
+def user_stacklevel() -> int:
+    """The warnings stacklevel of the first frame outside TensorFlow, Keras and tfamp."""
+    import sys
+
+    dirs = [str(Path(tf.__file__).parent), str(Path(__file__).parent.parent)]
+    for name in ("tf_keras", "keras"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.append(str(Path(module.__file__).parent))
+    library_dirs = tuple(dirs)
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(library_dirs) or "__autograph_generated" in name):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def _is_scalar_float(target) -> bool:
+    return (isinstance(target, (tf.Tensor, tf.Variable)) and target.dtype.is_floating
+            and target.shape.rank == 0)
+
+
+def _safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "model"
