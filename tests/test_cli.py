@@ -1,6 +1,7 @@
 """The tfamp command line: inspect output and every user error as one clean line."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -185,7 +186,8 @@ def test_zip_named_pb_and_directory_without_model(capsys, tmp_path):
     assert code == 2 and "is a directory without saved_model.pb" in err
 
 
-def test_demo_runs_and_reports_rewrite_and_losses(capsys):
+def test_demo_runs_and_reports_rewrite_and_losses(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the demo writes its range picture under ./tfamp_demo_out
     code, out, _ = run(capsys, "demo", "--steps", "12", "--batch", "8")
     assert code == 0
     assert "What tfamp did to the training step (float16):" in out
@@ -196,3 +198,6 @@ def test_demo_runs_and_reports_rewrite_and_losses(capsys):
     assert max(losses) - min(losses) < 0.1 * losses[0]
     assert "loss scaling in the float16 run: dynamic" in out
     assert "All model variables stayed float32" in out
+    assert re.search(r"estimated float memory traffic per step: [\d.]+ MB -> [\d.]+ MB", out)
+    assert "recommendation: gradients of" in out
+    assert (tmp_path / "tfamp_demo_out" / "ranges" / "ranges.png").stat().st_size > 10_000

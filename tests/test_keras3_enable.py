@@ -1,6 +1,7 @@
 """tfamp.enable(model) on Keras 3 models (import keras / tf.keras): fit, evaluate, predict."""
 
 import glob
+import warnings
 
 import keras
 import numpy as np
@@ -173,7 +174,8 @@ def test_run_eagerly_warns_and_stays_float32(caplog):
     model = mlp()
     model.compile(optimizer="adam", loss="mse", run_eagerly=True)
     tfamp.enable(model)
-    with caplog.at_level("WARNING", logger="tfamp"):
+    with caplog.at_level("WARNING", logger="tfamp"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # one message (the log line), not a second warning
         fit(model, epochs=1)
     assert "runs eagerly" in caplog.text
     assert not isinstance(model.train_function, StepFunctions)

@@ -19,6 +19,9 @@ from tfamp.rewrite.report import RewriteReport
 from tfamp.runtime.runner import function as amp_function
 
 
+RANGES_DIR = "tfamp_demo_out/ranges"
+
+
 @dataclasses.dataclass
 class TrainResult:
     label: str
@@ -26,6 +29,8 @@ class TrainResult:
     seconds: float
     report: RewriteReport | None
     loss_scale: str = "none"
+    model: keras.Model | None = None
+    optimizer: keras.optimizers.Optimizer | None = None
 
 
 def build_model(num_classes: int) -> keras.Model:
@@ -86,7 +91,7 @@ def train(label: str, config: AmpConfig | None, steps: int, batch: int, seed: in
     if isinstance(optimizer, LossScaleOptimizer):
         scale = (f"dynamic, now {float(optimizer.loss_scale):g} after "
                  f"{int(optimizer.skipped_steps.numpy())} skipped step(s)")
-    return TrainResult(label, losses, seconds, report, scale)
+    return TrainResult(label, losses, seconds, report, scale, model, optimizer)
 
 
 def describe_rewrite(report: RewriteReport, out) -> None:
@@ -95,6 +100,12 @@ def describe_rewrite(report: RewriteReport, out) -> None:
           f"({report.casts_inserted} Cast nodes inserted at region boundaries)", file=out)
     converted = ", ".join(f"{op} x{n}" for op, n in report.converted.items())
     print(f"  now {report.dtype}: {converted}", file=out)
+    if report.traffic_before_bytes and report.traffic_after_bytes:
+        print(f"  estimated float memory traffic per step: "
+              f"{_megabytes(report.traffic_before_bytes)} -> "
+              f"{_megabytes(report.traffic_after_bytes)} "
+              f"({100 * report.traffic_after_bytes / report.traffic_before_bytes:.0f}%)",
+              file=out)
     kept = ", ".join(f"{kind}: {n}" for kind, n in report.kept_fp32.items())
     print(f"  listed ops kept float32, by reason: {kept}", file=out)
     print("  a few decisions:", file=out)
@@ -108,6 +119,31 @@ def describe_rewrite(report: RewriteReport, out) -> None:
             shown.add(key[0])
             mark = report.dtype if entry.converted else "float32"
             print(f"    {entry.op:<36} {mark:<9} {entry.reason}", file=out)
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB"
+
+
+def show_ranges(result: TrainResult, seed: int, out, folder: str = RANGES_DIR) -> None:
+    """Where the trained float16 model's gradients sit against float16's limits."""
+    from tfamp.keras.range_monitor import collect_keras_ranges, write_outputs
+
+    model = result.model
+    model.compile(optimizer=result.optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images, labels = synthetic_data(3 * 32, 4, seed + 1)
+    batches = [(images[i * 32:(i + 1) * 32], labels[i * 32:(i + 1) * 32]) for i in range(3)]
+    report = collect_keras_ranges(model, batches, steps=3)
+    written = write_outputs(report, folder)
+    print("\nWhere the float16 run's numbers sit against float16's limits (3 batches):",
+          file=out)
+    for line in report.summary_text().splitlines():
+        if line.strip().startswith(("recommendation:", "loss scale while")):
+            print(f"  {line.strip()}", file=out)
+    print(f"  the picture: {written.get('png', written['html'])} (and {written['html']}; "
+          f"for your own model: tfamp.enable(model, ranges=True) or TFAMP_RANGES=1)",
+          file=out)
 
 
 def main(steps: int = 60, batch: int = 32, seed: int = 0, out=None) -> int:
@@ -136,4 +172,5 @@ def main(steps: int = 60, batch: int = 32, seed: int = 0, out=None) -> int:
     for r in runs[1:]:
         print(f"  loss scaling in the {r.label} run: {r.loss_scale}", file=out)
     print("All model variables stayed float32 (master weights).", file=out)
+    show_ranges(runs[1], seed, out)
     return 0

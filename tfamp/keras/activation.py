@@ -17,10 +17,8 @@ hooks and unwraps the optimizer.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import sys
-import types
 
 import tensorflow as tf
 import tf_keras as keras
@@ -344,21 +342,7 @@ def _install_hooks(model, state: _EnabledState) -> None:
         if isinstance(optimizer, LossScaleOptimizer):
             optimizer.check_stuck(diagnose=lambda: _diagnose(model))
 
-    class_call = cls.call
-    state.loop = custom_loop.ModelLoop(
-        model, class_call, state.config, state.check, state.loss_scale,
-        lambda: (model.optimizer if isinstance(getattr(model, "optimizer", None),
-                                               LossScaleOptimizer) else None),
-        state.initial_scale, state.growth_interval, state.min_scale)
-
-    # A bound method with the class's signature, like the original: Keras
-    # inspects `call` (SavedModel export traces it with its argument names).
-    # Inside the user's own tf.function it runs rewritten (tfamp.keras.custom_loop).
-    @functools.wraps(class_call)
-    def call_function(self, *args, **kwargs):
-        return custom_loop.run_call(state.loop, self, args, kwargs)
-
-    call = types.MethodType(call_function, model)
+    call = custom_loop.call_hook(model, cls.call, state, LossScaleOptimizer)
 
     hooks = {
         "call": call,

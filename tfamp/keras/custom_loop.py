@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import types
 import warnings
 import weakref
 from pathlib import Path
@@ -148,7 +149,9 @@ def run_call(loop: ModelLoop, model, args, kwargs):
     if getattr(_plain, "on", False):
         return loop.class_call(model, *args, **kwargs)
     if tf.executing_eagerly():
-        if not loop.warned_eager and record.could_possibly_record():
+        # (fit with run_eagerly=True has its own warning from tfamp.enable's hooks)
+        if (not loop.warned_eager and record.could_possibly_record()
+                and not getattr(model, "run_eagerly", False)):
             loop.warned_eager = True
             warnings.warn(eager_message(model), UserWarning, stacklevel=user_stacklevel())
         return loop.class_call(model, *args, **kwargs)
@@ -348,21 +351,9 @@ def _patch_tf_keras_optimizer() -> None:
         owner = None if _is_tfamp_optimizer(self) else take_pending()
         if owner is None:
             return original(self, grads_and_vars, *args, **kwargs)
-        grads_and_vars = list(grads_and_vars)
-        variables = [v for _, v in grads_and_vars]
-        if not (getattr(self, "built", False) or getattr(self, "_built", False)):
-            with tf.init_scope():
-                self.build(variables)  # slots exist before the conditional update
-
-        def apply(grads):
-            original(self, list(zip(grads, variables, strict=True)), *args, **kwargs)
-
-        def skip():
-            self.iterations.assign_add(1)  # as tf_keras's own wrapper
-
-        scale_update.apply_if_finite([g for g, _ in grads_and_vars], apply,
-                                     functools.partial(update_owner_scale, owner), skip)
-        return self.iterations
+        return scale_update.apply_gradients_if_finite(
+            self, original, grads_and_vars, args, kwargs,
+            functools.partial(update_owner_scale, owner))
 
     optimizer_class.apply_gradients = apply_gradients
 
@@ -442,3 +433,26 @@ def _is_scalar_float(target) -> bool:
 
 def _safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "model"
+
+
+def call_hook(model, class_call, state, loss_scale_optimizer_class):
+    """The bound ``call`` tfamp.enable installs on `model` (tf_keras and Keras 3).
+
+    Inside the user's own tf.function the model runs rewritten, with loss
+    scaling; elsewhere exactly as the class's ``call``. Bound, with the class's
+    signature: Keras inspects ``call`` (SavedModel export traces it with its
+    argument names). Sets ``state.loop``.
+    """
+    def scale_optimizer():
+        optimizer = getattr(model, "optimizer", None)
+        return optimizer if isinstance(optimizer, loss_scale_optimizer_class) else None
+
+    state.loop = ModelLoop(model, class_call, state.config, state.check, state.loss_scale,
+                           scale_optimizer, state.initial_scale, state.growth_interval,
+                           state.min_scale)
+
+    @functools.wraps(class_call)
+    def call_function(self, *args, **kwargs):
+        return run_call(state.loop, self, args, kwargs)
+
+    return types.MethodType(call_function, model)

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import logging
 import threading
-import types
 
 import keras
 import tensorflow as tf
@@ -299,20 +298,7 @@ def _install_hooks(model, state: Keras3State) -> None:
 
             optimizer.check_stuck(diagnose=functools.partial(diagnose_keras_model, model))
 
-    class_call = cls.call
-    state.loop = custom_loop.ModelLoop(
-        model, class_call, state.config, state.check, state.loss_scale,
-        lambda: (model.optimizer if isinstance(getattr(model, "optimizer", None),
-                                               LossScaleOptimizer) else None),
-        state.initial_scale, state.growth_interval, state.min_scale)
-
-    # Inside the user's own tf.function the model runs rewritten, with loss
-    # scaling (tfamp.keras.custom_loop); elsewhere exactly as the class's call.
-    @functools.wraps(class_call)
-    def call_function(self, *args, **kwargs):
-        return custom_loop.run_call(state.loop, self, args, kwargs)
-
-    call = types.MethodType(call_function, model)  # bound, with the class's signature
+    call = custom_loop.call_hook(model, cls.call, state, LossScaleOptimizer)
 
     hooks = {
         "call": call,

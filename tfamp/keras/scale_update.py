@@ -145,3 +145,30 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
         update_fn(flags)
 
     context.merge_call(cross_replica, args=(flags, grads))
+
+
+def apply_gradients_if_finite(optimizer, original: Callable, grads_and_vars, args, kwargs,
+                              update_fn: Callable):
+    """A tf_keras ``apply_gradients`` (`original`) that skips a non-finite step.
+
+    Builds the optimizer first, so its slots exist before the conditional
+    update; a skipped step still advances ``iterations``, as tf_keras's own
+    loss-scale wrapper does (learning-rate schedules keep counting batches).
+
+    Returns:
+      ``optimizer.iterations``, like ``apply_gradients``.
+    """
+    grads_and_vars = list(grads_and_vars)
+    variables = [v for _, v in grads_and_vars]
+    if not (getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)):
+        with tf.init_scope():
+            optimizer.build(variables)
+
+    def apply(grads):
+        original(optimizer, list(zip(grads, variables, strict=True)), *args, **kwargs)
+
+    def skip():
+        optimizer.iterations.assign_add(1)
+
+    apply_if_finite([g for g, _ in grads_and_vars], apply, update_fn, skip)
+    return optimizer.iterations

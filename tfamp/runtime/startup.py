@@ -425,8 +425,6 @@ def _patch_keras3_apply(active: _Activation) -> None:
 
 
 def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib) -> None:
-    import tensorflow as tf
-
     original = optimizer_class.apply_gradients
 
     @functools.wraps(original)
@@ -434,22 +432,11 @@ def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib)
         if (getattr(active.no_tape_scaling, "on", False) or _is_loss_scale_optimizer(self)
                 or getattr(self, "_is_wrapped_by_loss_scale_optimizer", False)):
             return original(self, grads_and_vars, *args, **kwargs)
-        grads_and_vars = list(grads_and_vars)
-        variables = [v for _, v in grads_and_vars]
-        if not (getattr(self, "built", False) or getattr(self, "_built", False)):
-            with tf.init_scope():
-                self.build(variables)  # slots exist before the conditional update
         from tfamp.keras import scale_update
 
-        def apply(grads):
-            original(self, list(zip(grads, variables, strict=True)), *args, **kwargs)
-
-        def skip():
-            self.iterations.assign_add(1)  # as tf_keras's own wrapper: schedules keep counting
-
-        scale_update.apply_if_finite([g for g, _ in grads_and_vars], apply,
-                                     functools.partial(_update_process_scale, active), skip)
-        return self.iterations
+        return scale_update.apply_gradients_if_finite(
+            self, original, grads_and_vars, args, kwargs,
+            functools.partial(_update_process_scale, active))
 
     optimizer_class.apply_gradients = apply_gradients
 
