@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 import zipfile
 
 import keras
@@ -19,7 +18,7 @@ from tfamp import cli
 from tfamp.inspect.nonfinite import locate_keras_nonfinite
 from tfamp.keras.range_monitor import KerasRangeProbe, RangeMonitor, collect_keras_ranges
 from tests import keras3_helpers, test_ranges
-from tests.test_nonfinite import EXP_16BIT, X, Y
+from tests.test_nonfinite import EXP_16BIT, X, Y, fit_until_stuck
 from tests.test_ranges import check_tensorboard_histograms, regression_data, run_with_tfamp_ranges
 
 MULTIPLIER = 2.0**-26  # the loss is this small: its gradients sit below 2^-24
@@ -95,24 +94,6 @@ def test_range_monitor_is_a_keras3_callback_and_changes_nothing(tmp_path):
         "ranges.html", "ranges.json", "ranges.png", "ranges.txt"]
     assert json.loads((tmp_path / "r" / "ranges.json").read_text()) == json.loads(
         monitor.report.to_json())
-
-
-def test_subclassed_keras3_model_gets_weight_gradients_only():
-    class Sub(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.d = keras.layers.Dense(2)
-
-        def call(self, x):
-            return self.d(x)
-
-    model = Sub()
-    model.compile(optimizer="adam", loss="mse")
-    x, y = regression_data(32)
-    model(x[:1])
-    report = collect_keras_ranges(model, [(x, np.repeat(y, 2, axis=1))], steps=1)
-    assert {t.kind for t in report.tensors} == {"weight_gradient"}
-    assert any("subclassed model" in note for note in report.notes)
 
 
 def test_probe_rejects_an_uncompiled_keras3_model():
@@ -225,14 +206,7 @@ def test_planted_exp_overflow_in_keras3_is_named_with_its_fix():
 
 def test_keras3_stuck_at_floor_warning_names_the_op():
     model = overflow_model()
-    tfamp.enable(model, config=EXP_16BIT, initial_scale=2.0, min_scale=1.0)
-    weights = [v.numpy().copy() for v in model.trainable_variables]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.fit(X, Y, batch_size=16, epochs=5, verbose=0)
-    stuck = [w for w in caught if "stuck at its floor" in str(w.message)]
-    assert len(stuck) == 1, [str(w.message) for w in caught]
-    message = str(stuck[0].message)
+    message = fit_until_stuck(model)
     node = re.search(r"Localised: first non-finite value \(inf\) comes from Exp '([^']+)' in "
                      r"the forward pass", message).group(1)
     pattern = re.search(r"TFAMP_KEEP_FP32='([^']+)'", message).group(1)
@@ -240,10 +214,6 @@ def test_keras3_stuck_at_floor_warning_names_the_op():
     [report] = model.train_function.reports
     assert node in {n.name for n in report.nodes} and "expo" in node
     assert re.search(pattern, node)
-    assert float(model.optimizer.loss_scale.numpy()) == 1.0
-    assert int(model.optimizer.skipped_steps.numpy()) == 5
-    for old, variable in zip(weights, model.trainable_variables, strict=True):
-        np.testing.assert_array_equal(old, variable.numpy())
 
 
 # ----------------------------------------------------- TFAMP_RANGES end to end

@@ -3,6 +3,7 @@ recommendation, the Keras probe and callback, the entry points, and the picture.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -216,11 +217,15 @@ def test_range_monitor_in_fit_changes_nothing_and_writes_the_files(tmp_path):
     assert "recommendation: " in (tmp_path / "r" / "ranges.txt").read_text()
 
 
-def test_subclassed_model_gets_weight_gradients_only():
-    class Sub(keras.Model):
+@pytest.mark.parametrize("keras_module", ["tf_keras", "keras3"])
+def test_subclassed_model_gets_weight_gradients_only(keras_module):
+    base = keras.Model if keras_module == "tf_keras" else importlib.import_module("keras").Model
+
+    class Sub(base):
         def __init__(self):
             super().__init__()
-            self.d = keras.layers.Dense(2)
+            self.d = (keras.layers.Dense(2) if keras_module == "tf_keras"
+                      else importlib.import_module("keras").layers.Dense(2))
 
         def call(self, x):
             return self.d(x)
