@@ -4,33 +4,19 @@ These need tfamp *installed* (the start-up hook lives in site-packages), as
 ``bash scripts/setup.sh`` does.
 """
 
-import json
-import os
-import subprocess
-import sys
 import sysconfig
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.test_env_activation import last_json, run
+
 
 @pytest.fixture(scope="module", autouse=True)
 def installed_hook():
     hook = Path(sysconfig.get_paths()["purelib"]) / "tfamp_startup.pth"
     assert hook.is_file(), f"tfamp's start-up hook is not installed at {hook}; run setup.sh"
-
-
-def run(args, tmp_path, **env):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
-    environment.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": "", **env})
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=600, env=environment, cwd=str(tmp_path))
-
-
-def last_json(result):
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def tfamp_lines(stderr: str) -> list[str]:

@@ -373,15 +373,8 @@ def _patch_keras3_optimizer() -> None:
         owner = None if _is_tfamp_optimizer(self) else take_pending()
         if owner is None:
             return original(self, grads, trainable_variables)
-        grads = list(grads)
-        if trainable_variables is not None:
-            trainable_variables = list(trainable_variables)
-            if not self.built:
-                with tf.init_scope():
-                    self.build(trainable_variables)
-        scale_update.apply_if_finite(
-            grads, lambda g: original(self, g, trainable_variables),
-            functools.partial(update_owner_scale, owner))
+        scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,
+                                            functools.partial(update_owner_scale, owner))
         return None
 
     optimizer_class.apply = apply

@@ -172,3 +172,19 @@ def apply_gradients_if_finite(optimizer, original: Callable, grads_and_vars, arg
 
     apply_if_finite([g for g, _ in grads_and_vars], apply, update_fn, skip)
     return optimizer.iterations
+
+
+def apply_keras3_if_finite(optimizer, original: Callable, grads, trainable_variables,
+                           update_fn: Callable) -> None:
+    """A Keras 3 ``apply`` (`original`) that skips a non-finite step.
+
+    Builds the optimizer first, so its variables exist before the conditional
+    update; a skipped step touches no optimizer variable (Keras 3's rule).
+    """
+    grads = list(grads)
+    if trainable_variables is not None:
+        trainable_variables = list(trainable_variables)
+        if not optimizer.built:
+            with tf.init_scope():
+                optimizer.build(trainable_variables)
+    apply_if_finite(grads, lambda g: original(optimizer, g, trainable_variables), update_fn)

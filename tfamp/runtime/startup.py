@@ -397,8 +397,6 @@ def _patch_keras3_apply(active: _Activation) -> None:
     if (not getattr(keras, "__version__", "0").startswith("3")
             or keras.backend.backend() != "tensorflow"):
         return
-    import tensorflow as tf
-
     from tfamp.keras import loss_scale3, scale_update
 
     optimizer_class = keras.optimizers.Optimizer
@@ -410,15 +408,8 @@ def _patch_keras3_apply(active: _Activation) -> None:
                 or isinstance(self, keras.optimizers.LossScaleOptimizer)
                 or getattr(self, loss_scale3.INNER_MARK, False)):
             return original(self, grads, trainable_variables)
-        grads = list(grads)
-        if trainable_variables is not None:
-            trainable_variables = list(trainable_variables)
-            if not self.built:
-                with tf.init_scope():
-                    self.build(trainable_variables)  # slots exist before the conditional
-        scale_update.apply_if_finite(
-            grads, lambda g: original(self, g, trainable_variables),
-            functools.partial(_update_process_scale, active))
+        scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,
+                                            functools.partial(_update_process_scale, active))
         return None
 
     optimizer_class.apply = apply
