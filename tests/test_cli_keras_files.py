@@ -119,3 +119,54 @@ def test_inspect_import_of_a_missing_module_is_one_line(capsys, tmp_path):
     assert code == 2
     assert err.startswith("tfamp: error: --import no_such_module_xyz: No module named")
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("keras", [keras3, tf_keras])
+@pytest.mark.parametrize("graph", ["train", "predict"])
+def test_inspect_a_model_with_named_dict_inputs(capsys, tmp_path, keras, graph):
+    """keras-hub models (and functional models with named inputs) take a dict."""
+    inputs = {name: keras.Input((6,), name=name) for name in ("tokens", "segments")}
+    merged = keras.layers.Concatenate()([inputs["tokens"], inputs["segments"]])
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(8)(merged)))
+    model.compile(optimizer="adam", loss="mse")
+    path = tmp_path / "named.keras"
+    model.save(str(path))
+    code, out, err = run(capsys, "inspect", str(path), "--graph", graph, "--format", "json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["function"] == f"named:{graph}"
+    assert report["converted"]["MatMul"] >= (4 if graph == "train" else 2)
+
+
+BROKEN_CONFIG_MODULE = textwrap.dedent("""
+    import tf_keras as keras
+
+    class Wide(keras.Model):
+        def __init__(self, width=4, **kwargs):
+            super().__init__(**kwargs)
+            self.width = width
+            self.dense = keras.layers.Dense(width)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def get_config(self):
+            return {"hidden": self.width}  # not what __init__ takes
+""")
+
+
+def test_inspect_shows_the_loader_error_when_the_class_is_imported_but_does_not_rebuild(
+        capsys, tmp_path, monkeypatch):
+    (tmp_path / "brokencfg.py").write_text(BROKEN_CONFIG_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import brokencfg
+
+    model = brokencfg.Wide()
+    model(tf_keras.Input((3,)))
+    path = tmp_path / "wide.keras"
+    model.save(str(path))
+    code, _, err = run(capsys, "inspect", str(path), "--import", "brokencfg")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "is not registered" not in err
+    assert err.startswith(f"tfamp: error: {path} is not a loadable Keras model file (")
+    assert "get_config" in err  # tf_keras: the config does not match the constructor

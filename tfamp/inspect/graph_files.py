@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import zipfile
 from pathlib import Path
 
@@ -153,10 +154,18 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
     if graph == "train" and not compiled:
         raise GraphFileError(f"{path} was saved without compile(), so it has no training "
                              f"step; use --graph predict")
-    specs = [tf.TensorSpec([8, *t.shape[1:]], t.dtype) for t in model.inputs]
-    inputs = specs[0] if len(specs) == 1 else specs
+    # The model's own input structure (a dict for keras-hub models and other
+    # functional models with named inputs), batch 8.
+    inputs = tf.nest.map_structure(
+        lambda t: tf.TensorSpec([8, *t.shape[1:]], t.dtype), _input_structure(model))
     if graph == "predict":
-        concrete = tf.function(lambda x: model(x, training=False)).get_concrete_function(inputs)
+        try:
+            concrete = tf.function(
+                lambda x: model(x, training=False)).get_concrete_function(inputs)
+        except (ValueError, TypeError, tf.errors.OpError) as err:
+            raise GraphFileError(
+                f"could not trace the forward pass of {path} with inputs shaped like the "
+                f"model's ({_first_line(err)})") from err
         return _from_concrete(f"{path.stem}:predict", concrete)
     targets = target_specs(model, 8)
     target = targets[0] if len(targets) == 1 else targets
@@ -168,6 +177,17 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
             f"could not trace the training step of {path} with float32 targets shaped like "
             f"the model's outputs ({_first_line(err)}); use --graph predict") from err
     return _from_concrete(f"{path.stem}:train", concrete)
+
+
+def _input_structure(model):
+    """The model's inputs as its call takes them: one tensor, a list or a dict."""
+    try:
+        structure = model.input  # (a never-called Keras 3 Sequential has none)
+    except (AttributeError, ValueError):
+        structure = list(model.inputs)
+    if isinstance(structure, (list, tuple)) and len(structure) == 1:
+        return structure[0]
+    return structure
 
 
 def load_keras_file(path: Path):
@@ -280,7 +300,8 @@ def unregistered_classes(path: Path, flavour: str) -> list[tuple[str, str | None
             module = value.get("module")
             builtin = isinstance(module, str) and module.split(".")[0] in ("keras", "tf_keras")
             if (isinstance(name, str) and not builtin and name not in missing
-                    and get_registered_object(name) is None):
+                    and get_registered_object(name) is None
+                    and not _imported_class(module, class_name)):
                 missing[name] = module if isinstance(module, str) else None
             for item in value.values():
                 walk(item)
@@ -290,6 +311,13 @@ def unregistered_classes(path: Path, flavour: str) -> list[tuple[str, str | None
 
     walk(_saved_config(path))
     return list(missing.items())
+
+
+def _imported_class(module, class_name) -> bool:
+    """True if an already imported `module` defines `class_name` (Keras finds it there)."""
+    if not (isinstance(module, str) and isinstance(class_name, str)):
+        return False
+    return isinstance(getattr(sys.modules.get(module), class_name.split(">")[-1], None), type)
 
 
 def _unregistered_message(path: Path, missing: list[tuple[str, str | None]]) -> str:
@@ -304,8 +332,16 @@ def _unregistered_message(path: Path, missing: list[tuple[str, str | None]]) -> 
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:300] if text else type(err).__name__
+    """The line of an error message that says what went wrong.
+
+    AutoGraph's errors start "in user code:" and a traceback; the message is
+    their last line.
+    """
+    text = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not text:
+        return type(err).__name__
+    line = text[-1] if text[0].startswith("in user code:") else text[0]
+    return line[:300]
 
 
 def read_graph_def_binary(path: Path) -> graph_pb2.GraphDef:
