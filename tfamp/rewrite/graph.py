@@ -79,6 +79,8 @@ class Node:
     outputs: list[Port]
     data_inputs: list[tuple[TensorRef, str]]  # (producer, input string as written)
     called_functions: list[str]
+    # output arg name -> flat index of its first output (read-only, may be shared)
+    output_offsets: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
 @dataclasses.dataclass
@@ -144,20 +146,34 @@ class GraphView:
         return sum(len(body.nodes) for body in self.bodies)
 
 
-def build_view(graph_def: graph_pb2.GraphDef) -> GraphView:
+def build_view(graph_def: graph_pb2.GraphDef, *,
+               earlier: GraphView | None = None) -> GraphView:
     """Resolves every node, port and edge of `graph_def` and its library.
 
     Args:
       graph_def: the graph to read; it is not modified.
+      earlier: a view of the graph `graph_def` was edited from (the pass reads
+        its result again this way). A NodeDef equal to the one of the same
+        name in the same body there, of an op that is no library function in
+        either graph, takes that node's ports and called functions instead
+        of reading its attributes again: the same NodeDef and OpDef give the
+        same ports. Its inputs are resolved again like every other node's.
 
     Returns:
       A GraphView whose bodies refer to `graph_def`'s own NodeDefs.
     """
     signatures = {f.signature.name: f.signature for f in graph_def.library.function}
     resolver = _PortResolver(signatures)
-    bodies = [_build_body("", graph_def.node, resolver, None)]
+    before: dict[str, dict[str, Node]] = {}
+    if earlier is not None:
+        library_ops = set(signatures) | set(earlier.signatures)
+        before = {body.name: {name: node for name, node in body.nodes.items()
+                              if node.op not in library_ops}
+                  for body in earlier.bodies}
+    bodies = [_build_body("", graph_def.node, resolver, None, before.get(""))]
     for fdef in graph_def.library.function:
-        bodies.append(_build_body(fdef.signature.name, fdef.node_def, resolver, fdef))
+        name = fdef.signature.name
+        bodies.append(_build_body(name, fdef.node_def, resolver, fdef, before.get(name)))
     return GraphView(bodies=bodies, signatures=signatures)
 
 
@@ -294,7 +310,8 @@ def _port(dtype: int, type_attr: str | None, is_ref: bool) -> Port:
     return Port(dtype, type_attr, is_ref)
 
 
-def _build_body(name: str, node_defs, resolver: _PortResolver, fdef) -> Body:
+def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
+                before: dict[str, Node] | None) -> Body:
     is_function = fdef is not None
     arg_dtypes = {}
     if is_function:
@@ -304,26 +321,46 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef) -> Body:
     input_texts: dict[str, list[str]] = {}  # read from the protos once
     no_ports = ([], [], {})
     for node_def in node_defs:
-        node_name, op = node_def.name, node_def.op
+        node_name = node_def.name
+        same = before.get(node_name) if before else None
+        if same is not None and same.node_def == node_def:  # see build_view's `earlier`
+            # In the top graph an input string alone names its tensor; in a
+            # function it depends on the producer's output args: parse again.
+            nodes[node_name] = Node(
+                name=node_name, op=same.op, node_def=node_def, known_op=same.known_op,
+                inputs=same.inputs, outputs=same.outputs,
+                data_inputs=[] if is_function else list(same.data_inputs),
+                called_functions=same.called_functions,
+                output_offsets=same.output_offsets)
+            output_offsets[node_name] = same.output_offsets
+            if is_function:
+                input_texts[node_name] = [text for _, text in same.data_inputs]
+            else:
+                input_texts.pop(node_name, None)  # a node of the same name before it
+            continue
+        op = node_def.op
         recipe = resolver.recipe(op)
         inputs, outputs, offsets = (
             no_ports if recipe is None else resolver.ports(node_def, recipe))
         output_offsets[node_name] = offsets
-        node = nodes[node_name] = Node(
+        nodes[node_name] = Node(
             name=node_name, op=op, node_def=node_def,
             known_op=recipe is not None, inputs=inputs, outputs=outputs,
-            data_inputs=[], called_functions=_called_functions(node_def, recipe))
+            data_inputs=[], called_functions=_called_functions(node_def, recipe),
+            output_offsets=offsets)
         input_texts[node_name] = list(node_def.input)
 
     consumers: dict[TensorRef, list[tuple[str, int]]] = {}
     for node in nodes.values():
         data_inputs = node.data_inputs
-        for text in input_texts[node.name]:
-            if text.startswith("^"):
-                continue
-            ref = _parse_input(text, is_function, arg_dtypes, output_offsets)
-            consumers.setdefault(ref, []).append((node.name, len(data_inputs)))
-            data_inputs.append((ref, text))
+        texts = input_texts.get(node.name)
+        if texts is not None:
+            for text in texts:
+                if not text.startswith("^"):
+                    data_inputs.append(
+                        (_parse_input(text, is_function, arg_dtypes, output_offsets), text))
+        for index, (ref, _) in enumerate(data_inputs):
+            consumers.setdefault(ref, []).append((node.name, index))
 
     rets = {}
     if is_function:

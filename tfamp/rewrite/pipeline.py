@@ -101,8 +101,9 @@ def _rewrite(graph_def, config, outputs, function_name):
         coloring = color(view, config, outputs, keep, shapes)
         new_graph_def, casts = insert_casts(graph_def, view, coloring)
         # The whole result is read again from its NodeDefs, trusting nothing the
-        # colouring or the Cast insertion believe they did.
-        new_view = build_view(new_graph_def)
+        # colouring or the Cast insertion believe they did (a NodeDef equal to
+        # its original keeps the ports resolved for it: see build_view).
+        new_view = build_view(new_graph_def, earlier=view)
         problems = find_problems(new_view)
         if problems and known is None:
             known = {p.message for p in find_problems(view)}
