@@ -221,10 +221,7 @@ class _BodyColoring:
         pinned_nodes = {ref.node for ref in pinned}
         for name, node in self.body.nodes.items():
             list_name = self.lists.list_of(node.op)
-            attrs = []
-            for port in node.inputs + node.outputs:
-                if port.dtype == DT_FLOAT and port.type_attr and port.type_attr not in attrs:
-                    attrs.append(port.type_attr)
+            attrs = node.float_type_attrs
             node_block = self.node_blocks[name] = self._node_block(name, node)
             call_block = self._call_block(node)
             for attr in attrs:
@@ -355,7 +352,12 @@ class _BodyColoring:
         return self._fixed_block(node, attr)
 
     def _connect(self) -> None:
+        # Most nodes of a training step have no float slot (variable reads, shape
+        # arithmetic, integer ops): only edges into a slot can connect two.
+        slotted = set(self.slot_node)
         for name, node in self.body.nodes.items():
+            if name not in slotted:
+                continue
             for index, (ref, _) in enumerate(node.data_inputs):
                 dst_attr = node.inputs[index].type_attr if index < len(node.inputs) else None
                 dst = self.slot_index.get((name, dst_attr))

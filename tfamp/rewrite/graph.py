@@ -79,6 +79,9 @@ class Node:
     outputs: list[Port]
     data_inputs: list[tuple[TensorRef, str]]  # (producer, input string as written)
     called_functions: list[str]
+    # The type attributes that set a float32 port, inputs then outputs, each
+    # once: the node's candidate slots for colouring.
+    float_type_attrs: tuple[str, ...]
     # output arg name -> flat index of its first output (read-only, may be shared)
     output_offsets: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -191,8 +194,9 @@ class _PortResolver:
         self._signatures = signatures
         # op -> _OpRecipe, or None for an op with neither an OpDef nor a signature
         self._recipes: dict[str, _OpRecipe | None] = {}
-        # (op, attribute values) -> (inputs, outputs, output offsets)
-        self._ports: dict[tuple, tuple[list[Port], list[Port], dict[str, int]]] = {}
+        # (op, attribute values) -> (inputs, outputs, output offsets, float type attrs)
+        self._ports: dict[tuple, tuple[list[Port], list[Port], dict[str, int],
+                                       tuple[str, ...]]] = {}
 
     def op_def(self, op: str) -> op_def_pb2.OpDef | None:
         return self._signatures.get(op) or op_def_registry.get(op)
@@ -206,8 +210,9 @@ class _PortResolver:
         return self._recipes[op]
 
     def ports(self, node_def, recipe: _OpRecipe
-              ) -> tuple[list[Port], list[Port], dict[str, int]]:
-        """(input ports, output ports, offset of each output arg) of `node_def`."""
+              ) -> tuple[list[Port], list[Port], dict[str, int], tuple[str, ...]]:
+        """(input ports, output ports, offset of each output arg, float type
+        attributes; see Node) of `node_def`."""
         attr = node_def.attr
         values = tuple([_attr_value(node_def, attr, recipe, name, kind)
                         for name, kind in recipe.attrs])
@@ -217,7 +222,10 @@ class _PortResolver:
             known = dict(zip((name for name, _ in recipe.attrs), values, strict=True))
             inputs, _ = _ports_of(recipe.input_args, known)
             outputs, offsets = _ports_of(recipe.output_args, known)
-            found = self._ports[key] = (inputs, outputs, offsets)
+            float_attrs = tuple(dict.fromkeys(
+                port.type_attr for port in inputs + outputs
+                if port.dtype == DT_FLOAT and port.type_attr))
+            found = self._ports[key] = (inputs, outputs, offsets, float_attrs)
         return found
 
 
@@ -319,7 +327,7 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
     nodes: dict[str, Node] = {}
     output_offsets: dict[str, dict[str, int]] = {}
     input_texts: dict[str, list[str]] = {}  # read from the protos once
-    no_ports = ([], [], {})
+    no_ports = ([], [], {}, ())
     for node_def in node_defs:
         node_name = node_def.name
         same = before.get(node_name) if before else None
@@ -331,7 +339,7 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
                 inputs=same.inputs, outputs=same.outputs,
                 data_inputs=[] if is_function else list(same.data_inputs),
                 called_functions=same.called_functions,
-                output_offsets=same.output_offsets)
+                float_type_attrs=same.float_type_attrs, output_offsets=same.output_offsets)
             output_offsets[node_name] = same.output_offsets
             if is_function:
                 input_texts[node_name] = [text for _, text in same.data_inputs]
@@ -340,14 +348,14 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
             continue
         op = node_def.op
         recipe = resolver.recipe(op)
-        inputs, outputs, offsets = (
+        inputs, outputs, offsets, float_attrs = (
             no_ports if recipe is None else resolver.ports(node_def, recipe))
         output_offsets[node_name] = offsets
         nodes[node_name] = Node(
             name=node_name, op=op, node_def=node_def,
             known_op=recipe is not None, inputs=inputs, outputs=outputs,
             data_inputs=[], called_functions=_called_functions(node_def, recipe),
-            output_offsets=offsets)
+            float_type_attrs=float_attrs, output_offsets=offsets)
         input_texts[node_name] = list(node_def.input)
 
     consumers: dict[TensorRef, list[tuple[str, int]]] = {}
