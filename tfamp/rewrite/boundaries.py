@@ -532,7 +532,8 @@ class _Solver:
         self.a = analysis
         self.color_body = color_body
         self.target = analysis.target
-        self.cache: dict = {}
+        self.cache: dict = {}  # (body, overrides) -> (decisions, denied slots)
+        self.cast_counts: dict = {}  # (body, overrides) -> Casts needed
         self.decisions: dict = {}
         self.denied: dict = {}  # (body, node, attr) -> why it must stay float32 (see solve)
         self.by_body: dict[str, list[int]] = {}  # body -> groups with a member there
@@ -561,20 +562,29 @@ class _Solver:
                              tuple(sorted(blocked)))
 
     def _colored(self, body: Body, plan: set[int]):
-        """(decisions, denied slots, Casts needed) for `body` under `plan`, cached."""
-        overrides = self.overrides(body, plan)
-        key = (body.name, overrides)
+        """(decisions, denied slots) for `body` under `plan`, cached."""
+        key = (body.name, self.overrides(body, plan))
         if key not in self.cache:
-            decisions, denied = self.color_body(body, overrides)
-            casts = _count_casts(body, decisions, overrides, self.target,
-                                 self.a.in_frame[body.name])
-            self.cache[key] = (decisions, denied, casts)
+            self.cache[key] = self.color_body(body, key[1])
         return self.cache[key]
+
+    def _casts(self, body: Body, plan: set[int]) -> int:
+        """Casts `body` needs under `plan`, cached.
+
+        Counted only when a group is weighed (``weighted_casts``): a graph
+        without boundary groups never needs it, and counting walks every edge.
+        """
+        key = (body.name, self.overrides(body, plan))
+        if key not in self.cast_counts:
+            decisions, _ = self._colored(body, plan)
+            self.cast_counts[key] = _count_casts(body, decisions, key[1], self.target,
+                                                 self.a.in_frame[body.name])
+        return self.cast_counts[key]
 
     def weighted_casts(self, index: int, plan: set[int]) -> int:
         """Loop-weighted Casts in the bodies group `index` touches, under `plan`."""
         names = dict.fromkeys(m[1] for m in self.a.groups[index].members)
-        return sum(self.a.weight.get(name, 1) * self._colored(self.a.bodies[name], plan)[2]
+        return sum(self.a.weight.get(name, 1) * self._casts(self.a.bodies[name], plan)
                    for name in names)
 
     def pays_off(self, index: int, plan: set[int]) -> bool:
@@ -585,7 +595,7 @@ class _Solver:
     def color_all(self, plan: set[int]) -> dict:
         decisions, denied = {}, {}
         for body in self.a.view.bodies:
-            body_decisions, body_denied, _ = self._colored(body, plan)
+            body_decisions, body_denied = self._colored(body, plan)
             decisions.update(body_decisions)
             denied.update({(body.name, *slot): why for slot, why in body_denied.items()})
         self.decisions = decisions

@@ -115,9 +115,13 @@ class _BodyEditor:
             self.arg_dtypes.update(signature.args)
             self.ret_dtypes.update(signature.rets)
         self.records: dict[str, dict] = {}
+        # node -> its converted type attributes; asked once per edge end
+        decisions = coloring.decisions
+        self._converted = {name: decisions[(body.name, name)].converted_attrs
+                           for name in body.nodes}
 
     def converted(self, node: str) -> tuple[str, ...]:
-        return self.coloring.converted_attrs(self.body.name, node)
+        return self._converted[node]
 
     def new_output_dtype(self, ref: TensorRef) -> int:
         if ref.is_arg:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from tensorflow.core.framework import types_pb2
 
@@ -76,9 +77,12 @@ METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
 _MAX_ROUNDS = 4
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """What colouring decided for one node.
+
+    A NamedTuple rather than a frozen dataclass: the pass makes one per node of
+    every body it colours, and a frozen dataclass takes several times as long
+    to build (about 10 ms per 10,000 nodes).
 
     Attributes:
       list: "allow", "infer", "deny", "clear" or "unlisted".
@@ -201,6 +205,8 @@ class _BodyColoring:
         self.node_blocks: dict[str, tuple[str, str]] = {}
         # (node, type attribute) -> (reason, kind): blocks boundaries cannot lift
         self.hard_blocked: dict[tuple[str, str], tuple[str, str]] = {}
+        # (op, type attribute, device) -> _attr_block's answer
+        self._attr_blocks: dict[tuple[str, str, str], tuple[str, str]] = {}
         self._make_slots(pinned)
         self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
@@ -212,13 +218,12 @@ class _BodyColoring:
     # -- building -------------------------------------------------------------
 
     def _make_slots(self, pinned: set[TensorRef]) -> None:
+        pinned_nodes = {ref.node for ref in pinned}
         for name, node in self.body.nodes.items():
             list_name = self.lists.list_of(node.op)
-            attrs = []
-            for port in node.inputs + node.outputs:
-                if port.dtype == DT_FLOAT and port.type_attr and port.type_attr not in attrs:
-                    attrs.append(port.type_attr)
+            attrs = node.float_type_attrs
             node_block = self.node_blocks[name] = self._node_block(name, node)
+            call_block = self._call_block(node)
             for attr in attrs:
                 slot = len(self.slot_node)
                 self.slot_node.append(name)
@@ -230,8 +235,10 @@ class _BodyColoring:
                     self.blocked[slot] = block
                     # Blocks boundaries.solve may lift for a whole group: a
                     # call's signature, a TensorList's element type.
-                    if block not in (self._call_block(node), self._fixed_block(node, attr)):
+                    if block not in (call_block, self._fixed_block(node, attr)):
                         self.hard_blocked[(name, attr)] = block
+            if name not in pinned_nodes:
+                continue
             for index, port in enumerate(node.outputs):
                 if TensorRef(name, index) in pinned and port.type_attr in attrs:
                     slot = self.slot_index[(name, port.type_attr)]
@@ -324,11 +331,19 @@ class _BodyColoring:
 
     def _attr_block(self, node, attr: str) -> tuple[str, str]:
         """(why type attribute `attr` of `node` cannot be 16-bit, kind), or ("", "")."""
+        device = node.node_def.device
+        # The answer depends only on the op, the attribute and the device; the
+        # kernel registry is slow to ask and a step has thousands of alike nodes.
+        key = (node.op, attr, device)
+        if key not in self._attr_blocks:
+            self._attr_blocks[key] = self._attr_block_of(node, attr, device)
+        return self._attr_blocks[key]
+
+    def _attr_block_of(self, node, attr: str, device: str) -> tuple[str, str]:
         base_attr = attr.split("[")[0]
         if not kernels.opdef_allows(node.op, base_attr, self.target):
             return (f"{node.op}'s OpDef does not allow {self.target_name} for {base_attr}",
                     rk.KIND_NO_KERNEL)
-        device = node.node_def.device
         device_type = kernels.node_device_type(device, self.device_type)
         if not kernels.has_kernel(node.op, base_attr, self.target, device_type):
             where = f" on its device {device!r}" if device else ""
@@ -337,7 +352,12 @@ class _BodyColoring:
         return self._fixed_block(node, attr)
 
     def _connect(self) -> None:
+        # Most nodes of a training step have no float slot (variable reads, shape
+        # arithmetic, integer ops): only edges into a slot can connect two.
+        slotted = set(self.slot_node)
         for name, node in self.body.nodes.items():
+            if name not in slotted:
+                continue
             for index, (ref, _) in enumerate(node.data_inputs):
                 dst_attr = node.inputs[index].type_attr if index < len(node.inputs) else None
                 dst = self.slot_index.get((name, dst_attr))

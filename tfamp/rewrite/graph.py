@@ -79,6 +79,11 @@ class Node:
     outputs: list[Port]
     data_inputs: list[tuple[TensorRef, str]]  # (producer, input string as written)
     called_functions: list[str]
+    # The type attributes that set a float32 port, inputs then outputs, each
+    # once: the node's candidate slots for colouring.
+    float_type_attrs: tuple[str, ...]
+    # output arg name -> flat index of its first output (read-only, may be shared)
+    output_offsets: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
 @dataclasses.dataclass
@@ -144,61 +149,164 @@ class GraphView:
         return sum(len(body.nodes) for body in self.bodies)
 
 
-def build_view(graph_def: graph_pb2.GraphDef) -> GraphView:
+def build_view(graph_def: graph_pb2.GraphDef, *,
+               earlier: GraphView | None = None) -> GraphView:
     """Resolves every node, port and edge of `graph_def` and its library.
 
     Args:
       graph_def: the graph to read; it is not modified.
+      earlier: a view of the graph `graph_def` was edited from (the pass reads
+        its result again this way). A NodeDef equal to the one of the same
+        name in the same body there, of an op that is no library function in
+        either graph, takes that node's ports and called functions instead
+        of reading its attributes again: the same NodeDef and OpDef give the
+        same ports. Its inputs are resolved again like every other node's.
 
     Returns:
       A GraphView whose bodies refer to `graph_def`'s own NodeDefs.
     """
     signatures = {f.signature.name: f.signature for f in graph_def.library.function}
     resolver = _PortResolver(signatures)
-    bodies = [_build_body("", graph_def.node, resolver, None)]
+    before: dict[str, dict[str, Node]] = {}
+    if earlier is not None:
+        library_ops = set(signatures) | set(earlier.signatures)
+        before = {body.name: {name: node for name, node in body.nodes.items()
+                              if node.op not in library_ops}
+                  for body in earlier.bodies}
+    bodies = [_build_body("", graph_def.node, resolver, None, before.get(""))]
     for fdef in graph_def.library.function:
-        bodies.append(_build_body(fdef.signature.name, fdef.node_def, resolver, fdef))
+        name = fdef.signature.name
+        bodies.append(_build_body(name, fdef.node_def, resolver, fdef, before.get(name)))
     return GraphView(bodies=bodies, signatures=signatures)
 
 
 class _PortResolver:
-    """Computes a node's ports from its OpDef (or function signature) and attrs."""
+    """Computes a node's ports from its OpDef (or function signature) and attrs.
+
+    A training step has thousands of nodes but few distinct (op, type
+    attributes) pairs, and reading protobuf fields is slow: each OpDef is read
+    once into a plain recipe, and a node only reads the attributes its ports
+    depend on. Nodes with the same op and the same values for those attributes
+    share one result (port lists are read-only).
+    """
 
     def __init__(self, signatures: dict[str, op_def_pb2.OpDef]):
         self._signatures = signatures
-        # id(OpDef arg list) -> (the list, kept alive so the id stays its own;
-        # its args as plain tuples)
-        self._recipes: dict[int, tuple] = {}
+        # op -> _OpRecipe, or None for an op with neither an OpDef nor a signature
+        self._recipes: dict[str, _OpRecipe | None] = {}
+        # (op, attribute values) -> (inputs, outputs, output offsets, float type attrs)
+        self._ports: dict[tuple, tuple[list[Port], list[Port], dict[str, int],
+                                       tuple[str, ...]]] = {}
 
     def op_def(self, op: str) -> op_def_pb2.OpDef | None:
         return self._signatures.get(op) or op_def_registry.get(op)
 
-    def ports(self, node_def, op_def, args: Sequence) -> tuple[list[Port], dict[str, int]]:
-        """Flat ports of `args` (OpDef input or output args) and each arg's offset."""
-        ports: list[Port] = []
-        offsets: dict[str, int] = {}
-        for name, list_attr, number_attr, type_attr, fixed, is_ref in self._recipe(args):
-            offsets[name] = len(ports)
-            if list_attr:
-                types = _attr(node_def, op_def, list_attr).list.type
-                ports.extend(_port(t, f"{list_attr}[{k}]", is_ref or t > _REF_OFFSET)
-                             for k, t in enumerate(types))
-                continue
-            count = _attr(node_def, op_def, number_attr).i if number_attr else 1
-            dtype = _attr(node_def, op_def, type_attr).type if type_attr else fixed
-            port = _port(dtype, type_attr or None, is_ref or dtype > _REF_OFFSET)
-            ports.extend([port] * count)
-        return ports, offsets
+    def recipe(self, op: str) -> _OpRecipe | None:
+        """What ports and called functions of `op` depend on; None if `op` is unknown."""
+        if op not in self._recipes:
+            op_def = self.op_def(op)
+            self._recipes[op] = None if op_def is None else _OpRecipe.of(
+                op_def, calls_itself=op in self._signatures)
+        return self._recipes[op]
 
-    def _recipe(self, args: Sequence) -> tuple:
-        # Reading OpDef protos is slow and they never change: read each once.
-        key = id(args)
-        recipe = self._recipes.get(key)
-        if recipe is None:
-            recipe = self._recipes[key] = (args, tuple(
-                (arg.name, arg.type_list_attr, arg.number_attr, arg.type_attr, arg.type,
-                 bool(arg.is_ref)) for arg in args))
-        return recipe[1]
+    def ports(self, node_def, recipe: _OpRecipe
+              ) -> tuple[list[Port], list[Port], dict[str, int], tuple[str, ...]]:
+        """(input ports, output ports, offset of each output arg, float type
+        attributes; see Node) of `node_def`."""
+        attr = node_def.attr
+        values = tuple([_attr_value(node_def, attr, recipe, name, kind)
+                        for name, kind in recipe.attrs])
+        key = (recipe, values)
+        found = self._ports.get(key)
+        if found is None:
+            known = dict(zip((name for name, _ in recipe.attrs), values, strict=True))
+            inputs, _ = _ports_of(recipe.input_args, known)
+            outputs, offsets = _ports_of(recipe.output_args, known)
+            float_attrs = tuple(dict.fromkeys(
+                port.type_attr for port in inputs + outputs
+                if port.dtype == DT_FLOAT and port.type_attr))
+            found = self._ports[key] = (inputs, outputs, offsets, float_attrs)
+        return found
+
+
+# (name, type_list_attr, number_attr, type_attr, fixed type, is_ref) of one OpDef arg.
+_ArgRecipe = tuple[str, str, str, str, int, bool]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _OpRecipe:
+    """The facts of one OpDef the view needs, read from the proto once."""
+
+    op_def: op_def_pb2.OpDef
+    input_args: tuple[_ArgRecipe, ...]
+    output_args: tuple[_ArgRecipe, ...]
+    # (attribute, "list" | "number" | "type") the ports depend on, in the order
+    # the args name them
+    attrs: tuple[tuple[str, str], ...]
+    # attribute name -> its default value (an empty AttrValue when the OpDef
+    # gives none), for attributes a node leaves out
+    defaults: dict
+    # FUNC_ATTRS this OpDef declares (a NodeDef may not carry undeclared attributes)
+    func_attrs: tuple[str, ...]
+    # the op is itself a library function
+    calls_itself: bool
+
+    @classmethod
+    def of(cls, op_def, calls_itself: bool) -> _OpRecipe:
+        def args(arg_defs):
+            return tuple((arg.name, arg.type_list_attr, arg.number_attr, arg.type_attr,
+                          arg.type, bool(arg.is_ref)) for arg in arg_defs)
+
+        input_args, output_args = args(op_def.input_arg), args(op_def.output_arg)
+        attrs: dict[tuple[str, str], None] = {}
+        for _, list_attr, number_attr, type_attr, _, _ in input_args + output_args:
+            if list_attr:
+                attrs[(list_attr, "list")] = None
+                continue
+            if number_attr:
+                attrs[(number_attr, "number")] = None
+            if type_attr:
+                attrs[(type_attr, "type")] = None
+        declared = {attr_def.name: attr_def for attr_def in op_def.attr}
+        return cls(
+            op_def=op_def, input_args=input_args, output_args=output_args,
+            attrs=tuple(attrs),
+            defaults={name: d.default_value for name, d in declared.items()},
+            func_attrs=tuple(name for name in FUNC_ATTRS if name in declared),
+            calls_itself=calls_itself)
+
+
+def _attr_value(node_def, attr, recipe: _OpRecipe, name: str, kind: str):
+    """A type, count or type list attribute of a node, or its OpDef default."""
+    value = attr.get(name)
+    if value is None:
+        value = recipe.defaults.get(name)
+    if value is None:
+        raise ValueError(
+            f"node {node_def.name!r} ({node_def.op}) has no attribute {name!r} and "
+            f"its OpDef gives no default; the GraphDef is incomplete or corrupt.")
+    if kind == "type":
+        return value.type
+    if kind == "number":
+        return value.i
+    return tuple(value.list.type)
+
+
+def _ports_of(args: tuple[_ArgRecipe, ...], values: dict) -> tuple[list[Port], dict[str, int]]:
+    """Flat ports of `args` (OpDef input or output args) and each arg's offset."""
+    ports: list[Port] = []
+    offsets: dict[str, int] = {}
+    for name, list_attr, number_attr, type_attr, fixed, is_ref in args:
+        offsets[name] = len(ports)
+        if list_attr:
+            ports.extend(_port(t, f"{list_attr}[{k}]", is_ref or t > _REF_OFFSET)
+                         for k, t in enumerate(values[list_attr]))
+            continue
+        count = values[number_attr] if number_attr else 1
+        dtype = values[type_attr] if type_attr else fixed
+        port = _port(dtype, type_attr or None, is_ref or dtype > _REF_OFFSET)
+        ports.extend([port] * count)
+    return ports, offsets
 
 
 # Reference dtypes are the value dtypes + 100 (DT_FLOAT_REF = 101, ...).
@@ -210,45 +318,57 @@ def _port(dtype: int, type_attr: str | None, is_ref: bool) -> Port:
     return Port(dtype, type_attr, is_ref)
 
 
-def _attr(node_def, op_def, name: str):
-    if name in node_def.attr:
-        return node_def.attr[name]
-    for attr_def in op_def.attr:
-        if attr_def.name == name:
-            return attr_def.default_value
-    raise ValueError(
-        f"node {node_def.name!r} ({node_def.op}) has no attribute {name!r} and "
-        f"its OpDef gives no default; the GraphDef is incomplete or corrupt.")
-
-
-def _build_body(name: str, node_defs, resolver: _PortResolver, fdef) -> Body:
+def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
+                before: dict[str, Node] | None) -> Body:
     is_function = fdef is not None
     arg_dtypes = {}
     if is_function:
         arg_dtypes = {arg.name: arg.type for arg in fdef.signature.input_arg}
     nodes: dict[str, Node] = {}
     output_offsets: dict[str, dict[str, int]] = {}
+    input_texts: dict[str, list[str]] = {}  # read from the protos once
+    no_ports = ([], [], {}, ())
     for node_def in node_defs:
-        op_def = resolver.op_def(node_def.op)
-        if op_def is None:
-            inputs, outputs, offsets = [], [], {}
-        else:
-            inputs, _ = resolver.ports(node_def, op_def, op_def.input_arg)
-            outputs, offsets = resolver.ports(node_def, op_def, op_def.output_arg)
-        output_offsets[node_def.name] = offsets
-        nodes[node_def.name] = Node(
-            name=node_def.name, op=node_def.op, node_def=node_def,
-            known_op=op_def is not None, inputs=inputs, outputs=outputs,
-            data_inputs=[], called_functions=_called_functions(node_def, resolver))
+        node_name = node_def.name
+        same = before.get(node_name) if before else None
+        if same is not None and same.node_def == node_def:  # see build_view's `earlier`
+            # In the top graph an input string alone names its tensor; in a
+            # function it depends on the producer's output args: parse again.
+            nodes[node_name] = Node(
+                name=node_name, op=same.op, node_def=node_def, known_op=same.known_op,
+                inputs=same.inputs, outputs=same.outputs,
+                data_inputs=[] if is_function else list(same.data_inputs),
+                called_functions=same.called_functions,
+                float_type_attrs=same.float_type_attrs, output_offsets=same.output_offsets)
+            output_offsets[node_name] = same.output_offsets
+            if is_function:
+                input_texts[node_name] = [text for _, text in same.data_inputs]
+            else:
+                input_texts.pop(node_name, None)  # a node of the same name before it
+            continue
+        op = node_def.op
+        recipe = resolver.recipe(op)
+        inputs, outputs, offsets, float_attrs = (
+            no_ports if recipe is None else resolver.ports(node_def, recipe))
+        output_offsets[node_name] = offsets
+        nodes[node_name] = Node(
+            name=node_name, op=op, node_def=node_def,
+            known_op=recipe is not None, inputs=inputs, outputs=outputs,
+            data_inputs=[], called_functions=_called_functions(node_def, recipe),
+            float_type_attrs=float_attrs, output_offsets=offsets)
+        input_texts[node_name] = list(node_def.input)
 
     consumers: dict[TensorRef, list[tuple[str, int]]] = {}
     for node in nodes.values():
-        for text in node.node_def.input:
-            if text.startswith("^"):
-                continue
-            ref = _parse_input(text, is_function, arg_dtypes, output_offsets)
-            consumers.setdefault(ref, []).append((node.name, len(node.data_inputs)))
-            node.data_inputs.append((ref, text))
+        data_inputs = node.data_inputs
+        texts = input_texts.get(node.name)
+        if texts is not None:
+            for text in texts:
+                if not text.startswith("^"):
+                    data_inputs.append(
+                        (_parse_input(text, is_function, arg_dtypes, output_offsets), text))
+        for index, (ref, _) in enumerate(data_inputs):
+            consumers.setdefault(ref, []).append((node.name, index))
 
     rets = {}
     if is_function:
@@ -273,15 +393,15 @@ def _parse_input(text: str, is_function: bool, arg_dtypes, output_offsets) -> Te
     return TensorRef(node, int(index) if index else 0)
 
 
-def _called_functions(node_def, resolver: _PortResolver) -> list[str]:
+def _called_functions(node_def, recipe: _OpRecipe | None) -> list[str]:
     called = []
-    if node_def.op in resolver._signatures:
+    if recipe is not None and recipe.calls_itself:
         called.append(node_def.op)
-    for attr_name in FUNC_ATTRS:
-        if attr_name in node_def.attr:
-            value = node_def.attr[attr_name]
+    attr = node_def.attr
+    for attr_name in FUNC_ATTRS if recipe is None else recipe.func_attrs:
+        value = attr.get(attr_name)
+        if value is not None:
             if value.HasField("func"):
                 called.append(value.func.name)
             called.extend(f.name for f in value.list.func)
     return called
-

@@ -101,8 +101,9 @@ def _rewrite(graph_def, config, outputs, function_name):
         coloring = color(view, config, outputs, keep, shapes)
         new_graph_def, casts = insert_casts(graph_def, view, coloring)
         # The whole result is read again from its NodeDefs, trusting nothing the
-        # colouring or the Cast insertion believe they did.
-        new_view = build_view(new_graph_def)
+        # colouring or the Cast insertion believe they did (a NodeDef equal to
+        # its original keeps the ports resolved for it: see build_view).
+        new_view = build_view(new_graph_def, earlier=view)
         problems = find_problems(new_view)
         if problems and known is None:
             known = {p.message for p in find_problems(view)}
@@ -121,9 +122,9 @@ def _rewrite(graph_def, config, outputs, function_name):
     bodies = {body.name: body for body in view.bodies}
     reported = [(body.name, body) for body in view.bodies] + [
         (clone, bodies[original]) for clone, original in coloring.clones.items()]
+    decisions = coloring.decisions
     nodes = [
-        NodeReport(name=name, function=function, op=node.op,
-                   **_decision_fields(coloring.decisions[(function, name)]))
+        _node_report(function, name, node.op, decisions[(function, name)])
         for function, body in reported for name, node in body.nodes.items()
     ]
     report = RewriteReport(
@@ -194,9 +195,10 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view) -> dict:
                 cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes))
 
 
-def _decision_fields(decision) -> dict:
-    return dict(list=decision.list, converted=decision.converted,
-                reason=decision.reason, cause=decision.cause, kind=decision.kind)
+def _node_report(function: str, name: str, op: str, decision) -> NodeReport:
+    return NodeReport(name=name, function=function, op=op, list=decision.list,
+                      converted=decision.converted, reason=decision.reason,
+                      cause=decision.cause, kind=decision.kind)
 
 
 def _unconsumed_float_outputs(body: Body) -> list[str]:

@@ -119,6 +119,8 @@ def elements_of(shape: Shape | None) -> tuple[int, int] | None:
     """(number of unknown dims, product of the known ones), or None (unknown rank)."""
     if shape is None:
         return None
+    if not shape or min(shape) >= 0:  # the usual case, without two generator passes
+        return 0, math.prod(shape)
     unknown = sum(1 for d in shape if d < 0)
     return unknown, math.prod(d for d in shape if d >= 0)
 
@@ -231,12 +233,12 @@ def _body_shapes(body: Body, args: dict[str, Shape | None],
         TensorRef(name, 0, is_arg=True): shape for name, shape in args.items()}
     missing = []
     for name, node in body.nodes.items():
-        attr = node.node_def.attr
-        if "_output_shapes" not in attr:
+        recorded = node.node_def.attr.get("_output_shapes")
+        if recorded is None:
             if node.outputs:  # nodes without outputs (NoOp) carry no shapes
                 missing.append(name)
             continue
-        listed = attr["_output_shapes"].list.shape
+        listed = recorded.list.shape
         for index in range(len(node.outputs)):
             shapes[TensorRef(name, index)] = (
                 _shape_proto(listed[index]) if index < len(listed) else None)
