@@ -119,7 +119,14 @@ def test_traffic_unknown_without_shapes_and_with_unknown_batch():
     _, _, report, _ = rewritten(_matmul_relu, tf.TensorSpec([None, 8]), tf.TensorSpec([8, 16]))
     assert report.traffic_before_bytes is None and report.traffic_after_bytes is None
     assert "unknown dimensions" in report.traffic_note
-    assert report.traffic_line().startswith("unknown")
+    # The share for a large batch remains (this tiny graph's Casts outweigh its savings).
+    assert report.traffic_share is not None and report.traffic_share > 1
+    assert report.traffic_line().startswith(f"{report.traffic_share:.0%} of float32's")
+    _, _, no_shapes, _ = rewritten(_matmul_relu, tf.TensorSpec([None, 8]),
+                                   tf.TensorSpec([8, 16]), add_shapes=False)
+    # Without _output_shapes too many sizes are unknown: no figure at all.
+    assert no_shapes.traffic_share is None
+    assert no_shapes.traffic_line() == "unknown (shapes unknown for 2 of 4 float tensors)"
 
 
 def test_report_json_round_trip_and_old_reports():
@@ -127,7 +134,9 @@ def test_report_json_round_trip_and_old_reports():
     data = json.loads(report.to_json())
     again = RewriteReport.from_dict(data)
     assert again.traffic_after_bytes == report.traffic_after_bytes is not None
-    for key in ("traffic_before_bytes", "traffic_after_bytes", "cast_bytes", "traffic_note"):
+    assert again.traffic_share == report.traffic_share is not None
+    for key in ("traffic_before_bytes", "traffic_after_bytes", "cast_bytes", "traffic_note",
+                "traffic_share"):
         del data[key]
     old = RewriteReport.from_dict(data)
     assert old.traffic_before_bytes is None and old.traffic_line().startswith("unknown")
@@ -262,6 +271,13 @@ def test_unknown_batch_still_decides_by_bytes():
     node = decision(report, "BiasAddGrad")
     assert node.converted and "a Cast of 64 elements instead of 65,536 x B" in node.reason
     assert report.traffic_after_bytes is None
+    # Still a figure: the share for a large batch, from the terms that grow with it.
+    assert 0.3 < report.traffic_share < 0.8
+    assert f"est. float traffic {report.traffic_share:.0%} of float32's (large batch)" in (
+        report.summary_line())
+    assert report.traffic_line().startswith(f"{report.traffic_share:.0%} of float32's for large")
+    assert RewriteReport.from_dict(json.loads(report.to_json())).traffic_share == (
+        report.traffic_share)
 
 
 def test_counts_break_the_tie_without_shapes():
@@ -358,4 +374,5 @@ def test_saved_model_flop_share_counts_library_functions(
     # The MatMul sits inside the signature's library function.
     assert f"FLOPs in float16: 100.0% of {counted} counted per step" in out
     assert "estimated float memory traffic per step: " in out
-    assert ("per step: unknown" not in out) == traffic_known
+    assert "per step: unknown" not in out
+    assert ("of float32's for large sizes" not in out) == traffic_known

@@ -192,7 +192,21 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view) -> dict:
                      f"counted once")
     return dict(traffic_before_bytes=before.total_bytes(),
                 traffic_after_bytes=after.total_bytes(),
-                cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes))
+                cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes),
+                traffic_share=_share(before.total, after.total))
+
+
+def _share(before, after) -> float | None:
+    """after / before; for sizes that grow with unknown dimensions, as they grow."""
+    if before is None or after is None or not before.terms:
+        return None
+    degree, base = before.terms[0]  # highest degree first
+    if base <= 0:
+        return None
+    top = dict(after.terms)
+    if any(d > degree for d in top):
+        return None  # (cannot happen: the rewrite changes dtypes, not shapes)
+    return top.get(degree, 0) / base
 
 
 def _node_report(function: str, name: str, op: str, decision) -> NodeReport:

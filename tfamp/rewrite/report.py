@@ -6,7 +6,8 @@ function, dtype, nodes_before, nodes_after, casts_inserted, converted (op type
 with its reason sentence and reason ``kind``, see ``tfamp.rewrite.reasons``),
 casts (one per inserted Cast), and the estimated float memory traffic per step
 (traffic_before_bytes, traffic_after_bytes, cast_bytes: ints, or None when
-shapes are unknown; traffic_note says what was unknown or approximated).
+shapes are unknown; traffic_note says what was unknown or approximated;
+traffic_share is after / before, for large sizes where a dimension is unknown).
 Reports saved before ``kind`` or the traffic keys existed still load (with
 None for the traffic keys).
 """
@@ -62,6 +63,9 @@ class RewriteReport:
     traffic_after_bytes: int | None = None
     cast_bytes: int | None = None
     traffic_note: str = ""
+    # after / before; with unknown dimensions (e.g. the batch), the share for
+    # large sizes (leading terms). None when shapes are unknown.
+    traffic_share: float | None = None
 
     @property
     def casts_inserted(self) -> int:
@@ -102,12 +106,18 @@ class RewriteReport:
         if self.traffic_before_bytes is not None and self.traffic_after_bytes is not None:
             traffic = (f", est. float traffic {format_bytes(self.traffic_before_bytes)} -> "
                        f"{format_bytes(self.traffic_after_bytes)}")
+        elif self.traffic_share is not None:
+            traffic = f", est. float traffic {self.traffic_share:.0%} of float32's (large batch)"
         return (f"tfamp: {name}: {total} ops -> {self.dtype}{detail}, "
                 f"{self.casts_inserted} casts, {kept} ops kept float32{traffic}")
 
     def traffic_line(self) -> str:
         """'2.90 GB -> 1.71 GB (Casts 12.0 MB)' or 'unknown (no shapes)'."""
         before, after = self.traffic_before_bytes, self.traffic_after_bytes
+        if (before is None or after is None) and self.traffic_share is not None:
+            notes = [n for n in self.traffic_note.split("; ") if n and n != "unknown dimensions"]
+            return (f"{self.traffic_share:.0%} of float32's for large sizes of the unknown "
+                    f"dimensions" + "".join(f"; {n}" for n in notes))
         if before is None or after is None:
             return f"unknown ({self.traffic_note or 'no shapes'})"
         text = f"{format_bytes(before)} -> {format_bytes(after)}"
@@ -133,6 +143,7 @@ class RewriteReport:
             "traffic_after_bytes": self.traffic_after_bytes,
             "cast_bytes": self.cast_bytes,
             "traffic_note": self.traffic_note,
+            "traffic_share": self.traffic_share,
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -156,7 +167,8 @@ class RewriteReport:
             traffic_before_bytes=data.get("traffic_before_bytes"),
             traffic_after_bytes=data.get("traffic_after_bytes"),
             cast_bytes=data.get("cast_bytes"),
-            traffic_note=data.get("traffic_note", ""))
+            traffic_note=data.get("traffic_note", ""),
+            traffic_share=data.get("traffic_share"))
 
 
 def format_bytes(value: int) -> str:
