@@ -257,6 +257,52 @@ def test_unscaling_by_a_run_time_scale_stays_float32():
     # unscaling would flush every gradient and training would stall.)
 
 
+def test_a_chain_after_a_16bit_op_is_judged_as_a_whole():
+    """One Mul after the MatMul does not pay for its Casts, the chain of three does."""
+    def chain(x, w, c):
+        h = tf.matmul(x, w, name="mm")
+        keep = tf.identity(h, name="keep")  # a float32 consumer: h is cast back anyway
+        y = tf.math.square((h - c) * 3.0, name="sq")
+        return keep, tf.nn.relu(y * 0.5, name="out")
+
+    specs = (tf.TensorSpec([64, 256]), tf.TensorSpec([256, 512]), tf.TensorSpec([512]))
+    graph_def, new, report, outputs = rewritten(chain, *specs, dtype="bfloat16")
+    sub = next(n for n in report.nodes if n.op == "Sub")
+    assert sub.converted and sub.cause == "mm", sub.reason
+    assert "more op(s) after it: together" in sub.reason
+    assert all(decision(report, name).converted for name in ("mm", "sq", "out"))
+    # (The region reason is only given when the Sub alone would stay float32.)
+    inputs = {"x": np.random.default_rng(0).normal(size=(64, 256)).astype(np.float32),
+              "w": np.random.default_rng(1).normal(size=(256, 512)).astype(np.float32) / 16,
+              "c": np.zeros(512, np.float32)}
+    want = run_graph_def(graph_def, inputs, outputs)
+    got = run_graph_def(new, inputs, outputs)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * np.abs(b).max())
+
+
+def test_optimizer_updates_stay_float32_whatever_the_bytes():
+    """Adam's moment updates (g - m, g * g) read optimizer slots: never 16-bit."""
+    import tf_keras as keras
+
+    model = keras.Sequential([keras.layers.Dense(256, input_shape=(128,)),
+                              keras.layers.Dense(256)])
+    optimizer = keras.optimizers.Adam()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    for dtype in ("float16", "bfloat16"):
+        _, _, report, _ = rewritten(step, tf.TensorSpec([64, 128]), tf.TensorSpec([64, 256]),
+                                    dtype=dtype)
+        adam = [n for n in report.nodes if n.name.startswith("Adam/") and n.converted]
+        assert adam == [], [(n.name, n.reason) for n in adam]
+
+
 def test_unknown_batch_still_decides_by_bytes():
     """An unknown batch B: 64 elements against 65,536 x B, compared for large B."""
     def grads(x, w, b, dh):

@@ -49,8 +49,10 @@ from tfamp.rewrite.shapes import Bytes, TensorShapes, elements_of, format_elemen
 # Ops that scale a tensor by another; with a scalar operand known only at run
 # time they stay float32 after a 16-bit op (see _BodyColoring._run_time_scale).
 SCALING_OPS = frozenset({"Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "TruncateDiv"})
-VARIABLE_READ_OPS = frozenset({"ReadVariableOp", "Identity_ref_read", "VariableV2",
-                               "Variable", "Placeholder", "PlaceholderWithDefault"})
+# Variables and their reads (resource and TF1 reference variables).
+VARIABLE_OPS = frozenset({"ReadVariableOp", "VariableV2", "Variable"})
+# Where a run-time scalar may come from: a variable, or a value fed at run time.
+VARIABLE_READ_OPS = VARIABLE_OPS | {"Placeholder", "PlaceholderWithDefault"}
 # How a scalar may be derived from such a value on its way to a scaling op.
 SCALAR_ARITHMETIC_OPS = frozenset({
     "Identity", "Cast", "Reciprocal", "Inv", "RealDiv", "Div", "DivNoNan", "Mul",
@@ -75,6 +77,8 @@ METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
 
 # Rounds of (infer after 16-bit, clear propagation); each is linear.
 _MAX_ROUNDS = 4
+# Largest chain of infer/clear ops after a 16-bit op judged as one region.
+_MAX_REGION = 32
 
 
 class Decision(NamedTuple):
@@ -478,10 +482,129 @@ class _BodyColoring:
                 self.allow[slot] = (
                     f"infer: follows {self.target_name} op {cause!r}; {why}", cause,
                     rk.KIND_AFTER_16BIT)
+            elif self._convert_region(slot, cause):
+                continue
             elif detail:
                 self.kept[slot] = (
                     f"infer: stays float32 after {self.target_name} op {cause!r}: "
                     f"{detail}", cause, rk.KIND_FEWER_BYTES)
+
+    # -- regions: a chain after a 16-bit op, judged as a whole -----------------
+
+    def _convert_region(self, slot: int, cause: str) -> bool:
+        """Converts `slot` and the free infer/clear ops after it if, together, that
+        moves fewer bytes (one op alone may not pay for its Casts, a chain does:
+        LayerNorm's Sub/Mul/Square after a 16-bit MatMul). Returns True if done."""
+        if self._reads_variable(slot):
+            return False
+        region = self._free_region(slot)
+        if len(region) < 2:
+            return False
+        as16 = self._region_cost(region, True)
+        as32 = self._region_cost(region, False)
+        if as16 is None or as32 is None or not as16 < as32:
+            return False
+        for member in region:
+            self.kept.pop(member, None)
+            self.allow[member] = (
+                f"{self.slot_list[member]}: follows {self.target_name} op {cause!r} with "
+                f"{len(region) - 1} more op(s) after it: together "
+                f"{_format_bytes(as16)} instead of {_format_bytes(as32)}", cause,
+                rk.KIND_AFTER_16BIT)
+        return True
+
+    def _free_region(self, slot: int) -> list[int]:
+        """`slot` and the free infer/clear slots downstream of it (at most _MAX_REGION)."""
+        region, stack, seen = [], [slot], {slot}
+        while stack and len(region) < _MAX_REGION:
+            current = stack.pop()
+            region.append(current)
+            for nxt in self.fanout[current]:
+                if (nxt not in seen and self._is_free(nxt, ("infer", "clear"))
+                        and not any(s in self.deny for s in self.fanin[nxt])
+                        and self._run_time_scale(nxt) is None
+                        and not self._reads_variable(nxt)):
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return region
+
+    def _reads_variable(self, slot: int) -> bool:
+        """Does `slot` read a variable (directly or through an Identity)?
+
+        Regions stop there: such ops are how optimizers update master weights
+        and their slots (Adam's ``g - m``), which stay float32.
+        """
+        for ref, _ in self.body.nodes[self.slot_node[slot]].data_inputs:
+            node = self.body.nodes.get(ref.node)
+            if node is not None and node.op == "Identity" and node.data_inputs:
+                node = self.body.nodes.get(node.data_inputs[0][0].node)
+            if node is not None and node.op in VARIABLE_OPS:
+                return True
+        return False
+
+    def _region_cost(self, region: list[int], as16: bool) -> Bytes | None:
+        """Bytes the region's slots read and write (Casts at its edges included) if
+        all of them are 16-bit (`as16`) or all float32; None if a size is unknown.
+
+        An edge inside the region is read once at the region's width; edges
+        leaving or entering it as in ``_option_cost``.
+        """
+        members = set(region)
+        placeholder = ("", "", rk.KIND_AFTER_16BIT)
+        saved = {s: self.allow.pop(s) for s in region if s in self.allow}
+        if as16:
+            self.allow.update({s: placeholder for s in region})
+        try:
+            own = 2 if as16 else 4
+            total = Bytes()
+            for slot in region:
+                name = self.slot_node[slot]
+                for ref in self._input_refs(slot):
+                    elements = elements_of(self.shapes.get(ref))
+                    if elements is None:
+                        return None
+                    total = total + Bytes.of(elements, own)
+                    if self._producer_slot(ref) in members:
+                        continue
+                    have16 = self._ref_is_16bit(ref)
+                    if have16 != as16 and not any(
+                            c != name and self._consumer_is_16bit(c, i) == as16
+                            for c, i in self.body.consumers.get(ref, ())):
+                        total = total + Bytes.of(elements, own + (2 if have16 else 4))
+                for ref in self._slot_output_refs(slot):
+                    consumers = [(c, i) for c, i in self.body.consumers.get(ref, ())
+                                 if self._consumer_slot(c, i) not in members]
+                    inside = len(consumers) < len(self.body.consumers.get(ref, ()))
+                    if not consumers and not inside and ref not in self._ret_wants:
+                        continue
+                    elements = elements_of(self.shapes.get(ref))
+                    if elements is None:
+                        return None
+                    total = total + Bytes.of(elements, own)
+                    wants = {self._consumer_is_16bit(c, i) for c, i in consumers
+                             if not self._follows_any_dtype(c, i)}
+                    wants |= self._ret_wants.get(ref, set())
+                    for want16 in wants:
+                        total = total + Bytes.of(elements, 2 if want16 else 4)
+                        if want16 != as16:
+                            total = total + Bytes.of(elements, own + (2 if want16 else 4))
+            return total
+        finally:
+            for s in region:
+                self.allow.pop(s, None)
+            self.allow.update(saved)
+
+    def _producer_slot(self, ref: TensorRef) -> int | None:
+        if ref.is_arg:
+            return None
+        port = self.body.producer_port(ref)
+        return None if port is None else self.slot_index.get((ref.node, port.type_attr))
+
+    def _consumer_slot(self, consumer: str, index: int) -> int | None:
+        inputs = self.body.nodes[consumer].inputs
+        if index >= len(inputs):
+            return None
+        return self.slot_index.get((consumer, inputs[index].type_attr))
 
     def _run_time_scale(self, slot: int) -> str | None:
         """The node a scaling op's scalar operand comes from, if only known at run time.
@@ -804,6 +927,15 @@ class _BodyColoring:
             return (f"clear: stays float32, no {self.target_name} neighbour", "",
                     rk.KIND_NO_NEIGHBOUR)
         return "unlisted: stays float32", "", rk.KIND_UNLISTED
+
+
+def _format_bytes(value: Bytes) -> str:
+    """'12,288 bytes' or '256 x B + 64 bytes' (B: an unknown dimension)."""
+    parts = []
+    for degree, coeff in value.terms:
+        parts.append(f"{coeff:,}" + ("" if degree == 0 else " x B" if degree == 1
+                                     else f" x B^{degree}"))
+    return (" + ".join(parts) or "0") + " bytes"
 
 
 def _describe_casts(casts: list[tuple[int, int]]) -> str:
