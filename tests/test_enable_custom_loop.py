@@ -193,6 +193,31 @@ def test_eager_custom_loop_warns_once_and_runs_float32(flavour):
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
+def test_model_inside_a_cond_of_the_step_warns_once_and_runs_float32(flavour):
+    """Loss scaling cannot follow a call inside tf.cond: float32 there, said once."""
+    model, _ = make_model(flavour)
+    x, y = data()
+    want = float(tf.reduce_mean((model(x) - y) ** 2))
+    tfamp.enable(model, verbose=False)
+
+    @tf.function
+    def step(x, y, flag):
+        with tf.GradientTape() as tape:
+            out = tf.cond(flag, lambda: model(x, training=True), lambda: model(x * 2.0))
+            loss = tf.reduce_mean((out - y) ** 2)
+        tape.gradient(loss, model.trainable_variables)
+        return loss
+
+    (first, second), caught = record_warnings(
+        lambda: (float(step(x, y, tf.constant(True))), float(step(x, y, tf.constant(True)))))
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "tf.cond branch" in str(caught[0].message) and model.name in str(caught[0].message)
+    assert first == second == pytest.approx(want, rel=1e-6)  # float32, as it says
+    concrete = step.get_concrete_function(x, y, tf.constant(True))
+    assert all(t != HALF for types in matmul_types(concrete).values() for t in types)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_inference_in_a_plain_tf_function_runs_16bit(flavour):
     model, _ = make_model(flavour)
     x, _ = data()

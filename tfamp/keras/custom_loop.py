@@ -86,6 +86,7 @@ class ModelLoop:
         self._forward = None
         self._own_state = None
         self.warned_eager = False
+        self.warned_control_flow = False
         self.warned = set()
 
     # -- the forward --------------------------------------------------------
@@ -157,6 +158,14 @@ def run_call(loop: ModelLoop, model, args, kwargs):
         return loop.class_call(model, *args, **kwargs)
     if not _in_user_tf_function():
         return loop.class_call(model, *args, **kwargs)
+    if _in_control_flow_branch():
+        # The loss-to-model walk that decides loss scaling does not enter cond
+        # branches or loop bodies: 16-bit there would be unscaled, so float32.
+        if not loop.warned_control_flow:
+            loop.warned_control_flow = True
+            warnings.warn(control_flow_message(model), UserWarning,
+                          stacklevel=user_stacklevel())
+        return loop.class_call(model, *args, **kwargs)
     install_patches()
     owner = loop.scale_owner()
     _build_if_needed(owner, model)
@@ -185,6 +194,15 @@ def _in_user_tf_function() -> bool:
     # scratch graphs: not a step that runs.
     return getattr(graph, "_building_function", False) and not (
         "scratch_graph" in name or name == "keras_graph")
+
+
+def _in_control_flow_branch() -> bool:
+    """True when tracing a tf.cond branch or a tf.while_loop body / condition."""
+    from tensorflow.python.ops import control_flow_v2_func_graphs as control_flow
+
+    return isinstance(tf.compat.v1.get_default_graph(), (
+        control_flow.CondBranchFuncGraph, control_flow.WhileBodyFuncGraph,
+        control_flow.WhileCondFuncGraph))
 
 
 def _build_if_needed(owner, model) -> None:
@@ -398,6 +416,14 @@ def eager_message(model) -> str:
             f"training loop without tf.function?), so it runs in float32 there: tfamp "
             f"rewrites traced graphs. Decorate the training step with @tf.function; tfamp "
             f"then runs the model in mixed precision with loss scaling inside it.")
+
+
+def control_flow_message(model) -> str:
+    return (f"tfamp: model {model.name!r} is called inside a tf.cond branch or a "
+            f"tf.while_loop body of your training step, so it runs in float32 there: tfamp "
+            f"cannot tell which loss it feeds to scale it. Call the model outside the "
+            f"cond/loop, or decorate the whole step with @tfamp.function (or run with "
+            f"TFAMP_ENABLE=1), which rewrites and scales the whole step.")
 
 
 def user_stacklevel() -> int:
