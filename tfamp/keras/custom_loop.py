@@ -278,6 +278,8 @@ def current_scale(owner):
     return tf.convert_to_tensor(state.current_loss_scale)
 
 
+# tfamp's own graph code: AutoGraph (converting the user's step) must leave it as written.
+@tf.autograph.experimental.do_not_convert
 def _scaled_gradient(original, tape, target, sources, owner, kwargs):
     scale = current_scale(owner)
     seed = tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
