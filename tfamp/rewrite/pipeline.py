@@ -102,7 +102,10 @@ def _rewrite(graph_def, config, outputs, function_name):
         new_graph_def, casts = insert_casts(graph_def, view, coloring)
         # The whole result is read again from its NodeDefs, trusting nothing the
         # colouring or the Cast insertion believe they did (a NodeDef equal to
-        # its original keeps the ports resolved for it: see build_view).
+        # its original keeps the ports resolved for it: see build_view). The
+        # check looks only where the NodeDefs differ from the input's and at
+        # their neighbours: elsewhere it could only find the input's own
+        # problems, which are ignored below (see check._touched).
         new_view = build_view(new_graph_def, earlier=view)
         problems = find_problems(new_view)
         if problems and known is None:
