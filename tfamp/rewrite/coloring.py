@@ -207,6 +207,8 @@ class _BodyColoring:
         self.hard_blocked: dict[tuple[str, str], tuple[str, str]] = {}
         # (op, type attribute, device) -> _attr_block's answer
         self._attr_blocks: dict[tuple[str, str, str], tuple[str, str]] = {}
+        # (id of input port list, id of output port list) -> "resource", "ref" or ""
+        self._variable_ports: dict[tuple[int, int], str] = {}
         self._make_slots(pinned)
         self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
@@ -295,11 +297,20 @@ class _BodyColoring:
         call_block = self._call_block(node)
         if call_block[0]:
             return call_block
-        ports = node.inputs + node.outputs
-        if any(p.dtype == types_pb2.DT_RESOURCE for p in ports):
+        # Nodes with the same ports share their port lists (graph._PortResolver):
+        # look at each pair of lists once. (Keyed by id: the lists live as long
+        # as the body.)
+        key = (id(node.inputs), id(node.outputs))
+        variable = self._variable_ports.get(key)
+        if variable is None:
+            ports = node.inputs + node.outputs
+            variable = self._variable_ports[key] = (
+                "resource" if any(p.dtype == types_pb2.DT_RESOURCE for p in ports)
+                else "ref" if any(p.is_ref for p in ports) else "")
+        if variable == "resource":
             return ("variable op: master weights and their reads stay float32",
                     rk.KIND_VARIABLE)
-        if any(p.is_ref for p in ports):
+        if variable == "ref":
             return ("variable op (TF1 reference variable): master weights and their "
                     "reads stay float32", rk.KIND_VARIABLE)
         for ref, _ in node.data_inputs:
