@@ -142,6 +142,10 @@ def color(view: GraphView, config: AmpConfig,
     """
     pinned_outputs = {_parse_tensor_name(name) for name in outputs}
     keep = keep or {}
+    # boundaries.solve colours a body once per set of overrides it weighs (an
+    # LSTM step's loop bodies dozens of times); what does not depend on the
+    # overrides is worked out once per body (see _Skeleton).
+    skeletons: dict[str, _Skeleton] = {}
 
     def color_body(body: Body, overrides: boundaries.BodyOverrides):
         body_pins = pinned_outputs if not body.is_function else set()
@@ -152,7 +156,7 @@ def color(view: GraphView, config: AmpConfig,
         if shapes is not None:
             body_shapes = shapes.shapes.get(body.name) or shapes.shapes.get(original, {})
         body_coloring = _BodyColoring(body, config, body_pins, body_keep, body_shapes,
-                                      overrides)
+                                      overrides, skeletons)
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
@@ -170,12 +174,37 @@ def _parse_tensor_name(name: str) -> TensorRef:
     return TensorRef(node, int(index) if index else 0)
 
 
+@dataclasses.dataclass
+class _Skeleton:
+    """A body's slots before boundary overrides, and its slot edges as keys.
+
+    The same body, config, pins and `keep` give the same slots, blocks and
+    edges; only ``_make_boundary_slots`` (and so the pseudo-slots edges may
+    reach) depends on the overrides. Read-only once made: each colouring
+    copies what it changes.
+    """
+
+    body: Body
+    slot_node: list[str]
+    slot_attr: list[str]
+    slot_list: list[str]
+    slot_index: dict[tuple[str, str], int]
+    blocked: dict[int, tuple[str, str]]
+    node_blocks: dict[str, tuple[str, str]]
+    hard_blocked: dict[tuple[str, str], tuple[str, str]]
+    # Every data edge into a slotted node that can link two slots, in the
+    # order _connect meets them: (consumer slot key, producer slot key); a
+    # key may name a pseudo-slot that only some overrides create.
+    edges: list[tuple[tuple[str, str], tuple[str, str]]]
+
+
 class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
     def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
                  keep: Mapping[str, str] | None = None, shapes: dict | None = None,
-                 overrides: boundaries.BodyOverrides | None = None):
+                 overrides: boundaries.BodyOverrides | None = None,
+                 skeletons: dict[str, _Skeleton] | None = None):
         self.body = body
         self.overrides = overrides or boundaries.BodyOverrides()
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
@@ -209,11 +238,32 @@ class _BodyColoring:
         self._attr_blocks: dict[tuple[str, str, str], tuple[str, str]] = {}
         # (id of input port list, id of output port list) -> "resource", "ref" or ""
         self._variable_ports: dict[tuple[int, int], str] = {}
-        self._make_slots(pinned)
+        skeleton = skeletons.get(body.name) if skeletons is not None else None
+        if skeleton is None or skeleton.body is not body:
+            self._make_slots(pinned)
+            skeleton = _Skeleton(
+                body, list(self.slot_node), list(self.slot_attr), list(self.slot_list),
+                dict(self.slot_index), dict(self.blocked), self.node_blocks,
+                self.hard_blocked, self._edge_keys())
+            if skeletons is not None:
+                skeletons[body.name] = skeleton
+        else:
+            self.slot_node = list(skeleton.slot_node)
+            self.slot_attr = list(skeleton.slot_attr)
+            self.slot_list = list(skeleton.slot_list)
+            self.slot_index = dict(skeleton.slot_index)
+            self.blocked = dict(skeleton.blocked)
+            self.node_blocks = skeleton.node_blocks
+            self.hard_blocked = skeleton.hard_blocked
+        base_slots = len(self.slot_node)
         self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
         self.fanout: list[list[int]] = [[] for _ in self.slot_node]
-        self._connect()
+        added_nodes = set(self.slot_node[base_slots:]).difference(skeleton.slot_node)
+        if any(name in body.nodes for name in added_nodes):
+            self._connect()  # a forced slot on a node that had none: not in the keys
+        else:
+            self._connect(skeleton.edges)
         self.allow: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.deny: dict[int, tuple[str, str, str]] = {}
 
@@ -362,7 +412,36 @@ class _BodyColoring:
                     f"for {node.op} ({base_attr}){where}", rk.KIND_NO_KERNEL)
         return self._fixed_block(node, attr)
 
-    def _connect(self) -> None:
+    def _edge_keys(self) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+        """The slot edges as keys, before boundary slots (see _Skeleton.edges)."""
+        edges = []
+        slotted = set(self.slot_node)
+        for name, node in self.body.nodes.items():
+            if name not in slotted:
+                continue
+            inputs = node.inputs
+            for index, (ref, _) in enumerate(node.data_inputs):
+                dst_key = (name, inputs[index].type_attr if index < len(inputs) else None)
+                if ref.is_arg:
+                    edges.append((dst_key, (boundaries.arg_slot_name(ref.node), "T")))
+                    continue
+                port = self.body.producer_port(ref)
+                if port is not None and port.dtype == DT_FLOAT:
+                    edges.append((dst_key, (ref.node, port.type_attr)))
+        return edges
+
+    def _connect(self, edge_keys=None) -> None:
+        if edge_keys is not None:  # the same edges, as _edge_keys found them
+            slot_index, fanin, fanout = self.slot_index, self.fanin, self.fanout
+            for dst_key, src_key in edge_keys:
+                dst = slot_index.get(dst_key)
+                if dst is not None:
+                    src = slot_index.get(src_key)
+                    if src is not None:
+                        fanout[src].append(dst)
+                        fanin[dst].append(src)
+            self._connect_rets()
+            return
         # Most nodes of a training step have no float slot (variable reads, shape
         # arithmetic, integer ops): only edges into a slot can connect two.
         slotted = set(self.slot_node)
@@ -385,6 +464,9 @@ class _BodyColoring:
                 if src is not None and port.dtype == DT_FLOAT:
                     self.fanout[src].append(dst)
                     self.fanin[dst].append(src)
+        self._connect_rets()
+
+    def _connect_rets(self) -> None:
         for ret in self.overrides.rets:
             dst = self.slot_index[(boundaries.ret_slot_name(ret), "T")]
             ref = self.body.rets[ret][0]
