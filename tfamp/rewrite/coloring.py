@@ -727,13 +727,14 @@ class _BodyColoring:
         """(local Bytes, [elements of each Cast needed]) of one option, or None."""
         own = 2 if as16 else 4
         name = self.slot_node[slot]
-        total = Bytes()
+        sums: dict[int, int] = {}  # degree -> bytes, summed as Bytes would be
         casts: list[tuple[int, int]] = []
         for ref in self._input_refs(slot):
             elements = elements_of(self.shapes.get(ref))
             if elements is None:
                 return None
-            total = total + Bytes.of(elements, own)
+            degree, count = elements
+            sums[degree] = sums.get(degree, 0) + count * own
             have16 = self._ref_is_16bit(ref)
             if have16 == as16:
                 continue
@@ -741,7 +742,7 @@ class _BodyColoring:
             shared = any(c != name and self._consumer_is_16bit(c, i) == as16
                          for c, i in self.body.consumers.get(ref, ()))
             if not shared:
-                total = total + Bytes.of(elements, own + (2 if have16 else 4))
+                sums[degree] += count * (own + (2 if have16 else 4))
                 casts.append(elements)
         rets = self._ret_wants
         for ref in self._slot_output_refs(slot):
@@ -751,16 +752,17 @@ class _BodyColoring:
             elements = elements_of(self.shapes.get(ref))
             if elements is None:
                 return None
-            total = total + Bytes.of(elements, own)
+            degree, count = elements
+            sums[degree] = sums.get(degree, 0) + count * own
             wants = {self._consumer_is_16bit(c, i) for c, i in consumers
                      if not self._follows_any_dtype(c, i)}
             wants |= rets.get(ref, set())
             for want16 in wants:
-                total = total + Bytes.of(elements, 2 if want16 else 4)
+                sums[degree] += count * (2 if want16 else 4)
                 if want16 != as16:
-                    total = total + Bytes.of(elements, own + (2 if want16 else 4))
+                    sums[degree] += count * (own + (2 if want16 else 4))
                     casts.append(elements)
-        return total, casts
+        return Bytes.of_sums(sums), casts
 
     def _input_refs(self, slot: int) -> list[TensorRef]:
         return self._slot_refs(slot)[0]

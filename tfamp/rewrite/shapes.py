@@ -71,6 +71,11 @@ class Bytes:
         degree, count = elements
         return Bytes(((degree, count * per_element),)) if count * per_element else Bytes()
 
+    @staticmethod
+    def of_sums(sums: dict[int, int]) -> Bytes:
+        """The Bytes of {degree: coefficient} sums (what adding them up one by one gives)."""
+        return Bytes(tuple(sorted(((d, c) for d, c in sums.items() if c), reverse=True)))
+
     def __add__(self, other: Bytes) -> Bytes:
         merged: dict[int, int] = dict(self.terms)
         for degree, coeff in other.terms:
