@@ -194,8 +194,9 @@ class _Skeleton:
     hard_blocked: dict[tuple[str, str], tuple[str, str]]
     # Every data edge into a slotted node that can link two slots, in the
     # order _connect meets them: (consumer slot key, producer slot key); a
-    # key may name a pseudo-slot that only some overrides create.
-    edges: list[tuple[tuple[str, str], tuple[str, str]]]
+    # key may name a pseudo-slot that only some overrides create. None until
+    # a second colouring of the body needs them.
+    edges: list[tuple[tuple[str, str], tuple[str, str]]] | None = None
 
 
 class _BodyColoring:
@@ -244,10 +245,12 @@ class _BodyColoring:
             skeleton = _Skeleton(
                 body, list(self.slot_node), list(self.slot_attr), list(self.slot_list),
                 dict(self.slot_index), dict(self.blocked), self.node_blocks,
-                self.hard_blocked, self._edge_keys())
+                self.hard_blocked)
             if skeletons is not None:
                 skeletons[body.name] = skeleton
+            fresh = True
         else:
+            fresh = False
             self.slot_node = list(skeleton.slot_node)
             self.slot_attr = list(skeleton.slot_attr)
             self.slot_list = list(skeleton.slot_list)
@@ -260,9 +263,12 @@ class _BodyColoring:
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
         self.fanout: list[list[int]] = [[] for _ in self.slot_node]
         added_nodes = set(self.slot_node[base_slots:]).difference(skeleton.slot_node)
-        if any(name in body.nodes for name in added_nodes):
-            self._connect()  # a forced slot on a node that had none: not in the keys
+        if fresh or any(name in body.nodes for name in added_nodes):
+            # (a forced slot on a node that had none has no edges in the keys)
+            self._connect()
         else:
+            if skeleton.edges is None:  # a body coloured once never needs them
+                skeleton.edges = self._edge_keys(skeleton.slot_node)
             self._connect(skeleton.edges)
         self.allow: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.deny: dict[int, tuple[str, str, str]] = {}
@@ -412,10 +418,12 @@ class _BodyColoring:
                     f"for {node.op} ({base_attr}){where}", rk.KIND_NO_KERNEL)
         return self._fixed_block(node, attr)
 
-    def _edge_keys(self) -> list[tuple[tuple[str, str], tuple[str, str]]]:
-        """The slot edges as keys, before boundary slots (see _Skeleton.edges)."""
+    def _edge_keys(self, base_slot_node: list[str]
+                   ) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+        """The slot edges as keys, given the slots before boundary slots
+        (see _Skeleton.edges)."""
         edges = []
-        slotted = set(self.slot_node)
+        slotted = set(base_slot_node)
         for name, node in self.body.nodes.items():
             if name not in slotted:
                 continue
