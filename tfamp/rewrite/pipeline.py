@@ -213,9 +213,8 @@ def _share(before, after) -> float | None:
 
 
 def _node_report(function: str, name: str, op: str, decision) -> NodeReport:
-    return NodeReport(name=name, function=function, op=op, list=decision.list,
-                      converted=decision.converted, reason=decision.reason,
-                      cause=decision.cause, kind=decision.kind)
+    return NodeReport.of_fields(name, function, op, decision.list, decision.converted,
+                                decision.reason, decision.cause, decision.kind)
 
 
 def _unconsumed_float_outputs(body: Body) -> list[str]:

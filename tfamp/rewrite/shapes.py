@@ -46,6 +46,9 @@ BROADCAST_OPS = frozenset({
 Shape = tuple[int, ...]
 
 _BYTES = {DT_FLOAT: 4, DT_HALF: 2, DT_BFLOAT16: 2}
+# dtype -> bytes per element, for loops that look it up per edge (read only;
+# dtype_bytes(d) == BYTES_PER_ELEMENT.get(d, 0))
+BYTES_PER_ELEMENT = _BYTES
 
 
 def dtype_bytes(dtype: int) -> int:
