@@ -65,3 +65,33 @@ def test_tensorflow_import_failure_is_reported():
         "T"].type = types_pb2.DT_FLOAT
     problems = tfamp.check_graph_def(graph_def)
     assert problems and "cannot import" in problems[0]
+
+
+def test_check_against_an_earlier_view_looks_only_where_nodedefs_differ():
+    from tensorflow.core.framework import graph_pb2
+
+    from tfamp.rewrite.check import find_problems
+    from tfamp.rewrite.graph import build_view
+
+    def two_chains(x, w):
+        a = tf.nn.relu(tf.matmul(x, w, name="mm_a"), name="relu_a")
+        b = tf.nn.relu(tf.matmul(x, w, name="mm_b"), name="relu_b")
+        return a + b
+
+    graph_def, _, _ = trace(two_chains, M, M)
+    nodes = {n.name: n for n in graph_def.node}
+    nodes["mm_a"].attr["T"].type = types_pb2.DT_HALF  # a defect of the input itself
+    earlier = build_view(graph_def)
+    edited = graph_pb2.GraphDef()
+    edited.CopyFrom(graph_def)
+    next(n for n in edited.node if n.name == "relu_b").attr["T"].type = types_pb2.DT_HALF
+    full = [p.message for p in find_problems(build_view(edited))]
+    view = build_view(edited, earlier=earlier)
+    assert view.bodies[0].edited == {"relu_b"}
+    found = [p.message for p in find_problems(view)]
+    # The edited node's own edges and its consumer's are checked ...
+    assert any("Relu 'relu_b' input 0 expects float16 but 'mm_b' is float32" in m for m in found)
+    assert any("'relu_b' is float16" in m for m in found), found
+    # ... and the input's own defect, untouched, is left out (the pass ignores it).
+    assert not any("mm_a" in m for m in found) and any("mm_a" in m for m in full)
+    assert set(found) <= set(full)

@@ -132,15 +132,30 @@ class _BodyEditor:
     def run(self) -> list[CastRecord]:
         for name in self.body.nodes:
             self._retype(name)
-        for name, node in self.body.nodes.items():
-            node_def = self.node_defs[name]
+        # (new_output_dtype and Body.producer_port written out: this visits
+        # every edge of the graph)
+        nodes, converted, target = self.body.nodes, self._converted, self.target
+        body_args, arg_dtypes = self.body.arg_dtypes, self.arg_dtypes
+        for name, node in nodes.items():
+            inputs = node.inputs
+            own = converted[name]
             for index, (ref, text) in enumerate(node.data_inputs):
-                if index >= len(node.inputs) or self.body.producer_port(ref) is None:
+                if index >= len(inputs):
                     continue  # unknown op: left exactly as it was
-                port = node.inputs[index]
-                wanted = self.target if port.type_attr in self.converted(name) else port.dtype
-                if self.new_output_dtype(ref) != wanted:
-                    node_def.input[index] = self._cast(ref, text, wanted, name)
+                if ref.is_arg:
+                    if ref.node not in body_args:
+                        continue
+                    have = arg_dtypes[ref.node]
+                else:
+                    producer = nodes.get(ref.node)
+                    if producer is None or ref.index >= len(producer.outputs):
+                        continue  # unknown op: left exactly as it was
+                    out = producer.outputs[ref.index]
+                    have = target if out.type_attr in converted[ref.node] else out.dtype
+                port = inputs[index]
+                wanted = target if port.type_attr in own else port.dtype
+                if have != wanted:
+                    self.node_defs[name].input[index] = self._cast(ref, text, wanted, name)
         for ret_name, (ref, text, _) in self.body.rets.items():
             dtype = self.ret_dtypes[ret_name]
             if self.body.producer_port(ref) and self.new_output_dtype(ref) != dtype:

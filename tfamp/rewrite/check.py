@@ -71,17 +71,45 @@ def find_problems(view: GraphView, *, round_trips: bool = True) -> list[Problem]
       round_trips: also look for Cast round trips.
 
     Returns:
-      The problems found, in body order; empty when the graph is sound.
+      The problems found, in body order; empty when the graph is sound. For a
+      view built with ``build_view(..., earlier=...)``, only those that may
+      differ from the earlier graph's (see ``_touched``).
     """
     problems: list[Problem] = []
     bodies = {body.name: body for body in view.bodies}
     for body in view.bodies:
-        problems.extend(_edge_problems(body))
+        touched = _touched(body)
+        problems.extend(_edge_problems(body, touched))
         if round_trips:
-            problems.extend(_round_trip_problems(body))
-        problems.extend(_call_problems(body, view.signatures, bodies))
+            problems.extend(_round_trip_problems(body, touched))
+        problems.extend(_call_problems(
+            body, view.signatures, bodies, None if view.edited_signatures else touched))
         problems.extend(_cycle_problems(body))
     return problems
+
+
+def _touched(body: Body) -> set[str] | None:
+    """The nodes whose checks may differ from the earlier graph's, or None for all.
+
+    For a view built with ``build_view(..., earlier=...)``: the edited nodes
+    and every node reading one. Each check below reads a node, its producers
+    (and, for a Cast round trip, its producer's producer) and the signatures of
+    the functions it calls; a node outside this set, with none of those
+    edited, reads exactly what it read in the earlier graph and so finds
+    exactly the problems (with the same messages) the earlier graph had. The
+    pass ignores those anyway (it filters out the input's own problems by
+    message), so leaving them out changes nothing it decides. Function
+    results and TF1 cycles are always checked in full.
+    """
+    edited = body.edited
+    if edited is None:
+        return None
+    touched = set(edited)
+    if edited:
+        for ref, uses in body.consumers.items():
+            if ref.node in edited:
+                touched.update(consumer for consumer, _ in uses)
+    return touched
 
 
 def assert_valid_graph_def(graph_def: graph_pb2.GraphDef) -> None:
@@ -111,9 +139,11 @@ def _involved(body: Body, names) -> tuple[tuple[str, str], ...]:
     return tuple(dict.fromkeys((body.name, n) for n in origins if n is not None))
 
 
-def _edge_problems(body: Body) -> list[Problem]:
+def _edge_problems(body: Body, touched: set[str] | None = None) -> list[Problem]:
     problems = []
     for name, node in body.nodes.items():
+        if touched is not None and name not in touched:
+            continue
         for index, (ref, text) in enumerate(node.data_inputs):
             port = body.producer_port(ref)
             if port is None or index >= len(node.inputs):
@@ -151,10 +181,13 @@ _CALL_TYPES = {
 }
 
 
-def _call_problems(body: Body, signatures, bodies: dict[str, Body]) -> list[Problem]:
+def _call_problems(body: Body, signatures, bodies: dict[str, Body],
+                   touched: set[str] | None = None) -> list[Problem]:
     """A call's declared types must equal its functions' signatures."""
     problems = []
     for name, node in body.nodes.items():
+        if touched is not None and name not in touched:
+            continue
         for func_attr, pairs in _CALL_TYPES.get(node.op, {}).items():
             value = node.node_def.attr.get(func_attr)
             if value is None:
@@ -281,7 +314,7 @@ def _types(dtypes) -> str:
     return "[" + ", ".join(dtype_name(t) for t in dtypes) + "]"
 
 
-def _round_trip_problems(body: Body) -> list[Problem]:
+def _round_trip_problems(body: Body, touched: set[str] | None = None) -> list[Problem]:
     """Casts x -> y -> x where tfamp inserted at least one of the two.
 
     A user's own chain (a truncation through int32, a deliberate rounding
@@ -292,6 +325,9 @@ def _round_trip_problems(body: Body) -> list[Problem]:
         if node.op != "Cast" or not node.data_inputs:
             continue
         ref, _ = node.data_inputs[0]
+        # (the Cast, its source Cast or the source's producer is edited)
+        if touched is not None and name not in touched and ref.node not in touched:
+            continue
         source = None if ref.is_arg else body.nodes.get(ref.node)
         if source is None or source.op != "Cast" or not source.data_inputs:
             continue

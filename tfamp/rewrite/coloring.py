@@ -146,6 +146,10 @@ def color(view: GraphView, config: AmpConfig,
     """
     pinned_outputs = {_parse_tensor_name(name) for name in outputs}
     keep = keep or {}
+    # boundaries.solve colours a body once per set of overrides it weighs (an
+    # LSTM step's loop bodies dozens of times); what does not depend on the
+    # overrides is worked out once per body (see _Skeleton).
+    skeletons: dict[str, _Skeleton] = {}
 
     def color_body(body: Body, overrides: boundaries.BodyOverrides):
         body_pins = pinned_outputs if not body.is_function else set()
@@ -156,7 +160,7 @@ def color(view: GraphView, config: AmpConfig,
         if shapes is not None:
             body_shapes = shapes.shapes.get(body.name) or shapes.shapes.get(original, {})
         body_coloring = _BodyColoring(body, config, body_pins, body_keep, body_shapes,
-                                      overrides)
+                                      overrides, skeletons)
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
@@ -174,12 +178,38 @@ def _parse_tensor_name(name: str) -> TensorRef:
     return TensorRef(node, int(index) if index else 0)
 
 
+@dataclasses.dataclass
+class _Skeleton:
+    """A body's slots before boundary overrides, and its slot edges as keys.
+
+    The same body, config, pins and `keep` give the same slots, blocks and
+    edges; only ``_make_boundary_slots`` (and so the pseudo-slots edges may
+    reach) depends on the overrides. Read-only once made: each colouring
+    copies what it changes.
+    """
+
+    body: Body
+    slot_node: list[str]
+    slot_attr: list[str]
+    slot_list: list[str]
+    slot_index: dict[tuple[str, str], int]
+    blocked: dict[int, tuple[str, str]]
+    node_blocks: dict[str, tuple[str, str]]
+    hard_blocked: dict[tuple[str, str], tuple[str, str]]
+    # Every data edge into a slotted node that can link two slots, in the
+    # order _connect meets them: (consumer slot key, producer slot key); a
+    # key may name a pseudo-slot that only some overrides create. None until
+    # a second colouring of the body needs them.
+    edges: list[tuple[tuple[str, str], tuple[str, str]]] | None = None
+
+
 class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
     def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
                  keep: Mapping[str, str] | None = None, shapes: dict | None = None,
-                 overrides: boundaries.BodyOverrides | None = None):
+                 overrides: boundaries.BodyOverrides | None = None,
+                 skeletons: dict[str, _Skeleton] | None = None):
         self.body = body
         self.overrides = overrides or boundaries.BodyOverrides()
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
@@ -211,11 +241,39 @@ class _BodyColoring:
         self.hard_blocked: dict[tuple[str, str], tuple[str, str]] = {}
         # (op, type attribute, device) -> _attr_block's answer
         self._attr_blocks: dict[tuple[str, str, str], tuple[str, str]] = {}
-        self._make_slots(pinned)
+        # (id of input port list, id of output port list) -> "resource", "ref" or ""
+        self._variable_ports: dict[tuple[int, int], str] = {}
+        skeleton = skeletons.get(body.name) if skeletons is not None else None
+        if skeleton is None or skeleton.body is not body:
+            self._make_slots(pinned)
+            skeleton = _Skeleton(
+                body, list(self.slot_node), list(self.slot_attr), list(self.slot_list),
+                dict(self.slot_index), dict(self.blocked), self.node_blocks,
+                self.hard_blocked)
+            if skeletons is not None:
+                skeletons[body.name] = skeleton
+            fresh = True
+        else:
+            fresh = False
+            self.slot_node = list(skeleton.slot_node)
+            self.slot_attr = list(skeleton.slot_attr)
+            self.slot_list = list(skeleton.slot_list)
+            self.slot_index = dict(skeleton.slot_index)
+            self.blocked = dict(skeleton.blocked)
+            self.node_blocks = skeleton.node_blocks
+            self.hard_blocked = skeleton.hard_blocked
+        base_slots = len(self.slot_node)
         self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
         self.fanout: list[list[int]] = [[] for _ in self.slot_node]
-        self._connect()
+        added_nodes = set(self.slot_node[base_slots:]).difference(skeleton.slot_node)
+        if fresh or any(name in body.nodes for name in added_nodes):
+            # (a forced slot on a node that had none has no edges in the keys)
+            self._connect()
+        else:
+            if skeleton.edges is None:  # a body coloured once never needs them
+                skeleton.edges = self._edge_keys(skeleton.slot_node)
+            self._connect(skeleton.edges)
         self.allow: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.deny: dict[int, tuple[str, str, str]] = {}
 
@@ -299,11 +357,20 @@ class _BodyColoring:
         call_block = self._call_block(node)
         if call_block[0]:
             return call_block
-        ports = node.inputs + node.outputs
-        if any(p.dtype == types_pb2.DT_RESOURCE for p in ports):
+        # Nodes with the same ports share their port lists (graph._PortResolver):
+        # look at each pair of lists once. (Keyed by id: the lists live as long
+        # as the body.)
+        key = (id(node.inputs), id(node.outputs))
+        variable = self._variable_ports.get(key)
+        if variable is None:
+            ports = node.inputs + node.outputs
+            variable = self._variable_ports[key] = (
+                "resource" if any(p.dtype == types_pb2.DT_RESOURCE for p in ports)
+                else "ref" if any(p.is_ref for p in ports) else "")
+        if variable == "resource":
             return ("variable op: master weights and their reads stay float32",
                     rk.KIND_VARIABLE)
-        if any(p.is_ref for p in ports):
+        if variable == "ref":
             return ("variable op (TF1 reference variable): master weights and their "
                     "reads stay float32", rk.KIND_VARIABLE)
         for ref, _ in node.data_inputs:
@@ -355,7 +422,38 @@ class _BodyColoring:
                     f"for {node.op} ({base_attr}){where}", rk.KIND_NO_KERNEL)
         return self._fixed_block(node, attr)
 
-    def _connect(self) -> None:
+    def _edge_keys(self, base_slot_node: list[str]
+                   ) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+        """The slot edges as keys, given the slots before boundary slots
+        (see _Skeleton.edges)."""
+        edges = []
+        slotted = set(base_slot_node)
+        for name, node in self.body.nodes.items():
+            if name not in slotted:
+                continue
+            inputs = node.inputs
+            for index, (ref, _) in enumerate(node.data_inputs):
+                dst_key = (name, inputs[index].type_attr if index < len(inputs) else None)
+                if ref.is_arg:
+                    edges.append((dst_key, (boundaries.arg_slot_name(ref.node), "T")))
+                    continue
+                port = self.body.producer_port(ref)
+                if port is not None and port.dtype == DT_FLOAT:
+                    edges.append((dst_key, (ref.node, port.type_attr)))
+        return edges
+
+    def _connect(self, edge_keys=None) -> None:
+        if edge_keys is not None:  # the same edges, as _edge_keys found them
+            slot_index, fanin, fanout = self.slot_index, self.fanin, self.fanout
+            for dst_key, src_key in edge_keys:
+                dst = slot_index.get(dst_key)
+                if dst is not None:
+                    src = slot_index.get(src_key)
+                    if src is not None:
+                        fanout[src].append(dst)
+                        fanin[dst].append(src)
+            self._connect_rets()
+            return
         # Most nodes of a training step have no float slot (variable reads, shape
         # arithmetic, integer ops): only edges into a slot can connect two.
         slotted = set(self.slot_node)
@@ -378,6 +476,9 @@ class _BodyColoring:
                 if src is not None and port.dtype == DT_FLOAT:
                     self.fanout[src].append(dst)
                     self.fanin[dst].append(src)
+        self._connect_rets()
+
+    def _connect_rets(self) -> None:
         for ret in self.overrides.rets:
             dst = self.slot_index[(boundaries.ret_slot_name(ret), "T")]
             ref = self.body.rets[ret][0]
@@ -757,13 +858,14 @@ class _BodyColoring:
         """(local Bytes, [elements of each Cast needed]) of one option, or None."""
         own = 2 if as16 else 4
         name = self.slot_node[slot]
-        total = Bytes()
+        sums: dict[int, int] = {}  # degree -> bytes, summed as Bytes would be
         casts: list[tuple[int, int]] = []
         for ref in self._input_refs(slot):
             elements = elements_of(self.shapes.get(ref))
             if elements is None:
                 return None
-            total = total + Bytes.of(elements, own)
+            degree, count = elements
+            sums[degree] = sums.get(degree, 0) + count * own
             have16 = self._ref_is_16bit(ref)
             if have16 == as16:
                 continue
@@ -771,7 +873,7 @@ class _BodyColoring:
             shared = any(c != name and self._consumer_is_16bit(c, i) == as16
                          for c, i in self.body.consumers.get(ref, ()))
             if not shared:
-                total = total + Bytes.of(elements, own + (2 if have16 else 4))
+                sums[degree] += count * (own + (2 if have16 else 4))
                 casts.append(elements)
         rets = self._ret_wants
         for ref in self._slot_output_refs(slot):
@@ -781,16 +883,17 @@ class _BodyColoring:
             elements = elements_of(self.shapes.get(ref))
             if elements is None:
                 return None
-            total = total + Bytes.of(elements, own)
+            degree, count = elements
+            sums[degree] = sums.get(degree, 0) + count * own
             wants = {self._consumer_is_16bit(c, i) for c, i in consumers
                      if not self._follows_any_dtype(c, i)}
             wants |= rets.get(ref, set())
             for want16 in wants:
-                total = total + Bytes.of(elements, 2 if want16 else 4)
+                sums[degree] += count * (2 if want16 else 4)
                 if want16 != as16:
-                    total = total + Bytes.of(elements, own + (2 if want16 else 4))
+                    sums[degree] += count * (own + (2 if want16 else 4))
                     casts.append(elements)
-        return total, casts
+        return Bytes.of_sums(sums), casts
 
     def _input_refs(self, slot: int) -> list[TensorRef]:
         return self._slot_refs(slot)[0]

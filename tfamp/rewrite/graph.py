@@ -100,6 +100,11 @@ class Body:
     consumers: dict[TensorRef, list[tuple[str, int]]]
     # FunctionDef attribute names (e.g. "api_implements"); empty for the top graph.
     function_attrs: frozenset[str] = frozenset()
+    # With build_view's `earlier`: the nodes whose NodeDef is new or differs
+    # from the one of the same name there (every other node, and every edge
+    # between two such others, reads exactly as before). None when the body is
+    # not compared (no `earlier`, a new function, or a changed signature).
+    edited: frozenset[str] | None = None
 
     def producer_port(self, ref: TensorRef) -> Port | None:
         """The port that produces `ref`, or None if its producer is unknown."""
@@ -144,6 +149,9 @@ class GraphView:
 
     bodies: list[Body]
     signatures: dict[str, op_def_pb2.OpDef]
+    # With build_view's `earlier`: library functions whose signature is new or
+    # differs from the one there; None without `earlier`.
+    edited_signatures: frozenset[str] | None = None
 
     def node_count(self) -> int:
         return sum(len(body.nodes) for body in self.bodies)
@@ -160,24 +168,36 @@ def build_view(graph_def: graph_pb2.GraphDef, *,
         name in the same body there, of an op that is no library function in
         either graph, takes that node's ports and called functions instead
         of reading its attributes again: the same NodeDef and OpDef give the
-        same ports. Its inputs are resolved again like every other node's.
+        same ports. In the top graph, where an input string alone names its
+        tensor, it takes the earlier Node object itself (whose ``node_def`` is
+        then the earlier, equal NodeDef); in a function its inputs are resolved
+        again. Bodies and the view record what differs (``Body.edited``,
+        ``GraphView.edited_signatures``).
 
     Returns:
-      A GraphView whose bodies refer to `graph_def`'s own NodeDefs.
+      A GraphView whose bodies refer to `graph_def`'s own NodeDefs, or to
+      equal ones of `earlier`.
     """
     signatures = {f.signature.name: f.signature for f in graph_def.library.function}
     resolver = _PortResolver(signatures)
     before: dict[str, dict[str, Node]] = {}
+    edited_signatures = None
     if earlier is not None:
         library_ops = set(signatures) | set(earlier.signatures)
-        before = {body.name: {name: node for name, node in body.nodes.items()
-                              if node.op not in library_ops}
-                  for body in earlier.bodies}
+        edited_signatures = frozenset(
+            name for name, signature in signatures.items()
+            if earlier.signatures.get(name) != signature)
+        before = {body.name: body.nodes if not library_ops else {
+                      name: node for name, node in body.nodes.items()
+                      if node.op not in library_ops}
+                  for body in earlier.bodies
+                  if body.name not in edited_signatures}
     bodies = [_build_body("", graph_def.node, resolver, None, before.get(""))]
     for fdef in graph_def.library.function:
         name = fdef.signature.name
         bodies.append(_build_body(name, fdef.node_def, resolver, fdef, before.get(name)))
-    return GraphView(bodies=bodies, signatures=signatures)
+    return GraphView(bodies=bodies, signatures=signatures,
+                     edited_signatures=edited_signatures)
 
 
 class _PortResolver:
@@ -328,47 +348,60 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
     output_offsets: dict[str, dict[str, int]] = {}
     input_texts: dict[str, list[str]] = {}  # read from the protos once
     no_ports = ([], [], {}, ())
+    edited: set[str] | None = None if before is None else set()
     for node_def in node_defs:
         node_name = node_def.name
         same = before.get(node_name) if before else None
         if same is not None and same.node_def == node_def:  # see build_view's `earlier`
             # In the top graph an input string alone names its tensor; in a
             # function it depends on the producer's output args: parse again.
+            if not is_function:
+                nodes[node_name] = same
+                output_offsets[node_name] = same.output_offsets
+                input_texts.pop(node_name, None)  # a node of the same name before it
+                continue
             nodes[node_name] = Node(
                 name=node_name, op=same.op, node_def=node_def, known_op=same.known_op,
                 inputs=same.inputs, outputs=same.outputs,
-                data_inputs=[] if is_function else list(same.data_inputs),
+                data_inputs=[],
                 called_functions=same.called_functions,
                 float_type_attrs=same.float_type_attrs, output_offsets=same.output_offsets)
             output_offsets[node_name] = same.output_offsets
-            if is_function:
-                input_texts[node_name] = [text for _, text in same.data_inputs]
-            else:
-                input_texts.pop(node_name, None)  # a node of the same name before it
+            input_texts[node_name] = [text for _, text in same.data_inputs]
             continue
+        if edited is not None:
+            edited.add(node_name)
         op = node_def.op
         recipe = resolver.recipe(op)
         inputs, outputs, offsets, float_attrs = (
             no_ports if recipe is None else resolver.ports(node_def, recipe))
         output_offsets[node_name] = offsets
+        # (positional: name, op, node_def, known_op, inputs, outputs, data_inputs,
+        # called_functions, float_type_attrs, output_offsets; about twice as fast)
         nodes[node_name] = Node(
-            name=node_name, op=op, node_def=node_def,
-            known_op=recipe is not None, inputs=inputs, outputs=outputs,
-            data_inputs=[], called_functions=_called_functions(node_def, recipe),
-            float_type_attrs=float_attrs, output_offsets=offsets)
+            node_name, op, node_def, recipe is not None, inputs, outputs, [],
+            _called_functions(node_def, recipe), float_attrs, offsets)
         input_texts[node_name] = list(node_def.input)
 
     consumers: dict[TensorRef, list[tuple[str, int]]] = {}
     for node in nodes.values():
         data_inputs = node.data_inputs
-        texts = input_texts.get(node.name)
-        if texts is not None:
-            for text in texts:
-                if not text.startswith("^"):
-                    data_inputs.append(
-                        (_parse_input(text, is_function, arg_dtypes, output_offsets), text))
-        for index, (ref, _) in enumerate(data_inputs):
-            consumers.setdefault(ref, []).append((node.name, index))
+        node_name = node.name
+        texts = input_texts.get(node_name)
+        if texts is None:  # a reused node, its inputs resolved already
+            for index, (ref, _) in enumerate(data_inputs):
+                consumers.setdefault(ref, []).append((node_name, index))
+            continue
+        for text in texts:
+            if text.startswith("^"):
+                continue
+            if is_function:
+                ref = _parse_input(text, True, arg_dtypes, output_offsets)
+            else:  # _parse_input's top-graph case, written out (every edge)
+                source, _, index = text.partition(":")
+                ref = TensorRef(source, int(index) if index else 0)
+            consumers.setdefault(ref, []).append((node_name, len(data_inputs)))
+            data_inputs.append((ref, text))
 
     rets = {}
     if is_function:
@@ -378,7 +411,8 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
             rets[arg.name] = (ref, text, arg.type)
     return Body(name=name, is_function=is_function, nodes=nodes,
                 arg_dtypes=arg_dtypes, rets=rets, consumers=consumers,
-                function_attrs=frozenset(fdef.attr) if is_function else frozenset())
+                function_attrs=frozenset(fdef.attr) if is_function else frozenset(),
+                edited=None if edited is None else frozenset(edited))
 
 
 def _parse_input(text: str, is_function: bool, arg_dtypes, output_offsets) -> TensorRef:

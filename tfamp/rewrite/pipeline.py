@@ -102,7 +102,10 @@ def _rewrite(graph_def, config, outputs, function_name):
         new_graph_def, casts = insert_casts(graph_def, view, coloring)
         # The whole result is read again from its NodeDefs, trusting nothing the
         # colouring or the Cast insertion believe they did (a NodeDef equal to
-        # its original keeps the ports resolved for it: see build_view).
+        # its original keeps the ports resolved for it: see build_view). The
+        # check looks only where the NodeDefs differ from the input's and at
+        # their neighbours: elsewhere it could only find the input's own
+        # problems, which are ignored below (see check._touched).
         new_view = build_view(new_graph_def, earlier=view)
         problems = find_problems(new_view)
         if problems and known is None:
@@ -210,9 +213,8 @@ def _share(before, after) -> float | None:
 
 
 def _node_report(function: str, name: str, op: str, decision) -> NodeReport:
-    return NodeReport(name=name, function=function, op=op, list=decision.list,
-                      converted=decision.converted, reason=decision.reason,
-                      cause=decision.cause, kind=decision.kind)
+    return NodeReport.of_fields(name, function, op, decision.list, decision.converted,
+                                decision.reason, decision.cause, decision.kind)
 
 
 def _unconsumed_float_outputs(body: Body) -> list[str]:

@@ -46,6 +46,9 @@ BROADCAST_OPS = frozenset({
 Shape = tuple[int, ...]
 
 _BYTES = {DT_FLOAT: 4, DT_HALF: 2, DT_BFLOAT16: 2}
+# dtype -> bytes per element, for loops that look it up per edge (read only;
+# dtype_bytes(d) == BYTES_PER_ELEMENT.get(d, 0))
+BYTES_PER_ELEMENT = _BYTES
 
 
 def dtype_bytes(dtype: int) -> int:
@@ -70,6 +73,11 @@ class Bytes:
             return None
         degree, count = elements
         return Bytes(((degree, count * per_element),)) if count * per_element else Bytes()
+
+    @staticmethod
+    def of_sums(sums: dict[int, int]) -> Bytes:
+        """The Bytes of {degree: coefficient} sums (what adding them up one by one gives)."""
+        return Bytes(tuple(sorted(((d, c) for d, c in sums.items() if c), reverse=True)))
 
     def __add__(self, other: Bytes) -> Bytes:
         merged: dict[int, int] = dict(self.terms)
@@ -183,9 +191,10 @@ def tensor_shapes(graph_def, view: GraphView,
                              if "_output_shapes" in attrs else None)
         arg_shapes[fdef.signature.name] = per_arg
     result = {}
+    parsed: dict[bytes, tuple[Shape | None, ...]] = {}
     for body in view.bodies:
         old = fallback.shapes.get(body.name) if fallback is not None else None
-        result[body.name] = _body_shapes(body, arg_shapes.get(body.name, {}), old)
+        result[body.name] = _body_shapes(body, arg_shapes.get(body.name, {}), old, parsed)
     _args_from_callers(view, result)
     return TensorShapes(result)
 
@@ -228,7 +237,14 @@ def _shape_proto(proto) -> Shape | None:
 
 
 def _body_shapes(body: Body, args: dict[str, Shape | None],
-                 old: dict[TensorRef, Shape | None] | None) -> dict[TensorRef, Shape | None]:
+                 old: dict[TensorRef, Shape | None] | None,
+                 parsed: dict[bytes, tuple[Shape | None, ...]] | None = None,
+                 ) -> dict[TensorRef, Shape | None]:
+    """`parsed`: _output_shapes attributes read so far, by their serialized
+    bytes (a step has thousands of tensors but few distinct shape lists, and
+    reading a shape proto dim by dim is slow)."""
+    if parsed is None:
+        parsed = {}
     shapes: dict[TensorRef, Shape | None] = {
         TensorRef(name, 0, is_arg=True): shape for name, shape in args.items()}
     missing = []
@@ -238,10 +254,12 @@ def _body_shapes(body: Body, args: dict[str, Shape | None],
             if node.outputs:  # nodes without outputs (NoOp) carry no shapes
                 missing.append(name)
             continue
-        listed = recorded.list.shape
+        key = recorded.SerializeToString()
+        listed = parsed.get(key)
+        if listed is None:
+            listed = parsed[key] = tuple(_shape_proto(p) for p in recorded.list.shape)
         for index in range(len(node.outputs)):
-            shapes[TensorRef(name, index)] = (
-                _shape_proto(listed[index]) if index < len(listed) else None)
+            shapes[TensorRef(name, index)] = listed[index] if index < len(listed) else None
     if not missing:
         return shapes
     # Some nodes carry no shapes: fill them in producer-first order.

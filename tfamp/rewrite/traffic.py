@@ -33,7 +33,7 @@ import dataclasses
 from tensorflow.core.framework import types_pb2
 
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
-from tfamp.rewrite.shapes import Bytes, TensorShapes, dtype_bytes
+from tfamp.rewrite.shapes import BYTES_PER_ELEMENT, Bytes, TensorShapes, dtype_bytes
 
 NO_COPY_OPS = frozenset({
     "Identity", "IdentityN", "StopGradient", "PreventGradient", "Reshape",
@@ -477,10 +477,12 @@ class _BodyTraffic:
         self.known += 1
         degree, count = elements
         if port is None:
-            have = (body.arg_dtypes[ref.node],) * 2
+            have0 = have1 = body.arg_dtypes[ref.node]
         else:
-            have = (port.dtype, self.dtype(1, ref.node, port))
-        per_element = [dtype_bytes(have[0]), dtype_bytes(have[1])] if write else [0, 0]
+            have0, have1 = port.dtype, self.dtype(1, ref.node, port)
+        have = (have0, have1)
+        nbytes = BYTES_PER_ELEMENT.get  # dtype_bytes, written out: this runs per edge
+        per_element = [nbytes(have0, 0), nbytes(have1, 0)] if write else [0, 0]
         wanted: list[tuple[int, int]] = []  # (mode, dtype) that need a Cast
         nodes, through, converted, target = body.nodes, self.through, self.converted, self.target
         for consumer, index in consumers:
@@ -489,14 +491,15 @@ class _BodyTraffic:
                 continue
             in_port = inputs[index]
             attrs = converted.get(consumer)
-            want = (in_port.dtype,
-                    target if attrs and in_port.type_attr in attrs else in_port.dtype)
-            for mode in (0, 1):
-                if want[mode] != have[mode] and want[mode] in FLOAT_TYPES:
-                    wanted.append((mode, want[mode]))
+            want0 = in_port.dtype
+            want1 = target if attrs and in_port.type_attr in attrs else want0
+            if want0 != have0 and want0 in FLOAT_TYPES:
+                wanted.append((0, want0))
+            if want1 != have1 and want1 in FLOAT_TYPES:
+                wanted.append((1, want1))
             if consumer not in through:
-                per_element[0] += dtype_bytes(want[0])
-                per_element[1] += dtype_bytes(want[1])
+                per_element[0] += nbytes(want0, 0)
+                per_element[1] += nbytes(want1, 0)
         for dtype in self.ret_dtypes.get(ref, ()):
             for mode in (0, 1):
                 if dtype != have[mode] and dtype in FLOAT_TYPES:
