@@ -319,7 +319,7 @@ def test_unknown_batch_still_decides_by_bytes():
     assert report.traffic_after_bytes is None
     # Still a figure: the share for a large batch, from the terms that grow with it.
     assert 0.3 < report.traffic_share < 0.8
-    assert f"est. float traffic {report.traffic_share:.0%} of float32's (large batch)" in (
+    assert f"est. float traffic {report.traffic_share:.0%} of float32's at large sizes" in (
         report.summary_line())
     assert report.traffic_line().startswith(f"{report.traffic_share:.0%} of float32's for large")
     assert RewriteReport.from_dict(json.loads(report.to_json())).traffic_share == (

@@ -124,7 +124,8 @@ class RewriteReport:
             traffic = (f", est. float traffic {format_bytes(self.traffic_before_bytes)} -> "
                        f"{format_bytes(self.traffic_after_bytes)}")
         elif self.traffic_share is not None:
-            traffic = f", est. float traffic {self.traffic_share:.0%} of float32's (large batch)"
+            traffic = (f", est. float traffic {self.traffic_share:.0%} of float32's "
+                       f"at large sizes")
         return (f"tfamp: {name}: {total} ops -> {self.dtype}{detail}, "
                 f"{self.casts_inserted} casts, {kept} ops kept float32{traffic}")
 
