@@ -148,6 +148,17 @@ def underflow_model(seed: int = 0):
     return model
 
 
+def check_underflow_and_recommendation(report):
+    """The underflow model's gradients: lost at scale 1, kept at the recommended scale."""
+    recommended = report.recommended_scale()
+    assert recommended >= 2.0**20
+    for t in report.gradients():
+        assert t.underflow_share(1.0) > 0.9, t.name
+        assert t.underflow_share(recommended) < 0.001, t.name
+        assert t.overflow_share(recommended) == 0.0
+    assert report.recommendation().startswith("gradients of ")
+
+
 def regression_data(samples=256, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((samples, 8)).astype("float32")
@@ -164,13 +175,7 @@ def test_underflow_model_report_shows_loss_at_scale_1_and_none_at_the_recommende
     assert kinds == {"activation", "activation_gradient", "weight_gradient"}
     out_grad = report.tensor("out", "activation_gradient")
     assert out_grad.nonzero == 128  # 2 batches of 64 rows, 1 output
-    recommended = report.recommended_scale()
-    assert recommended >= 2.0**20
-    for t in report.gradients():
-        assert t.underflow_share(1.0) > 0.9, t.name
-        assert t.underflow_share(recommended) < 0.001, t.name
-        assert t.overflow_share(recommended) == 0.0
-    assert report.recommendation().startswith("gradients of ")
+    check_underflow_and_recommendation(report)
     assert "lose 100.0% of values at scale 1" in report.recommendation() or \
         ">99.5%" in report.recommendation()
     # the forward activations are ordinary: nothing near float16's limits
