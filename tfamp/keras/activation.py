@@ -16,7 +16,6 @@ hooks and unwraps the optimizer.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 
@@ -32,6 +31,7 @@ from tfamp.keras.loss_scale import (
     LossScaleOptimizer,
     validate_settings,
 )
+from tfamp.keras.state import EnabledState
 from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
@@ -43,35 +43,13 @@ _LOG_KEYS = ("loss_scale", "skipped_steps")
 _FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
 
 
-@dataclasses.dataclass
-class _EnabledState:
-    config: AmpConfig
-    loss_scale: object  # "dynamic", a number, or None
-    initial_scale: float
-    growth_interval: int
-    min_scale: float
-    check: bool
-    loop: object = None  # custom_loop.ModelLoop, set when the hooks are installed
-    ranges: object = None  # None, True, or an output directory for RangeMonitor
+class _EnabledState(EnabledState):
+    """tf_keras: tfamp's LossScaleOptimizer around a tf_keras optimizer."""
 
-    def wrap_optimizer(self, optimizer):
-        if self.loss_scale is None or optimizer is None:
-            return optimizer
-        if isinstance(optimizer, LossScaleOptimizer):
-            return optimizer
-        if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
-            raise ValueError(
-                "the model's optimizer is already a Keras LossScaleOptimizer; tfamp wraps "
-                "the optimizer itself. Compile with the inner optimizer "
-                "(optimizer.inner_optimizer), or pass loss_scale=None to tfamp.enable.")
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
-                f"tfamp loss scaling needs a tf_keras optimizer (keras.optimizers.*), the "
-                f"model has {type(optimizer).__name__}; compile with e.g. "
-                f"keras.optimizers.Adam(), or pass loss_scale=None.")
-        return LossScaleOptimizer(
-            optimizer, self.loss_scale, initial_scale=self.initial_scale,
-            growth_interval=self.growth_interval, min_scale=self.min_scale)
+    tfamp_optimizer = LossScaleOptimizer
+    keras_loss_scale_optimizer = keras.mixed_precision.LossScaleOptimizer
+    optimizer_base = keras.optimizers.Optimizer
+    keras_name = "tf_keras"
 
 
 def enable(model, *, dtype: str = "float16", loss_scale="default",

@@ -16,7 +16,6 @@ wraps the optimizer in tfamp's Keras 3 ``LossScaleOptimizer``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
@@ -25,10 +24,10 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as trainer_module
 
-from tfamp.config import AmpConfig
 from tfamp.keras import custom_loop
 from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer, is_scaled_loss
 from tfamp.keras.scale_update import unscale
+from tfamp.keras.state import EnabledState
 from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
@@ -45,38 +44,13 @@ def is_keras3_model(model) -> bool:
     return isinstance(model, keras.Model)
 
 
-@dataclasses.dataclass
-class Keras3State:
+class Keras3State(EnabledState):
     """What ``tfamp.enable`` was asked for on one Keras 3 model."""
 
-    config: AmpConfig
-    loss_scale: object  # "dynamic", a number, or None
-    initial_scale: float
-    growth_interval: int
-    min_scale: float
-    check: bool
-    ranges: object = None  # None, True, or an output directory for RangeMonitor
-
-    loop: object = None  # custom_loop.ModelLoop, set when the hooks are installed
-
-    def wrap_optimizer(self, optimizer):
-        if self.loss_scale is None or optimizer is None:
-            return optimizer
-        if isinstance(optimizer, LossScaleOptimizer):
-            return optimizer
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise ValueError(
-                "the model's optimizer is already a Keras LossScaleOptimizer; tfamp wraps "
-                "the optimizer itself. Compile with the inner optimizer "
-                "(optimizer.inner_optimizer), or pass loss_scale=None to tfamp.enable.")
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
-                f"tfamp loss scaling needs a Keras 3 optimizer (keras.optimizers.*), the "
-                f"model has {type(optimizer).__name__}; compile with e.g. "
-                f"keras.optimizers.Adam(), or pass loss_scale=None.")
-        return LossScaleOptimizer(
-            optimizer, self.loss_scale, initial_scale=self.initial_scale,
-            growth_interval=self.growth_interval, min_scale=self.min_scale)
+    tfamp_optimizer = LossScaleOptimizer
+    keras_loss_scale_optimizer = keras.optimizers.LossScaleOptimizer
+    optimizer_base = keras.optimizers.Optimizer
+    keras_name = "Keras 3"
 
 
 def check_backend() -> None:

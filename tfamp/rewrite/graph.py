@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from tensorflow.core.framework import graph_pb2, op_def_pb2, types_pb2
