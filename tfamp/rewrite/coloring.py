@@ -39,7 +39,7 @@ from tfamp.config import AmpConfig
 from tfamp.oplists import DATA_BOUND_OPS
 from tfamp.rewrite import boundaries, kernels
 from tfamp.rewrite import reasons as rk
-from tfamp.rewrite.graph import DT_FLOAT, Body, GraphView, TensorRef, dtype_name
+from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, Body, GraphView, TensorRef, dtype_name
 from tfamp.rewrite.shapes import Bytes, TensorShapes, elements_of, format_elements
 
 # Type attributes that do not change on their own, whatever list the op is on.
@@ -227,6 +227,10 @@ class _BodyColoring:
         self.lists = config.op_lists
         self.target = config.target_enum
         self.target_name = dtype_name(self.target)
+        # Whether a chain after a 16-bit op may take in arithmetic on variable
+        # reads (an optimizer's moment and weight updates): in bfloat16 only,
+        # see _reads_variable.
+        self.regions_read_variables = self.target == DT_BFLOAT16
         self.keep_patterns = [re.compile(p) for p in config.keep_fp32]
         self.device_type = kernels.resolve_device_type(config.device_type)
         self.slot_node: list[str] = []
@@ -630,11 +634,20 @@ class _BodyColoring:
         return region
 
     def _reads_variable(self, slot: int) -> bool:
-        """Does `slot` read a variable (directly or through an Identity)?
+        """Does `slot` read a variable (directly or through an Identity), where
+        that ends a region?
 
-        Regions stop there: such ops are how optimizers update master weights
-        and their slots (Adam's ``g - m``), which stay float32.
+        Such ops are how optimizers update master weights and their slots
+        (Adam's ``g - m``, ``g * g``). In float16 regions stop there: a squared
+        gradient of 1e-4 is below float16's smallest subnormal, so the second
+        moment would flush to zero. In bfloat16 (float32's range) they may
+        join a region when that moves fewer bytes: the variables, and the
+        assignments that update them, stay float32, so only the increment is
+        computed with 8 bits of mantissa, an error of about 2^-9 of one step's
+        update that the float32 variable does not accumulate as rounding.
         """
+        if self.regions_read_variables:
+            return False
         for ref, _ in self.body.nodes[self.slot_node[slot]].data_inputs:
             node = self.body.nodes.get(ref.node)
             if node is not None and node.op == "Identity" and node.data_inputs:
