@@ -17,7 +17,7 @@ _run_counter = itertools.count()
 
 
 def trace(fn, *specs):
-    """(GraphDef, output tensor names) of `fn` traced as a tf.function."""
+    """(GraphDef, output tensor names, concrete function) of `fn` traced as a tf.function."""
     concrete = tf.function(fn).get_concrete_function(*specs)
     return concrete.graph.as_graph_def(), [t.name for t in concrete.graph.outputs], concrete
 

@@ -20,6 +20,12 @@ from tests.graphs import rewrite, run_graph_def, trace
 from tfamp.rewrite import boundaries
 from tfamp.rewrite.graph import build_view, dtype_name
 
+
+@pytest.fixture(autouse=True)
+def _written_record_is_exact(verify_written_record):
+    """Every rewrite here also checks the record the self-check relies on."""
+
+
 M = tf.TensorSpec([4, 4], tf.float32)
 DT_FLOAT = tf.float32.as_datatype_enum
 

@@ -21,11 +21,18 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 import tfamp
+from tests.graphs import trace
 from tfamp.rewrite import pipeline
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.check import GraphCheckError
 from tfamp.rewrite.graph import build_view, dtype_name
 from tfamp.rewrite.report import NodeReport, RewriteReport, reason_kind
+
+
+@pytest.fixture(autouse=True)
+def _written_record_is_exact(verify_written_record):
+    """Every rewrite here also checks the record the self-check relies on."""
+
 
 RNG = np.random.default_rng(0)
 CPU = "/device:CPU:0"
@@ -338,10 +345,11 @@ def test_self_check_raises_naming_the_node_when_keeping_float32_does_not_help(mo
     real = pipeline.insert_casts
 
     def corrupting(graph_def, view, coloring):
-        new_graph_def, casts = real(graph_def, view, coloring)
+        new_graph_def, casts, written = real(graph_def, view, coloring)
         relu = next(n for n in new_graph_def.node if n.name == "relu")
         relu.attr["T"].type = tf.bfloat16.as_datatype_enum  # no Cast on either edge
-        return new_graph_def, casts
+        written.setdefault("", {})["relu"] = relu  # a writer's bug, recorded as written
+        return new_graph_def, casts, written
 
     monkeypatch.setattr(pipeline, "insert_casts", corrupting)
     with pytest.raises(GraphCheckError, match="Relu 'relu' input 0 expects bfloat16"):
@@ -432,3 +440,21 @@ def test_old_json_without_kinds_falls_back_to_the_sentence_parser():
     assert RewriteReport.from_dict(report.to_dict()).nodes == report.nodes
     assert NodeReport("n", "", "Exp", "deny", False, "deny: numerically risky").kind == (
         rk.KIND_DENY_LIST)
+
+
+def test_an_edit_missing_from_the_written_record_is_caught(monkeypatch):
+    """The record check above can fail: an unrecorded edit is an error."""
+    from tests.conftest import checked_insert_casts
+    from tfamp.rewrite import casts
+
+    def sloppy(graph_def, view, coloring):
+        new, records, written = casts.insert_casts(graph_def, view, coloring)
+        node = next(n for n in new.node if n.name not in written.get("", {}))
+        node.device = "/device:CPU:0"  # an edit the record does not name
+        return new, records, written
+
+    monkeypatch.setattr(pipeline, "insert_casts", checked_insert_casts(sloppy))
+    graph_def, outputs, _ = trace(lambda x, w: tf.nn.relu(tf.matmul(x, w)),
+                               tf.TensorSpec([4, 4]), tf.TensorSpec([4, 4]))
+    with pytest.raises(AssertionError):
+        tfamp.rewrite_graph_def(graph_def, outputs=outputs)

@@ -1,6 +1,6 @@
 """Applies a Coloring: retypes converted nodes and inserts Casts at region edges.
 
-``insert_casts(graph_def, view, coloring) -> (new_graph_def, casts)``. Owns Cast
+``insert_casts(graph_def, view, coloring) -> (new_graph_def, casts, written)``. Owns Cast
 naming and sharing: one Cast per (source tensor, destination dtype), shared by
 every consumer that needs it, and never a Cast of a Cast back to the type it
 started from (the consumer is wired to the original tensor instead).
@@ -42,8 +42,12 @@ class CastRecord:
         return dataclasses.asdict(self)
 
 
-def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView,
-                 coloring: Coloring) -> tuple[graph_pb2.GraphDef, list[CastRecord]]:
+# body name -> {node name: the NodeDef written}: what insert_casts added or changed.
+Written = dict[str, dict[str, object]]
+
+
+def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView, coloring: Coloring
+                 ) -> tuple[graph_pb2.GraphDef, list[CastRecord], Written]:
     """Returns a retyped copy of `graph_def` with Casts at every dtype boundary.
 
     Args:
@@ -52,7 +56,10 @@ def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView,
       coloring: decisions for every node of `view`.
 
     Returns:
-      (new GraphDef, one CastRecord per inserted Cast).
+      (new GraphDef, one CastRecord per inserted Cast, the NodeDefs written):
+      the copy starts equal to `graph_def`, and every edit below goes through
+      a NodeDef recorded in `written` (per body, including function copies),
+      so every other NodeDef of the result equals the input's.
     """
     new_graph_def = graph_pb2.GraphDef()
     new_graph_def.CopyFrom(graph_def)
@@ -66,24 +73,28 @@ def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView,
         functions[clone] = fdef
         bodies.append(dataclasses.replace(by_name[original], name=clone))
     casts: list[CastRecord] = []
+    written: Written = {}
     for body in bodies:
         fdef = functions.get(body.name) if body.is_function else None
         node_list = fdef.node_def if fdef is not None else new_graph_def.node
         if fdef is not None and body.name in coloring.signatures:
             _retype_signature(fdef, coloring.signatures[body.name])
-        casts.extend(_BodyEditor(body, node_list, fdef, coloring).run())
-    _retarget_calls(new_graph_def, functions, coloring.call_targets)
-    return new_graph_def, casts
+        editor = _BodyEditor(body, node_list, fdef, coloring)
+        casts.extend(editor.run())
+        written[body.name] = editor.written
+    _retarget_calls(new_graph_def, functions, coloring.call_targets, written)
+    return new_graph_def, casts, written
 
 
-def _retarget_calls(graph_def, functions, call_targets) -> None:
+def _retarget_calls(graph_def, functions, call_targets, written: Written) -> None:
     """Points each redirected call site at the function copy it now calls."""
     node_defs: dict[str, dict] = {}
     for (body, node, attr, index), function in call_targets.items():
         if body not in node_defs:
             nodes = graph_def.node if body == "" else functions[body].node_def
             node_defs[body] = {n.name: n for n in nodes}
-        value = node_defs[body][node].attr[attr]
+        node_def = written.setdefault(body, {})[node] = node_defs[body][node]
+        value = node_def.attr[attr]
         if value.HasField("func"):
             value.func.name = function
         else:
@@ -115,6 +126,8 @@ class _BodyEditor:
             self.arg_dtypes.update(signature.args)
             self.ret_dtypes.update(signature.rets)
         self.records: dict[str, dict] = {}
+        # node name -> NodeDef, for every NodeDef this editor adds or changes
+        self.written: dict[str, object] = {}
         # node -> its converted type attributes; asked once per edge end
         decisions = coloring.decisions
         self._converted = {name: decisions[(body.name, name)].converted_attrs
@@ -155,7 +168,8 @@ class _BodyEditor:
                 port = inputs[index]
                 wanted = target if port.type_attr in own else port.dtype
                 if have != wanted:
-                    self.node_defs[name].input[index] = self._cast(ref, text, wanted, name)
+                    node_def = self.written[name] = self.node_defs[name]
+                    node_def.input[index] = self._cast(ref, text, wanted, name)
         for ret_name, (ref, text, _) in self.body.rets.items():
             dtype = self.ret_dtypes[ret_name]
             if self.body.producer_port(ref) and self.new_output_dtype(ref) != dtype:
@@ -164,8 +178,11 @@ class _BodyEditor:
                 for r in self.records.values()]
 
     def _retype(self, name: str) -> None:
-        node_def = self.node_defs[name]
-        for attr in self.converted(name):
+        converted = self.converted(name)
+        if not converted:
+            return
+        node_def = self.written[name] = self.node_defs[name]
+        for attr in converted:
             if "[" in attr:
                 base, index = attr[:-1].split("[")
                 node_def.attr[base].list.type[int(index)] = self.target
@@ -206,7 +223,7 @@ class _BodyEditor:
         while name in self.taken_names:
             name, suffix = f"{base}_{suffix}", suffix + 1
         self.taken_names.add(name)
-        cast = self.node_list.add()
+        cast = self.written[name] = self.node_list.add()
         cast.name = name
         cast.op = "Cast"
         cast.input.append(text)

@@ -99,14 +99,15 @@ def _rewrite(graph_def, config, outputs, function_name):
     known: set[str] | None = None  # the input's own problems, found lazily
     for round_ in range(_MAX_REPAIR_ROUNDS + 1):
         coloring = color(view, config, outputs, keep, shapes)
-        new_graph_def, casts = insert_casts(graph_def, view, coloring)
-        # The whole result is read again from its NodeDefs, trusting nothing the
-        # colouring or the Cast insertion believe they did (a NodeDef equal to
-        # its original keeps the ports resolved for it: see build_view). The
-        # check looks only where the NodeDefs differ from the input's and at
-        # their neighbours: elsewhere it could only find the input's own
-        # problems, which are ignored below (see check._touched).
-        new_view = build_view(new_graph_def, earlier=view)
+        new_graph_def, casts, written = insert_casts(graph_def, view, coloring)
+        # The result is read again from the NodeDefs the Cast insertion wrote,
+        # trusting nothing the colouring believes: ports and edges come from
+        # those protos (every other NodeDef is the input's, copied: see
+        # insert_casts; tests compare the record with the protos). The check
+        # looks only at those NodeDefs and their neighbours: elsewhere it could
+        # only find the input's own problems, which are ignored below (see
+        # check._touched).
+        new_view = build_view(new_graph_def, earlier=view, written=written)
         problems = find_problems(new_view)
         if problems and known is None:
             known = {p.message for p in find_problems(view)}
