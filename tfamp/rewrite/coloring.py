@@ -285,17 +285,26 @@ class _BodyColoring:
 
     def _make_slots(self, pinned: set[TensorRef]) -> None:
         pinned_nodes = {ref.node for ref in pinned}
+        list_of = self.lists.list_of
+        slot_node, slot_attr, slot_list = self.slot_node, self.slot_attr, self.slot_list
+        slot_index, node_blocks = self.slot_index, self.node_blocks
+        # Only a body with TF1 reference variables has ref ports to look for
+        # on every input (port lists are shared: see graph._PortResolver).
+        self._has_ref_ports = any(
+            port.is_ref for ports in {id(n.outputs): n.outputs
+                                      for n in self.body.nodes.values()}.values()
+            for port in ports)
         for name, node in self.body.nodes.items():
-            list_name = self.lists.list_of(node.op)
+            list_name = list_of(node.op)
             attrs = node.float_type_attrs
-            node_block = self.node_blocks[name] = self._node_block(name, node)
             call_block = self._call_block(node)
+            node_block = node_blocks[name] = self._node_block(name, node, call_block)
             for attr in attrs:
-                slot = len(self.slot_node)
-                self.slot_node.append(name)
-                self.slot_attr.append(attr)
-                self.slot_list.append(list_name)
-                self.slot_index[(name, attr)] = slot
+                slot = len(slot_node)
+                slot_node.append(name)
+                slot_attr.append(attr)
+                slot_list.append(list_name)
+                slot_index[(name, attr)] = slot
                 block = node_block if node_block[0] else self._attr_block(node, attr)
                 if block[0]:
                     self.blocked[slot] = block
@@ -348,8 +357,10 @@ class _BodyColoring:
             self.forced[slot] = (f"result {ret!r} leaves {self.target_name}", "",
                                  rk.KIND_BOUNDARY)
 
-    def _node_block(self, name: str, node) -> tuple[str, str]:
-        """(why no slot of `node` can be 16-bit, reason kind), or ("", "")."""
+    def _node_block(self, name: str, node, call_block: tuple[str, str]) -> tuple[str, str]:
+        """(why no slot of `node` can be 16-bit, reason kind), or ("", "").
+
+        `call_block` is ``_call_block(node)``."""
         if name in self.keep:
             return f"kept float32: {self.keep[name]}", rk.KIND_INVALID_GRAPH
         for pattern in self.keep_patterns:
@@ -358,7 +369,6 @@ class _BodyColoring:
                         rk.KIND_USER_OVERRIDE)
         if not node.known_op:
             return f"unknown op {node.op!r}: no OpDef, left as it is", rk.KIND_UNKNOWN_OP
-        call_block = self._call_block(node)
         if call_block[0]:
             return call_block
         # Nodes with the same ports share their port lists (graph._PortResolver):
@@ -377,13 +387,16 @@ class _BodyColoring:
         if variable == "ref":
             return ("variable op (TF1 reference variable): master weights and their "
                     "reads stay float32", rk.KIND_VARIABLE)
+        nodes = self.body.nodes
         for ref, _ in node.data_inputs:
-            port = self.body.producer_port(ref)
-            if port is None:
+            producer = None if ref.is_arg else nodes.get(ref.node)
+            if producer is not None and ref.index < len(producer.outputs):
+                if self._has_ref_ports and producer.outputs[ref.index].is_ref:
+                    return (f"variable op: reads reference variable {ref.node!r}; master "
+                            f"weights and their reads stay float32", rk.KIND_VARIABLE)
+                continue
+            if self.body.producer_port(ref) is None:  # (an argument, or unknown)
                 return f"input {ref.node!r} has no known type: left float32", rk.KIND_UNKNOWN_INPUT
-            if port.is_ref:
-                return (f"variable op: reads reference variable {ref.node!r}; master "
-                        f"weights and their reads stay float32", rk.KIND_VARIABLE)
         if node.op in DATA_BOUND_OPS and self.lists.list_of(node.op) != "unlisted":
             return (f"kept as it is: {node.op}'s dtype is bound to its data "
                     f"({DATA_BOUND_OPS[node.op]})", rk.KIND_DATA_BOUND)
@@ -605,8 +618,7 @@ class _BodyColoring:
         region = self._free_region(slot)
         if len(region) < 2:
             return False
-        as16 = self._region_cost(region, True)
-        as32 = self._region_cost(region, False)
+        as16, as32 = self._region_costs(region)
         if as16 is None or as32 is None or not as16 < as32:
             return False
         for member in region:
@@ -656,57 +668,70 @@ class _BodyColoring:
                 return True
         return False
 
-    def _region_cost(self, region: list[int], as16: bool) -> Bytes | None:
+    def _region_costs(self, region: list[int]) -> tuple[Bytes | None, Bytes | None]:
         """Bytes the region's slots read and write (Casts at its edges included) if
-        all of them are 16-bit (`as16`) or all float32; None if a size is unknown.
+        all of them are 16-bit, and if all are float32; None if a size is unknown.
 
         An edge inside the region is read once at the region's width; edges
-        leaving or entering it as in ``_option_cost``.
+        leaving or entering it as in ``_option_cost`` (a region member reading
+        the same tensor has the region's dtype). Both options in one walk.
         """
         members = set(region)
-        placeholder = ("", "", rk.KIND_AFTER_16BIT)
-        saved = {s: self.allow.pop(s) for s in region if s in self.allow}
-        if as16:
-            self.allow.update({s: placeholder for s in region})
-        try:
-            own = 2 if as16 else 4
-            total = Bytes()
-            for slot in region:
-                name = self.slot_node[slot]
-                for ref in self._input_refs(slot):
-                    elements = elements_of(self.shapes.get(ref))
-                    if elements is None:
-                        return None
-                    total = total + Bytes.of(elements, own)
-                    if self._producer_slot(ref) in members:
-                        continue
-                    have16 = self._ref_is_16bit(ref)
-                    if have16 != as16 and not any(
-                            c != name and self._consumer_is_16bit(c, i) == as16
-                            for c, i in self.body.consumers.get(ref, ())):
-                        total = total + Bytes.of(elements, own + (2 if have16 else 4))
-                for ref in self._slot_output_refs(slot):
-                    consumers = [(c, i) for c, i in self.body.consumers.get(ref, ())
-                                 if self._consumer_slot(c, i) not in members]
-                    inside = len(consumers) < len(self.body.consumers.get(ref, ()))
-                    if not consumers and not inside and ref not in self._ret_wants:
-                        continue
-                    elements = elements_of(self.shapes.get(ref))
-                    if elements is None:
-                        return None
-                    total = total + Bytes.of(elements, own)
-                    wants = {self._consumer_is_16bit(c, i) for c, i in consumers
-                             if not self._follows_any_dtype(c, i)}
-                    wants |= self._ret_wants.get(ref, set())
-                    for want16 in wants:
-                        total = total + Bytes.of(elements, 2 if want16 else 4)
-                        if want16 != as16:
-                            total = total + Bytes.of(elements, own + (2 if want16 else 4))
-            return total
-        finally:
-            for s in region:
-                self.allow.pop(s, None)
-            self.allow.update(saved)
+        slot_index, consumers_of, rets = self.slot_index, self.body.consumers, self._ret_wants
+        nodes, allow = self.body.nodes, self.allow
+        sums = ({}, {})  # option 0: float32, option 1: 16-bit; degree -> bytes
+
+        def add(option, degree, amount):
+            sums[option][degree] = sums[option].get(degree, 0) + amount
+
+        def member_or_16bit(consumer: str, index: int) -> bool | None:
+            """None for a region member (it has either option's dtype)."""
+            inputs = nodes[consumer].inputs
+            if index >= len(inputs):
+                return False
+            slot = slot_index.get((consumer, inputs[index].type_attr))
+            return None if slot in members else slot in allow
+
+        for slot in region:
+            name = self.slot_node[slot]
+            for ref in self._input_refs(slot):
+                elements = elements_of(self.shapes.get(ref))
+                if elements is None:
+                    return None, None
+                degree, count = elements
+                add(0, degree, count * 4)
+                add(1, degree, count * 2)
+                if self._producer_slot(ref) in members:
+                    continue
+                have16 = self._ref_is_16bit(ref)
+                option = 0 if have16 else 1  # the option that needs a Cast here
+                own = 2 if option else 4
+                if not any(c != name and member_or_16bit(c, i) in (None, bool(option))
+                           for c, i in consumers_of.get(ref, ())):
+                    add(option, degree, count * (own + (2 if have16 else 4)))
+            for ref in self._slot_output_refs(slot):
+                all_consumers = consumers_of.get(ref, ())
+                outside = [(c, i) for c, i in all_consumers
+                           if self._consumer_slot(c, i) not in members]
+                if not outside and len(outside) == len(all_consumers) and ref not in rets:
+                    continue
+                elements = elements_of(self.shapes.get(ref))
+                if elements is None:
+                    return None, None
+                degree, count = elements
+                add(0, degree, count * 4)
+                add(1, degree, count * 2)
+                wants = {self._consumer_is_16bit(c, i) for c, i in outside
+                         if not self._follows_any_dtype(c, i)}
+                wants |= rets.get(ref, set())
+                for want16 in wants:
+                    width = 2 if want16 else 4
+                    add(0, degree, count * width)
+                    add(1, degree, count * width)
+                    # the option that disagrees with this consumer pays a Cast
+                    add(0 if want16 else 1, degree,
+                        count * ((4 if want16 else 2) + width))
+        return Bytes.of_sums(sums[1]), Bytes.of_sums(sums[0])
 
     def _producer_slot(self, ref: TensorRef) -> int | None:
         if ref.is_arg:
@@ -1001,10 +1026,24 @@ class _BodyColoring:
         for slot, name in enumerate(self.slot_node):
             slots_of.setdefault(name, []).append(slot)
         decisions = {}
+        body_name, allow, list_of = self.body.name, self.allow, self.lists.list_of
+        # Nodes without a slot (most of a training step) share one Decision per
+        # (op, block): it depends on nothing else.
+        no_slot: dict[tuple[str, tuple[str, str]], Decision] = {}
+        node_blocks = self.node_blocks
         for name, node in self.body.nodes.items():
-            list_name = self.lists.list_of(node.op)
-            slots = slots_of.get(name, [])
-            converted = [s for s in slots if s in self.allow]
+            slots = slots_of.get(name)
+            if slots is None:
+                key = (node.op, node_blocks[name])
+                decision = no_slot.get(key)
+                if decision is None:
+                    list_name = list_of(node.op)
+                    reason, cause, kind = self._fp32_reason(node, list_name, [])
+                    decision = no_slot[key] = Decision(list_name, False, reason, (), cause, kind)
+                decisions[(body_name, name)] = decision
+                continue
+            list_name = list_of(node.op)
+            converted = [s for s in slots if s in allow]
             if converted:
                 reason, cause, kind = self.allow[converted[0]]
                 kept = [self.slot_attr[s] for s in slots if s not in self.allow]

@@ -67,7 +67,7 @@ class TensorRef(NamedTuple):
     is_arg: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Node:
     """A node with its ports and resolved data inputs."""
 

@@ -479,10 +479,13 @@ class _BodyTraffic:
         if port is None:
             have0 = have1 = body.arg_dtypes[ref.node]
         else:
-            have0, have1 = port.dtype, self.dtype(1, ref.node, port)
-        have = (have0, have1)
+            have0 = port.dtype
+            attrs = self.converted.get(ref.node)
+            have1 = self.target if attrs and port.type_attr in attrs else have0
         nbytes = BYTES_PER_ELEMENT.get  # dtype_bytes, written out: this runs per edge
-        per_element = [nbytes(have0, 0), nbytes(have1, 0)] if write else [0, 0]
+        bytes0 = bytes1 = nbytes(have0, 0) if write else 0
+        if write and have1 != have0:
+            bytes1 = nbytes(have1, 0)
         wanted: list[tuple[int, int]] = []  # (mode, dtype) that need a Cast
         nodes, through, converted, target = body.nodes, self.through, self.converted, self.target
         for consumer, index in consumers:
@@ -490,27 +493,33 @@ class _BodyTraffic:
             if index >= len(inputs):
                 continue
             in_port = inputs[index]
-            attrs = converted.get(consumer)
             want0 = in_port.dtype
+            attrs = converted.get(consumer)
             want1 = target if attrs and in_port.type_attr in attrs else want0
             if want0 != have0 and want0 in FLOAT_TYPES:
                 wanted.append((0, want0))
             if want1 != have1 and want1 in FLOAT_TYPES:
                 wanted.append((1, want1))
             if consumer not in through:
-                per_element[0] += nbytes(want0, 0)
-                per_element[1] += nbytes(want1, 0)
-        for dtype in self.ret_dtypes.get(ref, ()):
-            for mode in (0, 1):
-                if dtype != have[mode] and dtype in FLOAT_TYPES:
-                    wanted.append((mode, dtype))
-        for mode, dtype in dict.fromkeys(wanted):
-            if not self._bypass(mode, cast_source, dtype):
-                self._cast(mode, degree, count, have[mode], dtype)
-        for mode in (0, 1):
-            if per_element[mode]:
-                sums = self.sums[mode]
-                sums[degree] = sums.get(degree, 0) + count * per_element[mode]
+                bytes0 += nbytes(want0, 0)
+                bytes1 += nbytes(want1, 0)
+        ret_dtypes = self.ret_dtypes.get(ref)
+        if ret_dtypes:
+            for dtype in ret_dtypes:
+                if dtype != have0 and dtype in FLOAT_TYPES:
+                    wanted.append((0, dtype))
+                if dtype != have1 and dtype in FLOAT_TYPES:
+                    wanted.append((1, dtype))
+        if wanted:
+            for mode, dtype in dict.fromkeys(wanted):
+                if not self._bypass(mode, cast_source, dtype):
+                    self._cast(mode, degree, count, have1 if mode else have0, dtype)
+        if bytes0:
+            sums = self.sums[0]
+            sums[degree] = sums.get(degree, 0) + count * bytes0
+        if bytes1:
+            sums = self.sums[1]
+            sums[degree] = sums.get(degree, 0) + count * bytes1
 
     def _cast(self, mode: int, degree: int, count: int, have: int, want: int) -> None:
         moved = count * (dtype_bytes(have) + dtype_bytes(want))
