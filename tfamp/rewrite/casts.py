@@ -149,7 +149,20 @@ class _BodyEditor:
         # every edge of the graph)
         nodes, converted, target = self.body.nodes, self._converted, self.target
         body_args, arg_dtypes = self.body.arg_dtypes, self.arg_dtypes
+        # With the signature as it was, an edge's two ends can only disagree
+        # where one of them was converted: visit those nodes and their readers.
+        visit = None
+        if self.body.name not in self.coloring.signatures:
+            visit = set()
+            consumers = self.body.consumers
+            for name, attrs in converted.items():
+                if attrs:
+                    visit.add(name)
+                    for index in range(len(nodes[name].outputs)):
+                        visit.update(c for c, _ in consumers.get(TensorRef(name, index), ()))
         for name, node in nodes.items():
+            if visit is not None and name not in visit:
+                continue
             inputs = node.inputs
             own = converted[name]
             for index, (ref, text) in enumerate(node.data_inputs):

@@ -223,6 +223,7 @@ class _BodyColoring:
         for ret, (ref, _, _) in body.rets.items():
             self._ret_wants.setdefault(ref, set()).add(ret in self.overrides.rets)
         self._order: list[int] | None = None
+        self._infer_slots: list[int] | None = None  # infer-list slots, in _order
         self.config = config
         self.lists = config.op_lists
         self.target = config.target_enum
@@ -474,25 +475,33 @@ class _BodyColoring:
         # Most nodes of a training step have no float slot (variable reads, shape
         # arithmetic, integer ops): only edges into a slot can connect two.
         slotted = set(self.slot_node)
-        for name, node in self.body.nodes.items():
+        nodes, slot_index, fanin, fanout = self.body.nodes, self.slot_index, self.fanin, self.fanout
+        for name, node in nodes.items():
             if name not in slotted:
                 continue
+            inputs = node.inputs
             for index, (ref, _) in enumerate(node.data_inputs):
-                dst_attr = node.inputs[index].type_attr if index < len(node.inputs) else None
-                dst = self.slot_index.get((name, dst_attr))
+                dst_attr = inputs[index].type_attr if index < len(inputs) else None
+                dst = slot_index.get((name, dst_attr))
                 if dst is None:
                     continue
                 if ref.is_arg:
-                    src = self.slot_index.get((boundaries.arg_slot_name(ref.node), "T"))
+                    src = slot_index.get((boundaries.arg_slot_name(ref.node), "T"))
                     if src is not None:
-                        self.fanout[src].append(dst)
-                        self.fanin[dst].append(src)
+                        fanout[src].append(dst)
+                        fanin[dst].append(src)
                     continue
-                port = self.body.producer_port(ref)
-                src = self.slot_index.get((ref.node, port.type_attr)) if port else None
-                if src is not None and port.dtype == DT_FLOAT:
-                    self.fanout[src].append(dst)
-                    self.fanin[dst].append(src)
+                # (Body.producer_port, written out: this visits every edge)
+                producer = nodes.get(ref.node)
+                if producer is None or ref.index >= len(producer.outputs):
+                    continue
+                port = producer.outputs[ref.index]
+                if port.dtype != DT_FLOAT:
+                    continue
+                src = slot_index.get((ref.node, port.type_attr))
+                if src is not None:
+                    fanout[src].append(dst)
+                    fanin[dst].append(src)
         self._connect_rets()
 
     def _connect_rets(self) -> None:
@@ -571,9 +580,13 @@ class _BodyColoring:
         if self._order is None:
             self._order = self._slot_order()
         order = self._order
-        infer_slots = sorted(
-            (s for s in range(len(self.slot_node)) if self._is_free(s, ("infer",))),
-            key=order.__getitem__)
+        if self._infer_slots is None:
+            self._infer_slots = sorted(
+                (s for s, name in enumerate(self.slot_list) if name == "infer"),
+                key=order.__getitem__)
+        blocked, deny, allow = self.blocked, self.deny, self.allow
+        infer_slots = [s for s in self._infer_slots
+                       if s not in blocked and s not in deny and s not in allow]
         for slot in infer_slots:
             fanin = self.fanin[slot]
             if any(s in self.deny for s in fanin):
@@ -673,7 +686,7 @@ class _BodyColoring:
         all of them are 16-bit, and if all are float32; None if a size is unknown.
 
         An edge inside the region is read once at the region's width; edges
-        leaving or entering it as in ``_option_cost`` (a region member reading
+        leaving or entering it as in ``_option_costs`` (a region member reading
         the same tensor has the region's dtype). Both options in one walk.
         """
         members = set(region)
@@ -825,11 +838,10 @@ class _BodyColoring:
           (convert?, "a Cast of 64 elements instead of 524,288"), or None when
           a size is unknown (the caller falls back to counting Casts).
         """
-        as16 = self._option_cost(slot, True)
-        as32 = self._option_cost(slot, False)
-        if as16 is None or as32 is None:
+        costs = self._option_costs(slot)
+        if costs is None:
             return None
-        (bytes16, casts16), (bytes32, casts32) = as16, as32
+        (bytes16, casts16), (bytes32, casts32) = costs
         if bytes16 == bytes32:
             convert = len(casts16) < len(casts32) or (
                 len(casts16) == len(casts32) and ties_convert)
@@ -892,46 +904,55 @@ class _BodyColoring:
         slot = self.slot_index.get((consumer, node.inputs[index].type_attr))
         return slot is not None and (slot in self.allow or self._is_free(slot, ("clear",)))
 
-    def _option_cost(self, slot: int, as16: bool):
-        """(local Bytes, [elements of each Cast needed]) of one option, or None."""
-        own = 2 if as16 else 4
+    def _option_costs(self, slot: int):
+        """((local Bytes, [elements of each Cast needed]) if `slot` is 16-bit, the
+        same if it is float32), or None if a size is unknown. One walk for both.
+
+        Each option counts the slot's own reads and writes at its width; a Cast
+        on an input is paid by the option that disagrees with the producer
+        unless another consumer of the tensor needs the same Cast anyway; a
+        Cast on an output by the option that disagrees with a consumer.
+        """
         name = self.slot_node[slot]
-        sums: dict[int, int] = {}  # degree -> bytes, summed as Bytes would be
-        casts: list[tuple[int, int]] = []
+        sums: tuple[dict[int, int], dict[int, int]] = ({}, {})  # [float32, 16-bit]
+        casts: tuple[list, list] = ([], [])
+        consumers_of, shapes = self.body.consumers, self.shapes
         for ref in self._input_refs(slot):
-            elements = elements_of(self.shapes.get(ref))
+            elements = elements_of(shapes.get(ref))
             if elements is None:
                 return None
             degree, count = elements
-            sums[degree] = sums.get(degree, 0) + count * own
+            sums[0][degree] = sums[0].get(degree, 0) + count * 4
+            sums[1][degree] = sums[1].get(degree, 0) + count * 2
             have16 = self._ref_is_16bit(ref)
-            if have16 == as16:
-                continue
+            option = 0 if have16 else 1  # the option that disagrees with the producer
             # Is the Cast there anyway, for another consumer of `ref`?
-            shared = any(c != name and self._consumer_is_16bit(c, i) == as16
-                         for c, i in self.body.consumers.get(ref, ()))
-            if not shared:
-                sums[degree] += count * (own + (2 if have16 else 4))
-                casts.append(elements)
+            if not any(c != name and self._consumer_is_16bit(c, i) == bool(option)
+                       for c, i in consumers_of.get(ref, ())):
+                sums[option][degree] += count * ((2 if option else 4) + (2 if have16 else 4))
+                casts[option].append(elements)
         rets = self._ret_wants
         for ref in self._slot_output_refs(slot):
-            consumers = self.body.consumers.get(ref, ())
+            consumers = consumers_of.get(ref, ())
             if not consumers and ref not in rets:
                 continue
-            elements = elements_of(self.shapes.get(ref))
+            elements = elements_of(shapes.get(ref))
             if elements is None:
                 return None
             degree, count = elements
-            sums[degree] = sums.get(degree, 0) + count * own
+            sums[0][degree] = sums[0].get(degree, 0) + count * 4
+            sums[1][degree] = sums[1].get(degree, 0) + count * 2
             wants = {self._consumer_is_16bit(c, i) for c, i in consumers
                      if not self._follows_any_dtype(c, i)}
             wants |= rets.get(ref, set())
             for want16 in wants:
-                sums[degree] += count * (2 if want16 else 4)
-                if want16 != as16:
-                    sums[degree] += count * (own + (2 if want16 else 4))
-                    casts.append(elements)
-        return Bytes.of_sums(sums), casts
+                width = 2 if want16 else 4
+                sums[0][degree] += count * width
+                sums[1][degree] += count * width
+                option = 0 if want16 else 1  # the option that disagrees with it
+                sums[option][degree] += count * ((2 if option else 4) + width)
+                casts[option].append(elements)
+        return (Bytes.of_sums(sums[1]), casts[1]), (Bytes.of_sums(sums[0]), casts[0])
 
     def _input_refs(self, slot: int) -> list[TensorRef]:
         return self._slot_refs(slot)[0]

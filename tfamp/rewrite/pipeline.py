@@ -136,7 +136,8 @@ def _rewrite(graph_def, config, outputs, function_name):
         nodes_before=view.node_count(),
         nodes_after=len(nodes) + len(casts),
         nodes=nodes, casts=casts, **traffic)
-    log.debug("%s", report.summary_line())
+    if log.isEnabledFor(logging.DEBUG):  # (the line walks every node)
+        log.debug("%s", report.summary_line())
     return new_graph_def, report
 
 
