@@ -631,8 +631,11 @@ class _BodyColoring:
         region = self._free_region(slot)
         if len(region) < 2:
             return False
-        as16, as32 = self._region_costs(region)
-        if as16 is None or as32 is None or not as16 < as32:
+        costs = self._costs(region)
+        if costs is None:
+            return False
+        (as16, _), (as32, _) = costs
+        if not as16 < as32:
             return False
         for member in region:
             self.kept.pop(member, None)
@@ -681,21 +684,36 @@ class _BodyColoring:
                 return True
         return False
 
-    def _region_costs(self, region: list[int]) -> tuple[Bytes | None, Bytes | None]:
-        """Bytes the region's slots read and write (Casts at its edges included) if
-        all of them are 16-bit, and if all are float32; None if a size is unknown.
+    def _costs(self, region: list[int]):
+        """((Bytes, [elements of each Cast]) if every slot of `region` is 16-bit,
+        the same if all are float32), or None if a size is unknown. One walk for
+        both options; a region of one slot is a single op's choice.
 
-        An edge inside the region is read once at the region's width; edges
-        leaving or entering it as in ``_option_costs`` (a region member reading
-        the same tensor has the region's dtype). Both options in one walk.
+        Each option counts the slots' own reads and writes at its width (an edge
+        inside the region once); a Cast on an input is paid by the option that
+        disagrees with the producer unless another consumer of the tensor needs
+        the same Cast anyway (a region member has the option's dtype); a Cast on
+        an output by the option that disagrees with a consumer outside.
         """
         members = set(region)
         slot_index, consumers_of, rets = self.slot_index, self.body.consumers, self._ret_wants
-        nodes, allow = self.body.nodes, self.allow
-        sums = ({}, {})  # option 0: float32, option 1: 16-bit; degree -> bytes
+        nodes, allow, shapes = self.body.nodes, self.allow, self.shapes
+        sums: tuple[dict[int, int], dict[int, int]] = ({}, {})  # [float32, 16-bit]
+        casts: tuple[list, list] = ([], [])
 
-        def add(option, degree, amount):
-            sums[option][degree] = sums[option].get(degree, 0) + amount
+        def own(ref: TensorRef) -> tuple[int, int] | None:
+            """The tensor's elements, its reads or writes added at each width."""
+            elements = elements_of(shapes.get(ref))
+            if elements is not None:
+                degree, count = elements
+                sums[0][degree] = sums[0].get(degree, 0) + count * 4
+                sums[1][degree] = sums[1].get(degree, 0) + count * 2
+            return elements
+
+        def cast(option: int, elements: tuple[int, int], src_width: int) -> None:
+            degree, count = elements
+            sums[option][degree] += count * ((2 if option else 4) + src_width)
+            casts[option].append(elements)
 
         def member_or_16bit(consumer: str, index: int) -> bool | None:
             """None for a region member (it has either option's dtype)."""
@@ -708,43 +726,35 @@ class _BodyColoring:
         for slot in region:
             name = self.slot_node[slot]
             for ref in self._input_refs(slot):
-                elements = elements_of(self.shapes.get(ref))
+                elements = own(ref)
                 if elements is None:
-                    return None, None
-                degree, count = elements
-                add(0, degree, count * 4)
-                add(1, degree, count * 2)
+                    return None
                 if self._producer_slot(ref) in members:
                     continue
                 have16 = self._ref_is_16bit(ref)
-                option = 0 if have16 else 1  # the option that needs a Cast here
-                own = 2 if option else 4
+                option = 0 if have16 else 1  # the option that disagrees with the producer
                 if not any(c != name and member_or_16bit(c, i) in (None, bool(option))
                            for c, i in consumers_of.get(ref, ())):
-                    add(option, degree, count * (own + (2 if have16 else 4)))
+                    cast(option, elements, 2 if have16 else 4)
             for ref in self._slot_output_refs(slot):
                 all_consumers = consumers_of.get(ref, ())
                 outside = [(c, i) for c, i in all_consumers
                            if self._consumer_slot(c, i) not in members]
-                if not outside and len(outside) == len(all_consumers) and ref not in rets:
+                if not all_consumers and ref not in rets:
                     continue
-                elements = elements_of(self.shapes.get(ref))
+                elements = own(ref)
                 if elements is None:
-                    return None, None
-                degree, count = elements
-                add(0, degree, count * 4)
-                add(1, degree, count * 2)
+                    return None
                 wants = {self._consumer_is_16bit(c, i) for c, i in outside
                          if not self._follows_any_dtype(c, i)}
                 wants |= rets.get(ref, set())
                 for want16 in wants:
                     width = 2 if want16 else 4
-                    add(0, degree, count * width)
-                    add(1, degree, count * width)
-                    # the option that disagrees with this consumer pays a Cast
-                    add(0 if want16 else 1, degree,
-                        count * ((4 if want16 else 2) + width))
-        return Bytes.of_sums(sums[1]), Bytes.of_sums(sums[0])
+                    degree, count = elements
+                    sums[0][degree] += count * width
+                    sums[1][degree] += count * width
+                    cast(0 if want16 else 1, elements, width)
+        return (Bytes.of_sums(sums[1]), casts[1]), (Bytes.of_sums(sums[0]), casts[0])
 
     def _producer_slot(self, ref: TensorRef) -> int | None:
         if ref.is_arg:
@@ -838,7 +848,7 @@ class _BodyColoring:
           (convert?, "a Cast of 64 elements instead of 524,288"), or None when
           a size is unknown (the caller falls back to counting Casts).
         """
-        costs = self._option_costs(slot)
+        costs = self._costs([slot])
         if costs is None:
             return None
         (bytes16, casts16), (bytes32, casts32) = costs
@@ -903,56 +913,6 @@ class _BodyColoring:
             return False
         slot = self.slot_index.get((consumer, node.inputs[index].type_attr))
         return slot is not None and (slot in self.allow or self._is_free(slot, ("clear",)))
-
-    def _option_costs(self, slot: int):
-        """((local Bytes, [elements of each Cast needed]) if `slot` is 16-bit, the
-        same if it is float32), or None if a size is unknown. One walk for both.
-
-        Each option counts the slot's own reads and writes at its width; a Cast
-        on an input is paid by the option that disagrees with the producer
-        unless another consumer of the tensor needs the same Cast anyway; a
-        Cast on an output by the option that disagrees with a consumer.
-        """
-        name = self.slot_node[slot]
-        sums: tuple[dict[int, int], dict[int, int]] = ({}, {})  # [float32, 16-bit]
-        casts: tuple[list, list] = ([], [])
-        consumers_of, shapes = self.body.consumers, self.shapes
-        for ref in self._input_refs(slot):
-            elements = elements_of(shapes.get(ref))
-            if elements is None:
-                return None
-            degree, count = elements
-            sums[0][degree] = sums[0].get(degree, 0) + count * 4
-            sums[1][degree] = sums[1].get(degree, 0) + count * 2
-            have16 = self._ref_is_16bit(ref)
-            option = 0 if have16 else 1  # the option that disagrees with the producer
-            # Is the Cast there anyway, for another consumer of `ref`?
-            if not any(c != name and self._consumer_is_16bit(c, i) == bool(option)
-                       for c, i in consumers_of.get(ref, ())):
-                sums[option][degree] += count * ((2 if option else 4) + (2 if have16 else 4))
-                casts[option].append(elements)
-        rets = self._ret_wants
-        for ref in self._slot_output_refs(slot):
-            consumers = consumers_of.get(ref, ())
-            if not consumers and ref not in rets:
-                continue
-            elements = elements_of(shapes.get(ref))
-            if elements is None:
-                return None
-            degree, count = elements
-            sums[0][degree] = sums[0].get(degree, 0) + count * 4
-            sums[1][degree] = sums[1].get(degree, 0) + count * 2
-            wants = {self._consumer_is_16bit(c, i) for c, i in consumers
-                     if not self._follows_any_dtype(c, i)}
-            wants |= rets.get(ref, set())
-            for want16 in wants:
-                width = 2 if want16 else 4
-                sums[0][degree] += count * width
-                sums[1][degree] += count * width
-                option = 0 if want16 else 1  # the option that disagrees with it
-                sums[option][degree] += count * ((2 if option else 4) + width)
-                casts[option].append(elements)
-        return (Bytes.of_sums(sums[1]), casts[1]), (Bytes.of_sums(sums[0]), casts[0])
 
     def _input_refs(self, slot: int) -> list[TensorRef]:
         return self._slot_refs(slot)[0]
