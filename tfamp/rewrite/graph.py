@@ -388,14 +388,16 @@ def _patch_top_body(earlier: Body, same: dict[str, Node], written: dict[str, obj
 
     for name, node_def in redo.items():
         old = nodes.get(name)
-        if old is not None:
-            for index, (ref, _) in enumerate(old.data_inputs):
-                consumer_list(ref).remove((name, index))
         node = nodes[name] = _new_node(node_def, resolver)
         data_inputs = node.data_inputs
-        for text in node_def.input:
-            if text.startswith("^"):
+        texts = [text for text in node_def.input if not text.startswith("^")]
+        if old is not None:
+            if [text for _, text in old.data_inputs] == texts:  # (a retyped node)
+                data_inputs.extend(old.data_inputs)  # the same tensors and edges
                 continue
+            for index, (ref, _) in enumerate(old.data_inputs):
+                consumer_list(ref).remove((name, index))
+        for text in texts:
             source, _, index = text.partition(":")
             ref = TensorRef(source, int(index) if index else 0)
             consumer_list(ref).append((name, len(data_inputs)))
