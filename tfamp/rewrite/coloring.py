@@ -224,6 +224,7 @@ class _BodyColoring:
             self._ret_wants.setdefault(ref, set()).add(ret in self.overrides.rets)
         self._order: list[int] | None = None
         self._infer_slots: list[int] | None = None  # infer-list slots, in _order
+        self._neighbours: list[list[int]] | None = None  # fanin + fanout of each slot
         self.config = config
         self.lists = config.op_lists
         self.target = config.target_enum
@@ -950,7 +951,9 @@ class _BodyColoring:
         ends up on the smallest tensor. Without sizes every candidate follows
         (grappler's rule).
         """
-        neighbours = [a + b for a, b in zip(self.fanin, self.fanout, strict=True)]
+        if self._neighbours is None:  # (edges do not change once connected)
+            self._neighbours = [a + b for a, b in zip(self.fanin, self.fanout, strict=True)]
+        neighbours = self._neighbours
         for root in list(self.allow):
             cause = self.slot_node[root]
             stack = [root]
