@@ -23,7 +23,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tfamp.config import AmpConfig
-from tfamp.keras import custom_loop
+from tfamp.keras import custom_loop, hooks
 from tfamp.keras.loss_scale import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INITIAL_SCALE,
@@ -39,8 +39,6 @@ log = logging.getLogger("tfamp")
 _HOOKED_METHODS = ("compile", "fit", "make_train_function", "make_test_function",
                    "make_predict_function", "train_step", "_validate_and_get_metrics_result",
                    "call")
-_LOG_KEYS = ("loss_scale", "skipped_steps")
-_FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
 
 
 class _EnabledState(EnabledState):
@@ -117,7 +115,7 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
     _install_hooks(model, state)
     if getattr(model, "optimizer", None) is not None:
         model.optimizer = state.wrap_optimizer(model.optimizer)
-    _reset_functions(model)
+    hooks.reset_functions(model)
     log.info("tfamp: enabled %s on model %r (loss scale: %s)", config.dtype, model.name,
              loss_scale)
     return model
@@ -142,7 +140,7 @@ def disable(model):
         inner._is_wrapped_by_loss_scale_optimizer = False
         model.optimizer = inner
     object.__setattr__(model, "_tfamp_state", None)
-    _reset_functions(model)
+    hooks.reset_functions(model)
     return model
 
 
@@ -265,13 +263,6 @@ def _install_hooks(model, state: _EnabledState) -> None:
         model.optimizer = state.wrap_optimizer(model.optimizer)
         return result
 
-    def fit(*args, **kwargs):
-        from tfamp.keras.range_monitor import prepare_fit
-
-        # Keeps one batch for the stuck-at-floor diagnosis; adds the RangeMonitor.
-        args, kwargs = prepare_fit(model, state.ranges, args, kwargs)
-        return cls.fit(model, *args, **kwargs)
-
     def train_step(data):
         logs = cls.train_step(model, data)
         optimizer = model.optimizer
@@ -280,21 +271,6 @@ def _install_hooks(model, state: _EnabledState) -> None:
             logs["loss_scale"] = _replicated(lambda: tf.identity(optimizer.loss_scale))
             logs["skipped_steps"] = _replicated(lambda: tf.identity(optimizer.skipped_steps))
         return logs
-
-    def validate_and_get_metrics_result(logs):
-        # At epoch end Keras re-reads its metrics (correct under tf.distribute)
-        # only when the log keys are exactly its metric names: set tfamp's keys
-        # aside, let it, then read tfamp's values from the optimizer itself.
-        if not (isinstance(logs, dict) and any(k in logs for k in _LOG_KEYS)):
-            return cls._validate_and_get_metrics_result(model, logs)
-        base = {k: v for k, v in logs.items() if k not in _LOG_KEYS}
-        result = cls._validate_and_get_metrics_result(model, base)
-        optimizer = model.optimizer
-        if isinstance(result, dict) and isinstance(optimizer, LossScaleOptimizer):
-            result = dict(result)
-            result["loss_scale"] = float(optimizer.loss_scale.numpy())
-            result["skipped_steps"] = int(optimizer.skipped_steps.numpy())
-        return result
 
     def hooked_maker(attr: str, maker_name: str, after_call=None):
         def make(force=False):
@@ -315,32 +291,22 @@ def _install_hooks(model, state: _EnabledState) -> None:
             return current
         return make
 
-    def after_train_call(_outputs):
-        optimizer = model.optimizer
-        if isinstance(optimizer, LossScaleOptimizer):
-            optimizer.check_stuck(diagnose=lambda: _diagnose(model))
-
     call = custom_loop.call_hook(model, cls.call, state, LossScaleOptimizer)
 
-    hooks = {
+    hooks.install(model, {
         "call": call,
         "compile": compile,
-        "fit": fit,
+        "fit": hooks.fit_hook(model, cls, state),
         "train_step": train_step,
-        "_validate_and_get_metrics_result": validate_and_get_metrics_result,
-        "make_train_function": hooked_maker("train_function", "make_train_function",
-                                            after_train_call),
-        "make_test_function": hooked_maker("test_function", "make_test_function"),
-        "make_predict_function": hooked_maker("predict_function", "make_predict_function"),
-    }
-    for name, hook in hooks.items():
-        object.__setattr__(model, name, hook)
+        "_validate_and_get_metrics_result": hooks.metrics_result_hook(
+            model, cls._validate_and_get_metrics_result, _read_scale),
+    }, hooked_maker, hooks.after_train_hook(model, LossScaleOptimizer))
 
 
-def _diagnose(model):
-    from tfamp.inspect.nonfinite import diagnose_keras_model
-
-    return diagnose_keras_model(model)
+def _read_scale(optimizer) -> tuple[float, int] | None:
+    if not isinstance(optimizer, LossScaleOptimizer):
+        return None
+    return float(optimizer.loss_scale.numpy()), int(optimizer.skipped_steps.numpy())
 
 
 def _replicated(read):
@@ -348,9 +314,3 @@ def _replicated(read):
     if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
         return read()
     return tf.distribute.get_replica_context().merge_call(lambda _: read())
-
-
-def _reset_functions(model) -> None:
-    for attr in _FUNCTION_ATTRS:
-        if hasattr(model, attr):
-            object.__setattr__(model, attr, None)

@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as trainer_module
 
-from tfamp.keras import custom_loop
+from tfamp.keras import custom_loop, hooks
 from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer, is_scaled_loss
 from tfamp.keras.scale_update import unscale
 from tfamp.keras.state import EnabledState
@@ -35,8 +35,6 @@ log = logging.getLogger("tfamp")
 _HOOKED_METHODS = ("compile", "fit", "make_train_function", "make_test_function",
                    "make_predict_function", "train_step", "_get_metrics_result_or_logs",
                    "call")
-_LOG_KEYS = ("loss_scale", "skipped_steps")
-_FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
 
 
 def is_keras3_model(model) -> bool:
@@ -103,7 +101,7 @@ def enable(model, state: Keras3State):
     _install_hooks(model, state)
     if getattr(model, "optimizer", None) is not None:
         model.optimizer = _wrapped(model, state)
-    _reset_functions(model)
+    hooks.reset_functions(model)
     return model
 
 
@@ -136,7 +134,7 @@ def disable(model):
         inner.__dict__.pop(INNER_MARK, None)
         model.optimizer = inner
     object.__setattr__(model, "_tfamp_state", None)
-    _reset_functions(model)
+    hooks.reset_functions(model)
     return model
 
 
@@ -207,13 +205,6 @@ def _install_hooks(model, state: Keras3State) -> None:
         model.optimizer = _wrapped(model, state)
         return result
 
-    def fit(*args, **kwargs):
-        from tfamp.keras.range_monitor import prepare_fit
-
-        # Keeps one batch for the stuck-at-floor diagnosis; adds the RangeMonitor.
-        args, kwargs = prepare_fit(model, state.ranges, args, kwargs)
-        return cls.fit(model, *args, **kwargs)
-
     def train_step(data):
         optimizer = model.optimizer
         lso = optimizer if isinstance(optimizer, LossScaleOptimizer) else None
@@ -224,21 +215,6 @@ def _install_hooks(model, state: Keras3State) -> None:
             logs["loss_scale"] = tf.identity(lso.loss_scale)
             logs["skipped_steps"] = tf.identity(lso.skipped_steps)
         return logs
-
-    def get_metrics_result_or_logs(logs):
-        # Keras re-reads its metrics at epoch end (right under tf.distribute)
-        # only when the log keys are exactly its metric names: set tfamp's keys
-        # aside, let it, then read tfamp's values from the optimizer itself.
-        if not (isinstance(logs, dict) and any(k in logs for k in _LOG_KEYS)):
-            return cls._get_metrics_result_or_logs(model, logs)
-        base = {k: v for k, v in logs.items() if k not in _LOG_KEYS}
-        result = cls._get_metrics_result_or_logs(model, base)
-        optimizer = model.optimizer
-        if isinstance(optimizer, LossScaleOptimizer) and optimizer.built:
-            result = dict(result)
-            result["loss_scale"] = float(optimizer.dynamic_scale.numpy())
-            result["skipped_steps"] = int(optimizer.skipped_steps.numpy())
-        return result
 
     def hooked_maker(attr: str, maker_name: str, after_call=None):
         def make(force=False):
@@ -265,34 +241,24 @@ def _install_hooks(model, state: Keras3State) -> None:
             return wrapped
         return make
 
-    def after_train_call(_outputs):
-        optimizer = model.optimizer
-        if isinstance(optimizer, LossScaleOptimizer):
-            from tfamp.inspect.nonfinite import diagnose_keras_model
-
-            optimizer.check_stuck(diagnose=functools.partial(diagnose_keras_model, model))
-
     call = custom_loop.call_hook(model, cls.call, state, LossScaleOptimizer)
 
-    hooks = {
+    hooks.install(model, {
         "call": call,
         "compile": compile,
-        "fit": fit,
+        "fit": hooks.fit_hook(model, cls, state),
         "train_step": train_step,
-        "_get_metrics_result_or_logs": get_metrics_result_or_logs,
-        "make_train_function": hooked_maker("train_function", "make_train_function",
-                                            after_train_call),
-        "make_test_function": hooked_maker("test_function", "make_test_function"),
-        "make_predict_function": hooked_maker("predict_function", "make_predict_function"),
-    }
-    for name, hook in hooks.items():
-        object.__setattr__(model, name, hook)
+        "_get_metrics_result_or_logs": hooks.metrics_result_hook(
+            model, cls._get_metrics_result_or_logs, _read_scale),
+    }, hooked_maker, hooks.after_train_hook(model, LossScaleOptimizer))
 
 
-def _reset_functions(model) -> None:
-    for attr in _FUNCTION_ATTRS:
-        if hasattr(model, attr):
-            object.__setattr__(model, attr, None)
+def _read_scale(optimizer) -> tuple[float, int] | None:
+    if not (isinstance(optimizer, LossScaleOptimizer) and optimizer.built):
+        return None
+    return float(optimizer.dynamic_scale.numpy()), int(optimizer.skipped_steps.numpy())
+
+
 
 
 # -- the gradient-tape hook an enabled model's train_step runs under --------------

@@ -1,0 +1,93 @@
+"""The per-model method hooks an enabled model gets, alike for both Kerases.
+
+``tfamp.enable`` sets instance attributes over a model's own methods (its class
+is left alone). What differs between tf_keras (``activation.py``) and Keras 3
+(``keras3.py``) is how a step function is built and how the loss scale is read;
+the hooks below take those as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# Keys tfamp adds to the logs of an enabled model's train step.
+LOG_KEYS = ("loss_scale", "skipped_steps")
+# The step functions Keras builds lazily and caches on the model.
+FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
+
+
+def fit_hook(model, cls, state):
+    """``fit`` that keeps one batch for the stuck-at-floor diagnosis and adds the
+    RangeMonitor when ranges were asked for."""
+
+    def fit(*args, **kwargs):
+        from tfamp.keras.range_monitor import prepare_fit
+
+        args, kwargs = prepare_fit(model, state.ranges, args, kwargs)
+        return cls.fit(model, *args, **kwargs)
+
+    return fit
+
+
+def metrics_result_hook(model, base: Callable, read_scale: Callable):
+    """Keras's epoch-end metrics re-read, with tfamp's log keys set aside.
+
+    Keras re-reads its metrics at epoch end (right under tf.distribute) only
+    when the log keys are exactly its metric names: set tfamp's keys aside, let
+    it, then read tfamp's values from the optimizer itself.
+
+    Args:
+      model: the enabled model.
+      base: the class's method (``_validate_and_get_metrics_result`` in
+        tf_keras, ``_get_metrics_result_or_logs`` in Keras 3), unbound.
+      read_scale: optimizer -> (loss scale, skipped steps) as Python numbers,
+        or None when the optimizer scales nothing.
+    """
+
+    def metrics_result(logs):
+        if not (isinstance(logs, dict) and any(k in logs for k in LOG_KEYS)):
+            return base(model, logs)
+        result = base(model, {k: v for k, v in logs.items() if k not in LOG_KEYS})
+        scale = read_scale(model.optimizer)
+        if isinstance(result, dict) and scale is not None:
+            result = dict(result)
+            result["loss_scale"], result["skipped_steps"] = scale
+        return result
+
+    return metrics_result
+
+
+def after_train_hook(model, lso_cls):
+    """After each train call: warn (naming the op) when the scale is stuck at its floor."""
+
+    def after_train_call(_outputs):
+        optimizer = model.optimizer
+        if isinstance(optimizer, lso_cls):
+            optimizer.check_stuck(diagnose=lambda: _diagnose(model))
+
+    return after_train_call
+
+
+def _diagnose(model):
+    from tfamp.inspect.nonfinite import diagnose_keras_model
+
+    return diagnose_keras_model(model)
+
+
+def install(model, hooks: dict[str, Callable], hooked_maker: Callable,
+            after_train_call: Callable) -> None:
+    """Sets `hooks` and the three ``make_*_function`` hooks on `model`."""
+    hooks = dict(hooks)
+    hooks["make_train_function"] = hooked_maker(
+        "train_function", "make_train_function", after_train_call)
+    hooks["make_test_function"] = hooked_maker("test_function", "make_test_function")
+    hooks["make_predict_function"] = hooked_maker("predict_function", "make_predict_function")
+    for name, hook in hooks.items():
+        object.__setattr__(model, name, hook)
+
+
+def reset_functions(model) -> None:
+    """Drops the step functions Keras cached, so the next call builds them anew."""
+    for attr in FUNCTION_ATTRS:
+        if hasattr(model, attr):
+            object.__setattr__(model, attr, None)
