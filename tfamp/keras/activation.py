@@ -23,7 +23,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tfamp.config import AmpConfig
-from tfamp.keras import custom_loop, hooks
+from tfamp.keras import hooks
 from tfamp.keras.loss_scale import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INITIAL_SCALE,
@@ -291,16 +291,9 @@ def _install_hooks(model, state: _EnabledState) -> None:
             return current
         return make
 
-    call = custom_loop.call_hook(model, cls.call, state, LossScaleOptimizer)
-
-    hooks.install(model, {
-        "call": call,
-        "compile": compile,
-        "fit": hooks.fit_hook(model, cls, state),
-        "train_step": train_step,
-        "_validate_and_get_metrics_result": hooks.metrics_result_hook(
-            model, cls._validate_and_get_metrics_result, _read_scale),
-    }, hooked_maker, hooks.after_train_hook(model, LossScaleOptimizer))
+    hooks.install(model, cls, state, LossScaleOptimizer, compile=compile,
+                  train_step=train_step, hooked_maker=hooked_maker,
+                  metrics_method="_validate_and_get_metrics_result", read_scale=_read_scale)
 
 
 def _read_scale(optimizer) -> tuple[float, int] | None:

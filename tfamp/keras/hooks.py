@@ -74,14 +74,36 @@ def _diagnose(model):
     return diagnose_keras_model(model)
 
 
-def install(model, hooks: dict[str, Callable], hooked_maker: Callable,
-            after_train_call: Callable) -> None:
-    """Sets `hooks` and the three ``make_*_function`` hooks on `model`."""
-    hooks = dict(hooks)
-    hooks["make_train_function"] = hooked_maker(
-        "train_function", "make_train_function", after_train_call)
-    hooks["make_test_function"] = hooked_maker("test_function", "make_test_function")
-    hooks["make_predict_function"] = hooked_maker("predict_function", "make_predict_function")
+def install(model, cls, state, lso_cls, *, compile: Callable,  # noqa: A002
+            train_step: Callable, hooked_maker: Callable, metrics_method: str,
+            read_scale: Callable) -> None:
+    """Sets every hook on `model`: the flavour's own `compile`, `train_step` and
+    step-function maker, the shared ones above, and the custom-loop ``call``.
+
+    Args:
+      model: the model; `cls` its class, whose methods the hooks call.
+      state: its EnabledState.
+      lso_cls: the flavour's LossScaleOptimizer class.
+      compile: ``compile`` that wraps the optimizer.
+      train_step: ``train_step`` that adds tfamp's log keys.
+      hooked_maker: (attr, maker name, after_call=None) -> the
+        ``make_*_function`` hook.
+      metrics_method: the name of Keras's epoch-end metrics method.
+      read_scale: see ``metrics_result_hook``.
+    """
+    from tfamp.keras import custom_loop
+
+    hooks = {
+        "call": custom_loop.call_hook(model, cls.call, state, lso_cls),
+        "compile": compile,
+        "fit": fit_hook(model, cls, state),
+        "train_step": train_step,
+        metrics_method: metrics_result_hook(model, getattr(cls, metrics_method), read_scale),
+        "make_train_function": hooked_maker(
+            "train_function", "make_train_function", after_train_hook(model, lso_cls)),
+        "make_test_function": hooked_maker("test_function", "make_test_function"),
+        "make_predict_function": hooked_maker("predict_function", "make_predict_function"),
+    }
     for name, hook in hooks.items():
         object.__setattr__(model, name, hook)
 

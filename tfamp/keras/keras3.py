@@ -24,7 +24,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as trainer_module
 
-from tfamp.keras import custom_loop, hooks
+from tfamp.keras import hooks
 from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer, is_scaled_loss
 from tfamp.keras.scale_update import unscale
 from tfamp.keras.state import EnabledState
@@ -241,16 +241,9 @@ def _install_hooks(model, state: Keras3State) -> None:
             return wrapped
         return make
 
-    call = custom_loop.call_hook(model, cls.call, state, LossScaleOptimizer)
-
-    hooks.install(model, {
-        "call": call,
-        "compile": compile,
-        "fit": hooks.fit_hook(model, cls, state),
-        "train_step": train_step,
-        "_get_metrics_result_or_logs": hooks.metrics_result_hook(
-            model, cls._get_metrics_result_or_logs, _read_scale),
-    }, hooked_maker, hooks.after_train_hook(model, LossScaleOptimizer))
+    hooks.install(model, cls, state, LossScaleOptimizer, compile=compile,
+                  train_step=train_step, hooked_maker=hooked_maker,
+                  metrics_method="_get_metrics_result_or_logs", read_scale=_read_scale)
 
 
 def _read_scale(optimizer) -> tuple[float, int] | None:
