@@ -296,20 +296,22 @@ class _BodyColoring:
             port.is_ref for ports in {id(n.outputs): n.outputs
                                       for n in self.body.nodes.values()}.values()
             for port in ports)
+        node_block_of, attr_block, blocked = self._node_block, self._attr_block, self.blocked
+        no_block = ("", "")
         for name, node in self.body.nodes.items():
             list_name = list_of(node.op)
             attrs = node.float_type_attrs
-            call_block = self._call_block(node)
-            node_block = node_blocks[name] = self._node_block(name, node, call_block)
+            call_block = self._call_block(node) if node.called_functions else no_block
+            node_block = node_blocks[name] = node_block_of(name, node, call_block)
             for attr in attrs:
                 slot = len(slot_node)
                 slot_node.append(name)
                 slot_attr.append(attr)
                 slot_list.append(list_name)
                 slot_index[(name, attr)] = slot
-                block = node_block if node_block[0] else self._attr_block(node, attr)
+                block = node_block if node_block[0] else attr_block(node, attr)
                 if block[0]:
-                    self.blocked[slot] = block
+                    blocked[slot] = block
                     # Blocks boundaries.solve may lift for a whole group: a
                     # call's signature, a TensorList's element type.
                     if block not in (call_block, self._fixed_block(node, attr)):
@@ -1011,6 +1013,7 @@ class _BodyColoring:
             slots_of.setdefault(name, []).append(slot)
         decisions = {}
         body_name, allow, list_of = self.body.name, self.allow, self.lists.list_of
+        slot_attr = self.slot_attr
         # Nodes without a slot (most of a training step) share one Decision per
         # (op, block): it depends on nothing else.
         no_slot: dict[tuple[str, tuple[str, str]], Decision] = {}
@@ -1029,17 +1032,16 @@ class _BodyColoring:
             list_name = list_of(node.op)
             converted = [s for s in slots if s in allow]
             if converted:
-                reason, cause, kind = self.allow[converted[0]]
-                kept = [self.slot_attr[s] for s in slots if s not in self.allow]
-                if kept:
+                reason, cause, kind = allow[converted[0]]
+                if len(converted) < len(slots):
+                    kept = [slot_attr[s] for s in slots if s not in allow]
                     reason += f" ({', '.join(kept)} stays float32)"
-                decisions[(self.body.name, name)] = Decision(
-                    list_name, True, reason,
-                    tuple(self.slot_attr[s] for s in converted), cause, kind)
+                decisions[(body_name, name)] = Decision(
+                    list_name, True, reason, tuple([slot_attr[s] for s in converted]),
+                    cause, kind)
                 continue
             reason, cause, kind = self._fp32_reason(node, list_name, slots)
-            decisions[(self.body.name, name)] = Decision(
-                list_name, False, reason, (), cause, kind)
+            decisions[(body_name, name)] = Decision(list_name, False, reason, (), cause, kind)
         return decisions
 
     def _fp32_reason(self, node, list_name: str,

@@ -127,10 +127,13 @@ def _rewrite(graph_def, config, outputs, function_name):
     reported = [(body.name, body) for body in view.bodies] + [
         (clone, bodies[original]) for clone, original in coloring.clones.items()]
     decisions = coloring.decisions
-    nodes = [
-        _node_report(function, name, node.op, decisions[(function, name)])
-        for function, body in reported for name, node in body.nodes.items()
-    ]
+    report_of = NodeReport.of_fields
+    nodes = []
+    for function, body in reported:
+        for name, node in body.nodes.items():
+            d = decisions[(function, name)]
+            nodes.append(report_of(name, function, node.op, d.list, d.converted,
+                                   d.reason, d.cause, d.kind))
     report = RewriteReport(
         function=function_name, dtype=config.dtype,
         nodes_before=view.node_count(),
@@ -212,11 +215,6 @@ def _share(before, after) -> float | None:
     if any(d > degree for d in top):
         return None  # (cannot happen: the rewrite changes dtypes, not shapes)
     return top.get(degree, 0) / base
-
-
-def _node_report(function: str, name: str, op: str, decision) -> NodeReport:
-    return NodeReport.of_fields(name, function, op, decision.list, decision.converted,
-                                decision.reason, decision.cause, decision.kind)
 
 
 def _unconsumed_float_outputs(body: Body) -> list[str]:

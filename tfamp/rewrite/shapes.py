@@ -258,7 +258,11 @@ def _body_shapes(body: Body, args: dict[str, Shape | None],
         listed = parsed.get(key)
         if listed is None:
             listed = parsed[key] = tuple(_shape_proto(p) for p in recorded.list.shape)
-        for index in range(len(node.outputs)):
+        outputs = len(node.outputs)
+        if outputs == 1:  # (most nodes)
+            shapes[TensorRef(name, 0)] = listed[0] if listed else None
+            continue
+        for index in range(outputs):
             shapes[TensorRef(name, index)] = listed[index] if index < len(listed) else None
     if not missing:
         return shapes
