@@ -421,6 +421,7 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
     input_texts: dict[str, list[str]] = {}  # read from the protos once
     no_ports = ([], [], {}, ())
     edited: set[str] | None = None if before is None else set()
+    recipe_of, ports_of = resolver.recipe, resolver.ports
     for node_def in node_defs:
         node_name = node_def.name
         same = before.get(node_name) if before else None
@@ -445,25 +446,28 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
         if edited is not None:
             edited.add(node_name)
         op = node_def.op
-        recipe = resolver.recipe(op)
+        recipe = recipe_of(op)
         inputs, outputs, offsets, float_attrs = (
-            no_ports if recipe is None else resolver.ports(node_def, recipe))
+            no_ports if recipe is None else ports_of(node_def, recipe))
         output_offsets[node_name] = offsets
         # (positional: name, op, node_def, known_op, inputs, outputs, data_inputs,
         # called_functions, float_type_attrs, output_offsets; about twice as fast)
         nodes[node_name] = Node(
             node_name, op, node_def, recipe is not None, inputs, outputs, [],
-            _called_functions(node_def, recipe), float_attrs, offsets)
+            _called_functions(node_def, recipe)
+            if recipe is None or recipe.func_attrs or recipe.calls_itself else [],
+            float_attrs, offsets)
         input_texts[node_name] = list(node_def.input)
 
     consumers: dict[TensorRef, list[tuple[str, int]]] = {}
+    add_consumer = consumers.setdefault
     for node in nodes.values():
         data_inputs = node.data_inputs
         node_name = node.name
         texts = input_texts.get(node_name)
         if texts is None:  # a reused node, its inputs resolved already
             for index, (ref, _) in enumerate(data_inputs):
-                consumers.setdefault(ref, []).append((node_name, index))
+                add_consumer(ref, []).append((node_name, index))
             continue
         for text in texts:
             if text.startswith("^"):
@@ -473,7 +477,7 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
             else:  # _parse_input's top-graph case, written out (every edge)
                 source, _, index = text.partition(":")
                 ref = TensorRef(source, int(index) if index else 0)
-            consumers.setdefault(ref, []).append((node_name, len(data_inputs)))
+            add_consumer(ref, []).append((node_name, len(data_inputs)))
             data_inputs.append((ref, text))
 
     rets = {}

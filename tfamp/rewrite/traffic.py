@@ -442,15 +442,15 @@ class _BodyTraffic:
         for name, dtype in body.arg_dtypes.items():
             if dtype in FLOAT_TYPES:
                 self._tensor(TensorRef(name, 0, is_arg=True), None, False, None)
+        tensor, through = self._tensor, self.through
         for name, node in body.nodes.items():
-            write = name not in self.through
             cast_source = None
             if node.op == "Cast" and node.data_inputs and node.inputs:
                 cast_source = node.data_inputs[0][0]
                 self._existing_cast(name, node, cast_source)
             for index, port in enumerate(node.outputs):
                 if port.dtype in FLOAT_TYPES:
-                    self._tensor(TensorRef(name, index), port, write, cast_source)
+                    tensor(TensorRef(name, index), port, name not in through, cast_source)
 
     def _existing_cast(self, name: str, node: Node, source: TensorRef) -> None:
         elements = self.counts.get(source)
