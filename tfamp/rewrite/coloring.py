@@ -565,7 +565,8 @@ class _BodyColoring:
                                        rk.KIND_DOWNSTREAM_OF_DENY)
 
     def _is_free(self, slot: int, lists: tuple[str, ...]) -> bool:
-        return (self.slot_list[slot] in lists and self._candidate(slot)
+        # (_candidate written out: this runs for every neighbour looked at)
+        return (self.slot_list[slot] in lists and slot not in self.blocked
                 and slot not in self.deny and slot not in self.allow)
 
     def _add_between_allow(self) -> None:
@@ -590,11 +591,12 @@ class _BodyColoring:
         blocked, deny, allow = self.blocked, self.deny, self.allow
         infer_slots = [s for s in self._infer_slots
                        if s not in blocked and s not in deny and s not in allow]
+        fanins = self.fanin
         for slot in infer_slots:
-            fanin = self.fanin[slot]
-            if any(s in self.deny for s in fanin):
+            fanin = fanins[slot]
+            if any(s in deny for s in fanin):
                 continue
-            sixteen = [s for s in fanin if s in self.allow]
+            sixteen = [s for s in fanin if s in allow]
             if not sixteen:
                 continue
             cause = self.slot_node[sixteen[0]]
@@ -652,12 +654,13 @@ class _BodyColoring:
     def _free_region(self, slot: int) -> list[int]:
         """`slot` and the free infer/clear slots downstream of it (at most _MAX_REGION)."""
         region, stack, seen = [], [slot], {slot}
+        fanout, fanin, deny, is_free = self.fanout, self.fanin, self.deny, self._is_free
         while stack and len(region) < _MAX_REGION:
             current = stack.pop()
             region.append(current)
-            for nxt in self.fanout[current]:
-                if (nxt not in seen and self._is_free(nxt, ("infer", "clear"))
-                        and not any(s in self.deny for s in self.fanin[nxt])
+            for nxt in fanout[current]:
+                if (nxt not in seen and is_free(nxt, ("infer", "clear"))
+                        and not any(s in deny for s in fanin[nxt])
                         and self._run_time_scale(nxt) is None
                         and not self._reads_variable(nxt)):
                     seen.add(nxt)
