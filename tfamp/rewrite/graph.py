@@ -248,12 +248,21 @@ class _PortResolver:
         """(input ports, output ports, offset of each output arg, float type
         attributes; see Node) of `node_def`."""
         attr = node_def.attr
-        values = tuple([_attr_value(node_def, attr, recipe, name, kind)
-                        for name, kind in recipe.attrs])
-        key = (recipe, values)
+        values = []  # (_attr_value's usual case written out: every node has some)
+        for name, kind in recipe.attrs:
+            value = attr.get(name)
+            if value is None:
+                values.append(_attr_value(node_def, attr, recipe, name, kind))
+            elif kind == "type":
+                values.append(value.type)
+            elif kind == "number":
+                values.append(value.i)
+            else:
+                values.append(tuple(value.list.type))
+        key = (recipe, tuple(values))
         found = self._ports.get(key)
         if found is None:
-            known = dict(zip((name for name, _ in recipe.attrs), values, strict=True))
+            known = dict(zip((name for name, _ in recipe.attrs), key[1], strict=True))
             inputs, _ = _ports_of(recipe.input_args, known)
             outputs, offsets = _ports_of(recipe.output_args, known)
             float_attrs = tuple(dict.fromkeys(
