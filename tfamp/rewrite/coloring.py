@@ -735,25 +735,29 @@ class _BodyColoring:
                 elements = own(ref)
                 if elements is None:
                     return None
-                if self._producer_slot(ref) in members:
-                    continue
-                have16 = self._ref_is_16bit(ref)
+                if ref.is_arg:  # (_ref_is_16bit, from the producer slot found once)
+                    have16 = ref.node in self.overrides.args
+                else:
+                    producer = self._producer_slot(ref)
+                    if producer in members:
+                        continue
+                    have16 = producer in allow
                 option = 0 if have16 else 1  # the option that disagrees with the producer
                 if not any(c != name and member_or_16bit(c, i) in (None, bool(option))
                            for c, i in consumers_of.get(ref, ())):
                     cast(option, elements, 2 if have16 else 4)
             for ref in self._slot_output_refs(slot):
                 all_consumers = consumers_of.get(ref, ())
-                outside = [(c, i) for c, i in all_consumers
-                           if self._consumer_slot(c, i) not in members]
                 if not all_consumers and ref not in rets:
                     continue
                 elements = own(ref)
                 if elements is None:
                     return None
-                wants = {self._consumer_is_16bit(c, i) for c, i in outside
-                         if not self._follows_any_dtype(c, i)}
-                wants |= rets.get(ref, set())
+                wants = set(rets.get(ref, ()))  # does each consumer outside want 16-bit?
+                for c, i in all_consumers:
+                    consumer = self._consumer_slot(c, i)
+                    if consumer not in members and not self._follows_any_dtype(c, i):
+                        wants.add(consumer in allow)  # (_consumer_is_16bit)
                 for want16 in wants:
                     width = 2 if want16 else 4
                     degree, count = elements
