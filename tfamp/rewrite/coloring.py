@@ -963,13 +963,15 @@ class _BodyColoring:
         if self._neighbours is None:  # (edges do not change once connected)
             self._neighbours = [a + b for a, b in zip(self.fanin, self.fanout, strict=True)]
         neighbours = self._neighbours
-        for root in list(self.allow):
+        slot_list, blocked, deny, allow = self.slot_list, self.blocked, self.deny, self.allow
+        for root in list(allow):
             cause = self.slot_node[root]
             stack = [root]
             while stack:
                 current = stack.pop()
                 for slot in neighbours[current]:
-                    if not self._is_free(slot, ("clear",)):
+                    if (slot_list[slot] != "clear" or slot in blocked or slot in deny
+                            or slot in allow):  # (not _is_free(slot, ("clear",)))
                         continue
                     verdict = self._cheaper_in_16bit(slot, ties_convert=True)
                     if verdict is not None and not verdict[0]:
