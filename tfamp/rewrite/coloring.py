@@ -297,6 +297,7 @@ class _BodyColoring:
                                       for n in self.body.nodes.values()}.values()
             for port in ports)
         node_block_of, attr_block, blocked = self._node_block, self._attr_block, self.blocked
+        attr_blocks = self._attr_blocks
         no_block = ("", "")
         for name, node in self.body.nodes.items():
             list_name = list_of(node.op)
@@ -309,7 +310,12 @@ class _BodyColoring:
                 slot_attr.append(attr)
                 slot_list.append(list_name)
                 slot_index[(name, attr)] = slot
-                block = node_block if node_block[0] else attr_block(node, attr)
+                if node_block[0]:
+                    block = node_block
+                else:  # (_attr_block's cache, looked up here: every float slot)
+                    block = attr_blocks.get((node.op, attr, node.node_def.device))
+                    if block is None:
+                        block = attr_block(node, attr)
                 if block[0]:
                     blocked[slot] = block
                     # Blocks boundaries.solve may lift for a whole group: a

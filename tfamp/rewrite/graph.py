@@ -369,7 +369,9 @@ def _new_node(node_def, resolver: _PortResolver, no_ports=([], [], {}, ())) -> N
     # (positional: name, op, node_def, known_op, inputs, outputs, data_inputs,
     # called_functions, float_type_attrs, output_offsets; about twice as fast)
     return Node(node_def.name, op, node_def, recipe is not None, inputs, outputs, [],
-                _called_functions(node_def, recipe), float_attrs, offsets)
+                _called_functions(node_def, recipe)
+                if recipe is None or recipe.func_attrs or recipe.calls_itself else [],
+                float_attrs, offsets)
 
 
 def _patch_top_body(earlier: Body, same: dict[str, Node], written: dict[str, object],
