@@ -128,13 +128,11 @@ class _BodyEditor:
         self.records: dict[str, dict] = {}
         # node name -> NodeDef, for every NodeDef this editor adds or changes
         self.written: dict[str, object] = {}
-        # node -> its converted type attributes; asked once per edge end
-        decisions = coloring.decisions
-        self._converted = {name: decisions[(body.name, name)].converted_attrs
-                           for name in body.nodes}
+        # converted node -> its 16-bit type attributes; asked once per edge end
+        self._converted = coloring.converted_by_body.get(body.name, {})
 
     def converted(self, node: str) -> tuple[str, ...]:
-        return self._converted[node]
+        return self._converted.get(node, ())
 
     def new_output_dtype(self, ref: TensorRef) -> int:
         if ref.is_arg:
@@ -143,7 +141,7 @@ class _BodyEditor:
         return self.target if port.type_attr in self.converted(ref.node) else port.dtype
 
     def run(self) -> list[CastRecord]:
-        for name in self.body.nodes:
+        for name in self._converted:
             self._retype(name)
         # (new_output_dtype and Body.producer_port written out: this visits
         # every edge of the graph)
@@ -155,16 +153,15 @@ class _BodyEditor:
         if self.body.name not in self.coloring.signatures:
             visit = set()
             consumers = self.body.consumers
-            for name, attrs in converted.items():
-                if attrs:
-                    visit.add(name)
-                    for index in range(len(nodes[name].outputs)):
-                        visit.update(c for c, _ in consumers.get(TensorRef(name, index), ()))
+            for name in converted:
+                visit.add(name)
+                for index in range(len(nodes[name].outputs)):
+                    visit.update(c for c, _ in consumers.get(TensorRef(name, index), ()))
         for name, node in nodes.items():
             if visit is not None and name not in visit:
                 continue
             inputs = node.inputs
-            own = converted[name]
+            own = converted.get(name, ())
             for index, (ref, text) in enumerate(node.data_inputs):
                 if index >= len(inputs):
                     continue  # unknown op: left exactly as it was
@@ -177,7 +174,8 @@ class _BodyEditor:
                     if producer is None or ref.index >= len(producer.outputs):
                         continue  # unknown op: left exactly as it was
                     out = producer.outputs[ref.index]
-                    have = target if out.type_attr in converted[ref.node] else out.dtype
+                    have = (target if out.type_attr in converted.get(ref.node, ())
+                            else out.dtype)
                 port = inputs[index]
                 wanted = target if port.type_attr in own else port.dtype
                 if have != wanted:

@@ -29,6 +29,7 @@ arguments and results, forced 16-bit slots, and slots held at float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
@@ -122,6 +123,16 @@ class Coloring:
 
     def converted_attrs(self, function: str, node: str) -> tuple[str, ...]:
         return self.decisions[(function, node)].converted_attrs
+
+    @functools.cached_property
+    def converted_by_body(self) -> dict[str, dict[str, tuple[str, ...]]]:
+        """function -> {node: its type attributes now 16-bit}, converted nodes only,
+        in decision order (what Cast insertion and the traffic estimate walk)."""
+        by_body: dict[str, dict[str, tuple[str, ...]]] = {}
+        for (function, node), decision in self.decisions.items():
+            if decision.converted_attrs:
+                by_body.setdefault(function, {})[node] = decision.converted_attrs
+        return by_body
 
 
 def color(view: GraphView, config: AmpConfig,

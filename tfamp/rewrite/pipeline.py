@@ -174,8 +174,9 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view) -> dict:
     if not shapes.any_known():
         return dict(traffic_note="no shapes")
     weights = body_weights(view, shapes=shapes)
-    converted = {key: d.converted_attrs for key, d in coloring.decisions.items()
-                 if d.converted_attrs}
+    converted = {(function, node): attrs
+                 for function, nodes in coloring.converted_by_body.items()
+                 for node, attrs in nodes.items()}
     before, after = estimate_traffic_before_after(
         view, shapes, weights, converted, coloring.target)
     if coloring.signatures or coloring.clones:
