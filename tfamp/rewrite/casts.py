@@ -73,27 +73,23 @@ def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView, coloring: Color
         functions[clone] = fdef
         bodies.append(dataclasses.replace(by_name[original], name=clone))
     casts: list[CastRecord] = []
-    written: Written = {}
+    editors: dict[str, _BodyEditor] = {}
     for body in bodies:
         fdef = functions.get(body.name) if body.is_function else None
         node_list = fdef.node_def if fdef is not None else new_graph_def.node
         if fdef is not None and body.name in coloring.signatures:
             _retype_signature(fdef, coloring.signatures[body.name])
-        editor = _BodyEditor(body, node_list, fdef, coloring)
+        editor = editors[body.name] = _BodyEditor(body, node_list, fdef, coloring)
         casts.extend(editor.run())
-        written[body.name] = editor.written
-    _retarget_calls(new_graph_def, functions, coloring.call_targets, written)
-    return new_graph_def, casts, written
+    _retarget_calls(editors, coloring.call_targets)
+    return new_graph_def, casts, {name: e.written for name, e in editors.items()}
 
 
-def _retarget_calls(graph_def, functions, call_targets, written: Written) -> None:
+def _retarget_calls(editors: dict[str, _BodyEditor], call_targets) -> None:
     """Points each redirected call site at the function copy it now calls."""
-    node_defs: dict[str, dict] = {}
     for (body, node, attr, index), function in call_targets.items():
-        if body not in node_defs:
-            nodes = graph_def.node if body == "" else functions[body].node_def
-            node_defs[body] = {n.name: n for n in nodes}
-        node_def = written.setdefault(body, {})[node] = node_defs[body][node]
+        editor = editors[body]
+        node_def = editor.written[node] = editor.node_defs[node]
         value = node_def.attr[attr]
         if value.HasField("func"):
             value.func.name = function

@@ -121,9 +121,6 @@ class Coloring:
     # call site (body, node, attribute, index in a function list) -> the copy it calls
     call_targets: dict[tuple[str, str, str, int], str] = dataclasses.field(default_factory=dict)
 
-    def converted_attrs(self, function: str, node: str) -> tuple[str, ...]:
-        return self.decisions[(function, node)].converted_attrs
-
     @functools.cached_property
     def converted_by_body(self) -> dict[str, dict[str, tuple[str, ...]]]:
         """function -> {node: its type attributes now 16-bit}, converted nodes only,
@@ -648,7 +645,7 @@ class _BodyColoring:
         """Converts `slot` and the free infer/clear ops after it if, together, that
         moves fewer bytes (one op alone may not pay for its Casts, a chain does:
         LayerNorm's Sub/Mul/Square after a 16-bit MatMul). Returns True if done."""
-        if self._reads_variable(slot):
+        if self._region_stops_at(slot):
             return False
         region = self._free_region(slot)
         if len(region) < 2:
@@ -679,14 +676,14 @@ class _BodyColoring:
                 if (nxt not in seen and is_free(nxt, ("infer", "clear"))
                         and not any(s in deny for s in fanin[nxt])
                         and self._run_time_scale(nxt) is None
-                        and not self._reads_variable(nxt)):
+                        and not self._region_stops_at(nxt)):
                     seen.add(nxt)
                     stack.append(nxt)
         return region
 
-    def _reads_variable(self, slot: int) -> bool:
-        """Does `slot` read a variable (directly or through an Identity), where
-        that ends a region?
+    def _region_stops_at(self, slot: int) -> bool:
+        """Does a region stop at `slot`: does it read a variable (directly or
+        through an Identity) in float16?
 
         Such ops are how optimizers update master weights and their slots
         (Adam's ``g - m``, ``g * g``). In float16 regions stop there: a squared
@@ -752,7 +749,7 @@ class _BodyColoring:
                 elements = own(ref)
                 if elements is None:
                     return None
-                if ref.is_arg:  # (_ref_is_16bit, from the producer slot found once)
+                if ref.is_arg:  # (_ref_is_16bit, with the producer slot found once)
                     have16 = ref.node in self.overrides.args
                 else:
                     producer = self._producer_slot(ref)
@@ -774,7 +771,7 @@ class _BodyColoring:
                 for c, i in all_consumers:
                     consumer = self._consumer_slot(c, i)
                     if consumer not in members and not self._follows_any_dtype(c, i):
-                        wants.add(consumer in allow)  # (_consumer_is_16bit)
+                        wants.add(consumer in allow)
                 for want16 in wants:
                     width = 2 if want16 else 4
                     degree, count = elements
@@ -922,12 +919,6 @@ class _BodyColoring:
 
     def _slot_output_refs(self, slot: int) -> list[TensorRef]:
         return self._slot_refs(slot)[1]
-
-    def _consumer_is_16bit(self, consumer: str, index: int) -> bool:
-        node = self.body.nodes[consumer]
-        if index >= len(node.inputs):
-            return False
-        return self.slot_index.get((consumer, node.inputs[index].type_attr)) in self.allow
 
     def _follows_any_dtype(self, consumer: str, index: int) -> bool:
         """A free clear op that reads only metadata (Shape, ...) takes either dtype.

@@ -409,8 +409,7 @@ def _patch_top_body(earlier: Body, same: dict[str, Node], written: dict[str, obj
             for index, (ref, _) in enumerate(old.data_inputs):
                 consumer_list(ref).remove((name, index))
         for text in texts:
-            source, _, index = text.partition(":")
-            ref = TensorRef(source, int(index) if index else 0)
+            ref = _parse_input(text, False, None, None)
             consumer_list(ref).append((name, len(data_inputs)))
             data_inputs.append((ref, text))
     for ref in copied:
@@ -430,9 +429,7 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
     nodes: dict[str, Node] = {}
     output_offsets: dict[str, dict[str, int]] = {}
     input_texts: dict[str, list[str]] = {}  # read from the protos once
-    no_ports = ([], [], {}, ())
     edited: set[str] | None = None if before is None else set()
-    recipe_of, ports_of = resolver.recipe, resolver.ports
     for node_def in node_defs:
         node_name = node_def.name
         same = before.get(node_name) if before else None
@@ -456,18 +453,8 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
             continue
         if edited is not None:
             edited.add(node_name)
-        op = node_def.op
-        recipe = recipe_of(op)
-        inputs, outputs, offsets, float_attrs = (
-            no_ports if recipe is None else ports_of(node_def, recipe))
-        output_offsets[node_name] = offsets
-        # (positional: name, op, node_def, known_op, inputs, outputs, data_inputs,
-        # called_functions, float_type_attrs, output_offsets; about twice as fast)
-        nodes[node_name] = Node(
-            node_name, op, node_def, recipe is not None, inputs, outputs, [],
-            _called_functions(node_def, recipe)
-            if recipe is None or recipe.func_attrs or recipe.calls_itself else [],
-            float_attrs, offsets)
+        node = nodes[node_name] = _new_node(node_def, resolver)
+        output_offsets[node_name] = node.output_offsets
         input_texts[node_name] = list(node_def.input)
 
     consumers: dict[TensorRef, list[tuple[str, int]]] = {}

@@ -113,16 +113,6 @@ def _compare(a, b) -> int:
     return 0
 
 
-def sum_bytes(values) -> Bytes | None:
-    """Sum of Bytes values; None if any is None."""
-    total = Bytes()
-    for value in values:
-        if value is None:
-            return None
-        total = total + value
-    return total
-
-
 def elements_of(shape: Shape | None) -> tuple[int, int] | None:
     """(number of unknown dims, product of the known ones), or None (unknown rank)."""
     if shape is None:
