@@ -228,14 +228,14 @@ def _import_modules(names: list[str]) -> None:
 
 def _inspect_ranges(args, config) -> int:
     from tfamp.inspect.ranges import collect_file_ranges
-    from tfamp.keras.range_monitor import write_outputs
+    from tfamp.keras.range_monitor import DEFAULT_OUTPUT_DIR, write_outputs
 
     try:
         report = collect_file_ranges(Path(args.path), steps=args.batches,
                                      signature=args.signature, config=config)
     except (ValueError, OSError) as err:
         raise UserError(str(err).splitlines()[0]) from None
-    written = write_outputs(report, args.output or "tfamp_ranges")
+    written = write_outputs(report, args.output or DEFAULT_OUTPUT_DIR)
     if args.format == "json":
         print(report.to_json())
     else:
@@ -307,21 +307,20 @@ def render_summary(report, loaded=None) -> str:
 def _flops_line(report, loaded) -> str:
     from tfamp.inspect.flops import share_in_16bit
 
-    flops = getattr(loaded, "flops", None) or {}
-    not_counted = []
-    if getattr(loaded, "flops_unknown", 0):
-        not_counted.append(f"{loaded.flops_unknown} with unknown shapes")
+    counted = loaded.flops if loaded is not None else None
+    flops, unknown, degree = counted or ({}, 0, 0)
+    not_counted = [f"{unknown} with unknown shapes"] if unknown else []
     converted = {(n.function, n.name) for n in report.nodes if n.converted}
     share = share_in_16bit(flops, converted)
     head = f"matrix/convolution FLOPs in {report.dtype}:"
     if share is None:
-        if loaded is None or loaded.flops is None:
+        if counted is None:
             return f"{head} unknown (the graph carries no shapes)"
         return f"{head} unknown; matrix ops not counted: {', '.join(not_counted) or 'none'}"
     tail = f"; matrix ops not counted: {', '.join(not_counted)}" if not_counted else ""
     from tfamp.rewrite.shapes import format_elements
 
-    total = format_elements((getattr(loaded, "flops_degree", 0), sum(flops.values())))
+    total = format_elements((degree, sum(flops.values())))
     return f"{head} {100 * share:.1f}% of {total} counted per step{tail}"
 
 

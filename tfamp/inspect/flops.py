@@ -1,20 +1,18 @@
 """How many FLOPs do the matrix-multiply and convolution ops of a graph do?
 
-Two sources of static shapes:
+From static shapes:
 
 * ``graph_def_flops``: a GraphDef with ``_output_shapes`` attributes
   (``as_graph_def(add_shapes=True)`` of a traced or loaded function), counting
   inside library functions too, each weighted by how often it runs per step (a
   loop body times its static trip count; see ``tfamp.rewrite.traffic``). This
   is what ``tfamp inspect`` uses for SavedModels, Keras files and GraphDefs.
-* ``matrix_flops``: the top level of a live ``tf.Graph``.
 
 An op whose shapes are not fully known is left out and counted as unknown.
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 MATRIX_OPS = frozenset({
@@ -23,28 +21,6 @@ MATRIX_OPS = frozenset({
     "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
     "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter",
 })
-
-
-def matrix_flops(graph) -> tuple[dict[str, int], int]:
-    """FLOPs of each matrix/convolution op of `graph` with known shapes.
-
-    Args:
-      graph: a live ``tf.Graph`` (e.g. ``concrete_function.graph``).
-
-    Returns:
-      ({node name: FLOPs}, number of matrix ops whose shapes were unknown).
-    """
-    flops: dict[str, int] = {}
-    unknown = 0
-    for op in graph.get_operations():
-        if op.type not in MATRIX_OPS:
-            continue
-        value = _op_flops(op)
-        if value is None:
-            unknown += 1
-        else:
-            flops[op.name] = value
-    return flops, unknown
 
 
 def graph_def_flops(graph_def) -> tuple[dict[tuple[str, str], int], int, int]:
@@ -152,74 +128,6 @@ def _einsum_from_dims(equation: str, inputs) -> tuple[int, int] | None:
             if sizes.get(letter, -1) < 0:
                 sizes[letter] = size
     return _mono(2, *sizes.values()) if sizes else None
-
-
-def _dims(tensor) -> list[int] | None:
-    shape = tensor.shape
-    if shape.rank is None or any(d is None for d in shape.as_list()):
-        return None
-    return shape.as_list()
-
-
-def _op_flops(op) -> int | None:
-    shapes = [_dims(t) for t in op.inputs] + [_dims(t) for t in op.outputs]
-    kind = op.type
-    out = _dims(op.outputs[0])
-    if kind == "Einsum":
-        return _einsum_flops(op)
-    if out is None:
-        return None
-    if kind == "MatMul":
-        a = shapes[0]
-        if a is None:
-            return None
-        k = a[0] if op.get_attr("transpose_a") else a[1]
-        return 2 * math.prod(out) * k
-    if kind.startswith("BatchMatMul"):
-        a = shapes[0]
-        if a is None:
-            return None
-        k = a[-2] if op.get_attr("adj_x") else a[-1]
-        return 2 * math.prod(out) * k
-    if kind in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
-        kernel = shapes[1]
-        if kernel is None:
-            return None
-        per_output = math.prod(kernel[:-2]) * (1 if kind.startswith("Depthwise") else kernel[-2])
-        return 2 * math.prod(out) * per_output
-    # Backprop ops: as many multiply-adds as the forward convolution they mirror.
-    grad = _dims(op.inputs[2])
-    filter_shape = out if "Filter" in kind else _const_shape(op.inputs[1]) or shapes[1]
-    if grad is None or filter_shape is None:
-        return None
-    per_output = math.prod(filter_shape[:-2]) * (1 if "Depthwise" in kind else filter_shape[-2])
-    return 2 * math.prod(grad) * per_output
-
-
-def _const_shape(tensor) -> list[int] | None:
-    """The value of a constant shape tensor (Conv2DBackpropInput's input_sizes)."""
-    from tensorflow.python.framework import tensor_util
-
-    if tensor.op.type != "Const":
-        return _dims(tensor)
-    value = tensor_util.MakeNdarray(tensor.op.get_attr("value"))
-    return [int(v) for v in value.ravel()] if value.ndim == 1 else None
-
-
-def _einsum_flops(op) -> int | None:
-    equation = op.get_attr("equation").decode()
-    inputs, _, _ = equation.partition("->")
-    sizes: dict[str, int] = {}
-    for spec, tensor in zip(inputs.split(","), op.inputs, strict=False):
-        dims = _dims(tensor)
-        spec = spec.strip()
-        if dims is None or "." in spec or len(spec) != len(dims):
-            return None
-        for letter, size in zip(spec, dims, strict=True):
-            sizes[letter] = size
-    if not sizes or not re.fullmatch(r"[a-zA-Z,\s]*", inputs):
-        return None
-    return 2 * math.prod(sizes.values())
 
 
 def share_in_16bit(flops: dict, converted: set) -> float | None:

@@ -16,6 +16,7 @@ was expected, what was found and what to do, never a bare protobuf error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import zipfile
@@ -37,21 +38,33 @@ class Inspectable:
 
     Attributes:
       outputs: tensor names whose dtype callers rely on (None: unconsumed ones).
-      flops: matrix/convolution FLOPs per step by (function, node name), library
-        functions included (weighted by runs per step), where shapes are known;
-        None if no shapes were read.
-      flops_unknown: how many such ops had unknown shapes.
-      flops_degree: the flops are coefficients of B**flops_degree, B an
-        unknown dimension (a SavedModel's batch); 0 when all shapes are known.
     """
 
     name: str
     graph_def: graph_pb2.GraphDef | None = None
     report: RewriteReport | None = None
     outputs: list[str] | None = None
-    flops: dict[tuple[str, str], int] | None = None
-    flops_unknown: int = 0
-    flops_degree: int = 0
+
+    @functools.cached_property
+    def flops(self) -> tuple[dict[tuple[str, str], int], int, int] | None:
+        """Matrix/convolution FLOPs, counted when first asked (only the summary does).
+
+        Returns:
+          ({(function, node name): FLOPs per step}, library functions included
+          and weighted by runs per step; how many such ops had unknown shapes;
+          the degree d: the FLOPs are coefficients of B**d, B an unknown
+          dimension such as a SavedModel's batch), or None when the GraphDef
+          carries no shapes.
+        """
+        from tfamp.inspect.flops import graph_def_flops
+
+        graph_def = self.graph_def
+        if graph_def is None or not (
+                any("_output_shapes" in n.attr for n in graph_def.node)
+                or any("_output_shapes" in n.attr
+                       for f in graph_def.library.function for n in f.node_def)):
+            return None
+        return graph_def_flops(graph_def)
 
 
 def load_inspectable(path: Path, *, signature: str | None = None,
@@ -85,9 +98,9 @@ def load_inspectable(path: Path, *, signature: str | None = None,
     if suffix == ".json":
         return Inspectable(name=path.stem, report=read_report(path))
     if suffix == ".pbtxt":
-        return _with_flops(Inspectable(name=path.stem, graph_def=read_graph_def_text(path)))
+        return Inspectable(name=path.stem, graph_def=read_graph_def_text(path))
     if suffix == ".pb":
-        return _with_flops(Inspectable(name=path.stem, graph_def=read_graph_def_binary(path)))
+        return Inspectable(name=path.stem, graph_def=read_graph_def_binary(path))
     raise GraphFileError(
         f"{path}: unknown kind of file {suffix or '(no extension)'!r}; expected a "
         f"SavedModel directory, .keras/.h5 (Keras model), .pb (binary GraphDef), "
@@ -102,20 +115,8 @@ def _is_saved_model(path: Path) -> bool:
 
 def _from_concrete(name: str, concrete) -> Inspectable:
     graph_def = concrete.graph.as_graph_def(add_shapes=True)
-    return _with_flops(Inspectable(name=name, graph_def=graph_def,
-                                   outputs=[t.name for t in concrete.graph.outputs]))
-
-
-def _with_flops(loaded: Inspectable) -> Inspectable:
-    """Counts matrix FLOPs (library functions included) where the GraphDef has shapes."""
-    from tfamp.inspect.flops import graph_def_flops
-
-    graph_def = loaded.graph_def
-    has_shapes = any("_output_shapes" in n.attr for n in graph_def.node) or any(
-        "_output_shapes" in n.attr for f in graph_def.library.function for n in f.node_def)
-    if has_shapes:
-        loaded.flops, loaded.flops_unknown, loaded.flops_degree = graph_def_flops(graph_def)
-    return loaded
+    return Inspectable(name=name, graph_def=graph_def,
+                       outputs=[t.name for t in concrete.graph.outputs])
 
 
 def read_saved_model(folder: Path, signature: str | None) -> Inspectable:

@@ -110,12 +110,12 @@ def render_html(report: RewriteReport, graph_def=None, *, full_names: bool = Fal
     title = f"tfamp: {report.function or 'graph'} -> {report.dtype}"
     values = {
         "TITLE": html.escape(title),
-        "DATA": _script_json(data),
+        "DATA": script_json(data),
     }
     return re.sub(r"%%(TITLE|DATA)%%", lambda m: values[m.group(1)], _TEMPLATE)
 
 
-def _script_json(data: Any) -> str:
+def script_json(data: Any) -> str:
     """JSON safe inside <script>: no '<', '>' or '&' (so no '</script>', '<!--')."""
     text = json.dumps(data, ensure_ascii=True, separators=(",", ":"))
     return (text.replace("<", "\\u003c").replace(">", "\\u003e")

@@ -37,7 +37,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from tfamp.config import AmpConfig
 from tfamp.rewrite import rewrite_graph_def
-from tfamp.rewrite.graph import FLOAT_TYPES, build_view, dtype_name
+from tfamp.rewrite.graph import FLOAT_TYPES, TensorRef, build_view, dtype_name
 
 log = logging.getLogger("tfamp")
 
@@ -143,7 +143,7 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     """
     config = config or AmpConfig()
     old = concrete.graph
-    rewritten, report = rewrite_graph_def(
+    rewritten, _ = rewrite_graph_def(  # (the decision is read from the rewritten dtypes)
         old.as_graph_def(), config, outputs=[t.name for t in old.outputs],
         function_name=old.name)
     body = build_view(rewritten).bodies[0]
@@ -173,7 +173,6 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     scope_source = feeds[0] if inserted and feeds else node
     layer = _layer_scope(scope_source)
     op = body.nodes[feeds[0]].op if inserted and feeds else body.nodes[node].op
-    del report  # the decision is read from the rewritten graph's dtypes
     return NonFiniteOp(
         node=node, op=body.nodes[node].op, output=port, value=value,
         phase="backward" if _is_gradient(node) else "forward", layer=layer,
@@ -328,7 +327,7 @@ def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
 
 def _magnitude(name: str, value: np.ndarray) -> InputMagnitude:
     array = np.asarray(value)
-    dtype = str(array.dtype) if array.dtype.kind == "f" else str(array.dtype)
+    dtype = str(array.dtype)
     if array.dtype.kind not in "fc":
         return InputMagnitude(name, dtype, float("nan"), float("nan"), 0)
     a = np.abs(array.astype(np.float64)).ravel()
@@ -339,9 +338,7 @@ def _magnitude(name: str, value: np.ndarray) -> InputMagnitude:
         float(nonzero.min()) if nonzero.size else 0.0, int(a.size - finite.size))
 
 
-def _ref(node: str, port: int):
-    from tfamp.rewrite.graph import TensorRef
-
+def _ref(node: str, port: int) -> TensorRef:
     return TensorRef(node, port)
 
 

@@ -128,12 +128,6 @@ def bucket_counts_many(tensors):
     return tf.concat([folded, raw[:, :1]], 1), maxes
 
 
-def max_abs(x):
-    """On-device max |x| (0 for an empty tensor; inf/nan if it holds one)."""
-    _, maxes = bucket_counts_many([x])
-    return maxes[0]
-
-
 @dataclasses.dataclass
 class TensorRange:
     """Accumulated log2 histogram of one tensor (or one layer's tensors).
@@ -414,8 +408,7 @@ class RangeReport:
                          f"{'/ above 65504 ' if kind == 'activation' else ''}in float16):")
             width = max(len(t.name) for t in entries)
             if kind == "activation":
-                cols = "  ".join(f"{'overflow':>10}" for _ in range(1))
-                lines.append(f"    {'tensor':<{width}}  {'underflow':>10}  {cols}  "
+                lines.append(f"    {'tensor':<{width}}  {'underflow':>10}  {'overflow':>10}  "
                              f"{'max |x|':>10}  {'zeros':>6}")
                 for t in entries:
                     lines.append(f"    {t.name:<{width}}  {_pct(t.underflow_share()):>10}  "

@@ -14,11 +14,10 @@ network, no matplotlib and no other file.
 from __future__ import annotations
 
 import html
-import json
 import re
 from pathlib import Path
-from typing import Any
 
+from tfamp.inspect.html_report import script_json
 from tfamp.inspect.ranges import (
     E_MAX,
     E_MIN,
@@ -147,15 +146,8 @@ def render_ranges_html(report: RangeReport) -> str:
     data["labels"] = KIND_LABELS
     data["summary"] = report.summary_text()
     values = {"TITLE": html.escape(f"tfamp ranges: {report.model}"),
-              "DATA": _script_json(data)}
+              "DATA": script_json(data)}
     return re.sub(r"%%(TITLE|DATA)%%", lambda m: values[m.group(1)], _TEMPLATE)
-
-
-def _script_json(data: Any) -> str:
-    """JSON safe inside <script>: no '<', '>' or '&' (so no '</script>', '<!--')."""
-    text = json.dumps(data, ensure_ascii=True, separators=(",", ":"))
-    return (text.replace("<", "\\u003c").replace(">", "\\u003e")
-            .replace("&", "\\u0026"))
 
 
 _TEMPLATE = r"""<!DOCTYPE html>

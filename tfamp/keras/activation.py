@@ -36,11 +36,6 @@ from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
 
-_HOOKED_METHODS = ("compile", "fit", "make_train_function", "make_test_function",
-                   "make_predict_function", "train_step", "_validate_and_get_metrics_result",
-                   "call")
-
-
 class _EnabledState(EnabledState):
     """tf_keras: tfamp's LossScaleOptimizer around a tf_keras optimizer."""
 
@@ -132,8 +127,7 @@ def disable(model):
         return keras3.disable(model)
     if getattr(model, "_tfamp_state", None) is None:
         return model
-    for name in _HOOKED_METHODS:
-        model.__dict__.pop(name, None)
+    hooks.uninstall(model)
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, LossScaleOptimizer):
         inner = optimizer.inner_optimizer

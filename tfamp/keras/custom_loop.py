@@ -87,7 +87,6 @@ class ModelLoop:
         self._own_state = None
         self.warned_eager = False
         self.warned_control_flow = False
-        self.warned = set()
 
     # -- the forward --------------------------------------------------------
 

@@ -106,6 +106,13 @@ def install(model, cls, state, lso_cls, *, compile: Callable,  # noqa: A002
     }
     for name, hook in hooks.items():
         object.__setattr__(model, name, hook)
+    object.__setattr__(model, "_tfamp_hooks", tuple(hooks))
+
+
+def uninstall(model) -> None:
+    """Removes every hook ``install`` set, so the class's own methods show again."""
+    for name in model.__dict__.pop("_tfamp_hooks", ()):
+        model.__dict__.pop(name, None)
 
 
 def reset_functions(model) -> None:

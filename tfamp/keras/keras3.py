@@ -32,11 +32,6 @@ from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
 
-_HOOKED_METHODS = ("compile", "fit", "make_train_function", "make_test_function",
-                   "make_predict_function", "train_step", "_get_metrics_result_or_logs",
-                   "call")
-
-
 def is_keras3_model(model) -> bool:
     """True if `model` is a Keras 3 ``keras.Model`` (any backend)."""
     return isinstance(model, keras.Model)
@@ -126,8 +121,7 @@ def disable(model):
     """Removes tfamp's hooks from a Keras 3 model and unwraps its optimizer."""
     if getattr(model, "_tfamp_state", None) is None:
         return model
-    for name in _HOOKED_METHODS:
-        model.__dict__.pop(name, None)
+    hooks.uninstall(model)
     optimizer = getattr(model, "optimizer", None)
     if isinstance(optimizer, LossScaleOptimizer):
         inner = optimizer.inner_optimizer
