@@ -191,16 +191,11 @@ def _check_model(model):
 
 
 def _keras3_module():
-    import sys
+    """tfamp's Keras 3 module (``tfamp.keras.keras3``) when Keras 3 is installed."""
+    from tfamp.keras.flavour import keras3_module
 
-    keras3 = sys.modules.get("keras")
-    if keras3 is None or not getattr(keras3, "__version__", "0").startswith("3"):
-        try:
-            import keras as keras3
-        except ImportError:
-            return None
-        if not getattr(keras3, "__version__", "0").startswith("3"):
-            return None
+    if keras3_module() is None:
+        return None
     from tfamp.keras import keras3 as hooks
 
     return hooks

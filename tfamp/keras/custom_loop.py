@@ -378,11 +378,10 @@ def _patch_tf_keras_optimizer() -> None:
 
 
 def _patch_keras3_optimizer() -> None:
-    try:
-        import keras
-    except ImportError:
-        return
-    if not getattr(keras, "__version__", "0").startswith("3"):
+    from tfamp.keras.flavour import keras3_module
+
+    keras = keras3_module()
+    if keras is None:
         return
     optimizer_class = keras.optimizers.Optimizer
     original = optimizer_class.apply
