@@ -164,10 +164,10 @@ def color(view: GraphView, config: AmpConfig,
         original = boundaries.original_function_name(body.name)
         body_keep = {node: why for (fn, node), why in keep.items()
                      if boundaries.original_function_name(fn) == original}
-        body_shapes = {}
-        if shapes is not None:
-            body_shapes = shapes.shapes.get(body.name) or shapes.shapes.get(original, {})
-        body_coloring = _BodyColoring(body, config, body_pins, body_keep, body_shapes,
+        counts = {}
+        if shapes is not None:  # (a copy of a function has its original's shapes)
+            counts = shapes.counts(body.name if shapes.shapes.get(body.name) else original)
+        body_coloring = _BodyColoring(body, config, body_pins, body_keep, counts,
                                       overrides, skeletons)
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
@@ -215,14 +215,15 @@ class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
     def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
-                 keep: Mapping[str, str] | None = None, shapes: dict | None = None,
+                 keep: Mapping[str, str] | None = None, counts: dict | None = None,
                  overrides: boundaries.BodyOverrides | None = None,
                  skeletons: dict[str, _Skeleton] | None = None):
         self.body = body
         self.overrides = overrides or boundaries.BodyOverrides()
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.keep = keep or {}
-        self.shapes = shapes or {}
+        # tensor -> its elements (shapes.elements_of), None where unknown
+        self.counts = counts or {}
         # slot -> (why float32, cause, kind), for slots the byte count kept float32
         self.kept: dict[int, tuple[str, str, str]] = {}
         self._refs_by_slot: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
@@ -715,70 +716,88 @@ class _BodyColoring:
         the same Cast anyway (a region member has the option's dtype); a Cast on
         an output by the option that disagrees with a consumer outside.
         """
+        # (Helpers written out: this runs for every choice the rules leave open.)
         members = set(region)
         slot_index, consumers_of, rets = self.slot_index, self.body.consumers, self._ret_wants
-        nodes, allow, shapes = self.body.nodes, self.allow, self.shapes
-        sums: tuple[dict[int, int], dict[int, int]] = ({}, {})  # [float32, 16-bit]
-        casts: tuple[list, list] = ([], [])
-
-        def own(ref: TensorRef) -> tuple[int, int] | None:
-            """The tensor's elements, its reads or writes added at each width."""
-            elements = elements_of(shapes.get(ref))
-            if elements is not None:
-                degree, count = elements
-                sums[0][degree] = sums[0].get(degree, 0) + count * 4
-                sums[1][degree] = sums[1].get(degree, 0) + count * 2
-            return elements
-
-        def cast(option: int, elements: tuple[int, int], src_width: int) -> None:
-            degree, count = elements
-            sums[option][degree] += count * ((2 if option else 4) + src_width)
-            casts[option].append(elements)
-
-        def member_or_16bit(consumer: str, index: int) -> bool | None:
-            """None for a region member (it has either option's dtype)."""
-            inputs = nodes[consumer].inputs
-            if index >= len(inputs):
-                return False
-            slot = slot_index.get((consumer, inputs[index].type_attr))
-            return None if slot in members else slot in allow
-
+        nodes, allow, counts = self.body.nodes, self.allow, self.counts
+        refs_by_slot, slot_node, args16 = self._refs_by_slot, self.slot_node, self.overrides.args
+        sums32: dict[int, int] = {}
+        sums16: dict[int, int] = {}
+        casts32: list[tuple[int, int]] = []
+        casts16: list[tuple[int, int]] = []
         for slot in region:
-            name = self.slot_node[slot]
-            for ref in self._input_refs(slot):
-                elements = own(ref)
+            name = slot_node[slot]
+            input_refs, output_refs = refs_by_slot.get(slot) or self._slot_refs(slot)
+            for ref in input_refs:
+                elements = counts.get(ref)
                 if elements is None:
                     return None
+                degree, count = elements
+                sums32[degree] = sums32.get(degree, 0) + count * 4
+                sums16[degree] = sums16.get(degree, 0) + count * 2
                 if ref.is_arg:  # (_ref_is_16bit, with the producer slot found once)
-                    have16 = ref.node in self.overrides.args
-                else:
-                    producer = self._producer_slot(ref)
+                    have16 = ref.node in args16
+                else:  # (_producer_slot)
+                    producer_node = nodes.get(ref.node)
+                    producer = None
+                    if producer_node is not None and ref.index < len(producer_node.outputs):
+                        producer = slot_index.get(
+                            (ref.node, producer_node.outputs[ref.index].type_attr))
                     if producer in members:
                         continue
                     have16 = producer in allow
-                option = 0 if have16 else 1  # the option that disagrees with the producer
-                if not any(c != name and member_or_16bit(c, i) in (None, bool(option))
-                           for c, i in consumers_of.get(ref, ())):
-                    cast(option, elements, 2 if have16 else 4)
-            for ref in self._slot_output_refs(slot):
+                # The option that disagrees with the producer pays for a Cast,
+                # unless another consumer needs the same Cast anyway: a region
+                # member (either option's dtype) or a slot already of that dtype.
+                shared = False
+                for c, i in consumers_of.get(ref, ()):
+                    if c == name:
+                        continue
+                    inputs = nodes[c].inputs
+                    if i >= len(inputs):
+                        if have16:  # (an input without a port reads float32)
+                            shared = True
+                            break
+                        continue
+                    s = slot_index.get((c, inputs[i].type_attr))
+                    if s in members or (s in allow) != have16:
+                        shared = True
+                        break
+                if not shared:
+                    if have16:
+                        sums32[degree] += count * 6
+                        casts32.append(elements)
+                    else:
+                        sums16[degree] += count * 6
+                        casts16.append(elements)
+            for ref in output_refs:
                 all_consumers = consumers_of.get(ref, ())
                 if not all_consumers and ref not in rets:
                     continue
-                elements = own(ref)
+                elements = counts.get(ref)
                 if elements is None:
                     return None
+                degree, count = elements
+                sums32[degree] = sums32.get(degree, 0) + count * 4
+                sums16[degree] = sums16.get(degree, 0) + count * 2
                 wants = set(rets.get(ref, ()))  # does each consumer outside want 16-bit?
                 for c, i in all_consumers:
-                    consumer = self._consumer_slot(c, i)
+                    inputs = nodes[c].inputs  # (_consumer_slot)
+                    consumer = slot_index.get((c, inputs[i].type_attr)) \
+                        if i < len(inputs) else None
                     if consumer not in members and not self._follows_any_dtype(c, i):
                         wants.add(consumer in allow)
                 for want16 in wants:
                     width = 2 if want16 else 4
-                    degree, count = elements
-                    sums[0][degree] += count * width
-                    sums[1][degree] += count * width
-                    cast(0 if want16 else 1, elements, width)
-        return (Bytes.of_sums(sums[1]), casts[1]), (Bytes.of_sums(sums[0]), casts[0])
+                    sums32[degree] += count * width
+                    sums16[degree] += count * width
+                    if want16:  # the float32 option casts to 16-bit for it
+                        sums32[degree] += count * (4 + width)
+                        casts32.append(elements)
+                    else:
+                        sums16[degree] += count * (2 + width)
+                        casts16.append(elements)
+        return (Bytes.of_sums(sums16), casts16), (Bytes.of_sums(sums32), casts32)
 
     def _producer_slot(self, ref: TensorRef) -> int | None:
         if ref.is_arg:
@@ -807,7 +826,7 @@ class _BodyColoring:
         if node.op not in SCALING_OPS:
             return None
         for ref, _ in node.data_inputs:
-            if elements_of(self.shapes.get(ref)) != (0, 1):
+            if self.counts.get(ref) != (0, 1):
                 continue
             source = self._scalar_source(ref)
             if source is not None:
@@ -1027,38 +1046,60 @@ class _BodyColoring:
     def _decisions(self) -> dict[tuple[str, str], Decision]:
         slots_of: dict[str, list[int]] = {}
         for slot, name in enumerate(self.slot_node):
-            slots_of.setdefault(name, []).append(slot)
+            found = slots_of.get(name)
+            if found is None:
+                slots_of[name] = [slot]
+            else:
+                found.append(slot)
         decisions = {}
         body_name, allow, list_of = self.body.name, self.allow, self.lists.list_of
+        deny, kept, blocked = self.deny, self.kept, self.blocked
         slot_attr = self.slot_attr
-        # Nodes without a slot (most of a training step) share one Decision per
-        # (op, block): it depends on nothing else.
-        no_slot: dict[tuple[str, tuple[str, str]], Decision] = {}
+        new = tuple.__new__  # (Decision(...) without its Python-level __new__)
+        # Decisions that depend on nothing but the op's list and a block are
+        # shared (most of a training step: nodes without a slot, variable
+        # reads, float32 ops with no 16-bit neighbour).
+        shared: dict[tuple, Decision] = {}
+        lists: dict[str, str] = {}
         node_blocks = self.node_blocks
         for name, node in self.body.nodes.items():
+            op = node.op
+            list_name = lists.get(op)
+            if list_name is None:
+                list_name = lists[op] = list_of(op)
             slots = slots_of.get(name)
             if slots is None:
-                key = (node.op, node_blocks[name])
-                decision = no_slot.get(key)
+                key = (list_name, node_blocks[name])
+                decision = shared.get(key)
                 if decision is None:
-                    list_name = list_of(node.op)
                     reason, cause, kind = self._fp32_reason(node, list_name, [])
-                    decision = no_slot[key] = Decision(list_name, False, reason, (), cause, kind)
+                    decision = shared[key] = new(
+                        Decision, (list_name, False, reason, (), cause, kind))
                 decisions[(body_name, name)] = decision
                 continue
-            list_name = list_of(node.op)
             converted = [s for s in slots if s in allow]
             if converted:
                 reason, cause, kind = allow[converted[0]]
                 if len(converted) < len(slots):
-                    kept = [slot_attr[s] for s in slots if s not in allow]
-                    reason += f" ({', '.join(kept)} stays float32)"
-                decisions[(body_name, name)] = Decision(
+                    kept_attrs = [slot_attr[s] for s in slots if s not in allow]
+                    reason += f" ({', '.join(kept_attrs)} stays float32)"
+                decisions[(body_name, name)] = new(Decision, (
                     list_name, True, reason, tuple([slot_attr[s] for s in converted]),
-                    cause, kind)
+                    cause, kind))
                 continue
-            reason, cause, kind = self._fp32_reason(node, list_name, slots)
-            decisions[(body_name, name)] = Decision(list_name, False, reason, (), cause, kind)
+            primary = slots[0]
+            own = deny.get(primary) or kept.get(primary)
+            if own is not None:
+                decisions[(body_name, name)] = new(Decision, (
+                    list_name, False, own[0], (), own[1], own[2]))
+                continue
+            key = (list_name, blocked.get(primary), True)
+            decision = shared.get(key)
+            if decision is None:
+                reason, cause, kind = self._fp32_reason(node, list_name, slots)
+                decision = shared[key] = new(
+                    Decision, (list_name, False, reason, (), cause, kind))
+            decisions[(body_name, name)] = decision
         return decisions
 
     def _fp32_reason(self, node, list_name: str,

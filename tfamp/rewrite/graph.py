@@ -419,10 +419,47 @@ def _patch_top_body(earlier: Body, same: dict[str, Node], written: dict[str, obj
                 consumers=consumers, edited=frozenset(redo))
 
 
+def _read_top_body(node_defs, resolver: _PortResolver) -> Body | None:
+    """_build_body for a top graph read afresh, in one pass over the NodeDefs.
+
+    In the top graph an input string alone names its tensor, so each node's
+    edges are resolved as it is read; strings recur (a tensor with several
+    consumers) and are parsed once. None if two nodes share a name (the
+    general reading keeps the last one's edges only).
+    """
+    nodes: dict[str, Node] = {}
+    consumers: dict[TensorRef, list[tuple[str, int]]] = {}
+    add_consumer = consumers.setdefault
+    refs: dict[str, TensorRef] = {}
+    new_node = _new_node
+    for node_def in node_defs:
+        node = new_node(node_def, resolver)
+        node_name = node.name
+        nodes[node_name] = node
+        data_inputs = node.data_inputs
+        for text in node_def.input:
+            ref = refs.get(text)
+            if ref is None:
+                if text.startswith("^"):
+                    continue
+                source, _, index = text.partition(":")
+                ref = refs[text] = TensorRef(source, int(index) if index else 0)
+            add_consumer(ref, []).append((node_name, len(data_inputs)))
+            data_inputs.append((ref, text))
+    if len(nodes) != len(node_defs):
+        return None
+    return Body(name="", is_function=False, nodes=nodes, arg_dtypes={}, rets={},
+                consumers=consumers)
+
+
 def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
                 before: dict[str, Node] | None,
                 written: dict[str, object] | None = None) -> Body:
     is_function = fdef is not None
+    if not is_function and before is None:
+        body = _read_top_body(node_defs, resolver)
+        if body is not None:
+            return body
     arg_dtypes = {}
     if is_function:
         arg_dtypes = {arg.name: arg.type for arg in fdef.signature.input_arg}

@@ -77,6 +77,9 @@ class Bytes:
     @staticmethod
     def of_sums(sums: dict[int, int]) -> Bytes:
         """The Bytes of {degree: coefficient} sums (what adding them up one by one gives)."""
+        if len(sums) == 1:  # (the usual case: every size known)
+            for degree, coeff in sums.items():
+                return Bytes(((degree, coeff),)) if coeff else Bytes()
         return Bytes(tuple(sorted(((d, c) for d, c in sums.items() if c), reverse=True)))
 
     def __add__(self, other: Bytes) -> Bytes:
