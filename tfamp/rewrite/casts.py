@@ -89,7 +89,7 @@ def _retarget_calls(editors: dict[str, _BodyEditor], call_targets) -> None:
     """Points each redirected call site at the function copy it now calls."""
     for (body, node, attr, index), function in call_targets.items():
         editor = editors[body]
-        node_def = editor.written[node] = editor.node_defs[node]
+        node_def = editor.written[node] = editor.node_def(node)
         value = node_def.attr[attr]
         if value.HasField("func"):
             value.func.name = function
@@ -112,8 +112,14 @@ class _BodyEditor:
         self.fdef = fdef
         self.coloring = coloring
         self.target = coloring.target
-        self.node_defs = {n.name: n for n in node_list}
-        self.taken_names = set(self.node_defs) | set(body.arg_dtypes)
+        # node name -> its position in node_list. The body lists its nodes in
+        # the order of the NodeDefs it was read from (a copy of which
+        # node_list is), one per name: no need to read every name again.
+        if len(body.nodes) == len(node_list):
+            self.position = {name: i for i, name in enumerate(body.nodes)}
+        else:  # (names used twice: the last one counts, as in the view)
+            self.position = {n.name: i for i, n in enumerate(node_list)}
+        self.taken_names = set(self.position) | set(body.arg_dtypes)
         self.cast_for: dict[tuple[TensorRef, int], str] = {}  # -> consumer text
         signature = coloring.signatures.get(body.name)
         self.arg_dtypes = dict(body.arg_dtypes)
@@ -126,6 +132,10 @@ class _BodyEditor:
         self.written: dict[str, object] = {}
         # converted node -> its 16-bit type attributes; asked once per edge end
         self._converted = coloring.converted_by_body.get(body.name, {})
+
+    def node_def(self, name: str):
+        """The NodeDef of `name` in the graph being written (to edit it)."""
+        return self.node_list[self.position[name]]
 
     def converted(self, node: str) -> tuple[str, ...]:
         return self._converted.get(node, ())
@@ -175,7 +185,7 @@ class _BodyEditor:
                 port = inputs[index]
                 wanted = target if port.type_attr in own else port.dtype
                 if have != wanted:
-                    node_def = self.written[name] = self.node_defs[name]
+                    node_def = self.written[name] = self.node_def(name)
                     node_def.input[index] = self._cast(ref, text, wanted, name)
         for ret_name, (ref, text, _) in self.body.rets.items():
             dtype = self.ret_dtypes[ret_name]
@@ -188,7 +198,7 @@ class _BodyEditor:
         converted = self.converted(name)
         if not converted:
             return
-        node_def = self.written[name] = self.node_defs[name]
+        node_def = self.written[name] = self.node_def(name)
         for attr in converted:
             if "[" in attr:
                 base, index = attr[:-1].split("[")
@@ -238,7 +248,7 @@ class _BodyEditor:
         cast.attr["DstT"].type = dtype
         cast.attr["Truncate"].b = False
         if not ref.is_arg:
-            cast.device = self.node_defs[ref.node].device
+            cast.device = self.body.nodes[ref.node].node_def.device
         output = f"{name}:y:0" if self.body.is_function else name
         self.records[output] = dict(
             name=name, function=self.body.name, source=text,

@@ -29,6 +29,7 @@ Linear in the number of nodes and edges.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tensorflow.core.framework import types_pb2
 
@@ -148,11 +149,18 @@ class _IntValues:
         self.shapes = shapes
         self.memo: dict[tuple[str, TensorRef], _IntValue] = {}
         self.trips: dict[tuple[str, str], int | None] = {}
-        self.call_sites: dict[str, list[tuple[Body, Node]]] = {}
-        for body in view.bodies:
+
+    @functools.cached_property
+    def call_sites(self) -> dict[str, list[tuple[Body, Node]]]:
+        """Function name -> (body, node) of every call of it (asked for by
+        arguments only: a graph without loops never needs it)."""
+        sites: dict[str, list[tuple[Body, Node]]] = {}
+        for body in self.bodies.values():
             for node in body.nodes.values():
-                for callee in dict.fromkeys(node.called_functions):
-                    self.call_sites.setdefault(callee, []).append((body, node))
+                if node.called_functions:
+                    for callee in dict.fromkeys(node.called_functions):
+                        sites.setdefault(callee, []).append((body, node))
+        return sites
 
     def value(self, body: Body, ref: TensorRef) -> _IntValue:
         key = (body.name, ref)
@@ -403,10 +411,6 @@ def _scale(sums: dict[int, int], factor: int) -> Bytes:
                               reverse=True)))
 
 
-def _passes_through(node: Node) -> bool:
-    return node.op in NO_COPY_OPS or bool(node.called_functions)
-
-
 class _BodyTraffic:
     """One body's bytes as {degree: bytes} sums, for two modes at once.
 
@@ -428,7 +432,10 @@ class _BodyTraffic:
         self.ret_dtypes: dict[TensorRef, list[int]] = {}
         for ref, _, dtype in body.rets.values():
             self.ret_dtypes.setdefault(ref, []).append(dtype)
-        self.through = {name for name, node in body.nodes.items() if _passes_through(node)}
+        # Nodes that write no bytes of their own: views of their input
+        # (NO_COPY_OPS) and calls (the callee's nodes are counted).
+        self.through = {name for name, node in body.nodes.items()
+                        if node.called_functions or node.op in NO_COPY_OPS}
 
     def dtype(self, mode: int, name: str, port) -> int:
         if mode:
@@ -439,11 +446,73 @@ class _BodyTraffic:
 
     def run(self) -> None:
         body = self.body
+        # (Everything the per-tensor step reads is bound here once: it runs for
+        # every float tensor and every edge of the graph.)
+        consumers_of, counts, nodes = body.consumers.get, self.counts.get, body.nodes
+        through, converted, target = self.through, self.converted, self.target
+        ret_dtypes_of, bypass, add_cast = self.ret_dtypes.get, self._bypass, self._cast
+        nbytes = BYTES_PER_ELEMENT.get  # (dtype_bytes)
+        sums0, sums1 = self.sums
+        known = unknown = 0
+
+        def tensor(ref: TensorRef, port, write: bool, cast_source) -> None:
+            """`port` is the producing output port, or None for a function argument."""
+            nonlocal known, unknown
+            consumers = consumers_of(ref, ())
+            elements = counts(ref)
+            if elements is None:
+                if consumers or (write and port is not None):
+                    unknown += 1
+                return
+            known += 1
+            degree, count = elements
+            if port is None:
+                have0 = have1 = body.arg_dtypes[ref.node]
+            else:
+                have0 = have1 = port.dtype
+                attrs = converted.get(ref.node)
+                if attrs and port.type_attr in attrs:
+                    have1 = target
+            bytes0 = bytes1 = nbytes(have0, 0) if write else 0
+            if write and have1 != have0:
+                bytes1 = nbytes(have1, 0)
+            wanted: list[tuple[int, int]] = []  # (mode, dtype) that need a Cast
+            for consumer, index in consumers:
+                inputs = nodes[consumer].inputs
+                if index >= len(inputs):
+                    continue
+                in_port = inputs[index]
+                want0 = want1 = in_port.dtype
+                attrs = converted.get(consumer)
+                if attrs and in_port.type_attr in attrs:
+                    want1 = target
+                if want0 != have0 and want0 in FLOAT_TYPES:
+                    wanted.append((0, want0))
+                if want1 != have1 and want1 in FLOAT_TYPES:
+                    wanted.append((1, want1))
+                if consumer not in through:
+                    bytes0 += nbytes(want0, 0)
+                    bytes1 += nbytes(want1, 0)
+            ret_dtypes = ret_dtypes_of(ref)
+            if ret_dtypes:
+                for dtype in ret_dtypes:
+                    if dtype != have0 and dtype in FLOAT_TYPES:
+                        wanted.append((0, dtype))
+                    if dtype != have1 and dtype in FLOAT_TYPES:
+                        wanted.append((1, dtype))
+            if wanted:
+                for mode, dtype in dict.fromkeys(wanted):
+                    if not bypass(mode, cast_source, dtype):
+                        add_cast(mode, degree, count, have1 if mode else have0, dtype)
+            if bytes0:
+                sums0[degree] = sums0.get(degree, 0) + count * bytes0
+            if bytes1:
+                sums1[degree] = sums1.get(degree, 0) + count * bytes1
+
         for name, dtype in body.arg_dtypes.items():
             if dtype in FLOAT_TYPES:
-                self._tensor(TensorRef(name, 0, is_arg=True), None, False, None)
-        tensor, through = self._tensor, self.through
-        for name, node in body.nodes.items():
+                tensor(TensorRef(name, 0, is_arg=True), None, False, None)
+        for name, node in nodes.items():
             cast_source = None
             if node.op == "Cast" and node.data_inputs and node.inputs:
                 cast_source = node.data_inputs[0][0]
@@ -451,6 +520,8 @@ class _BodyTraffic:
             for index, port in enumerate(node.outputs):
                 if port.dtype in FLOAT_TYPES:
                     tensor(TensorRef(name, index), port, name not in through, cast_source)
+        self.known += known
+        self.unknown += unknown
 
     def _existing_cast(self, name: str, node: Node, source: TensorRef) -> None:
         elements = self.counts.get(source)
@@ -464,62 +535,6 @@ class _BodyTraffic:
                     sums = self.cast_sums[mode]
                     sums[degree] = sums.get(degree, 0) + count * (
                         dtype_bytes(src) + dtype_bytes(dst))
-
-    def _tensor(self, ref: TensorRef, port, write: bool, cast_source) -> None:
-        """`port` is the producing output port, or None for a function argument."""
-        body = self.body
-        consumers = body.consumers.get(ref, ())
-        elements = self.counts.get(ref)
-        if elements is None:
-            if consumers or (write and port is not None):
-                self.unknown += 1
-            return
-        self.known += 1
-        degree, count = elements
-        if port is None:
-            have0 = have1 = body.arg_dtypes[ref.node]
-        else:
-            have0 = port.dtype
-            attrs = self.converted.get(ref.node)
-            have1 = self.target if attrs and port.type_attr in attrs else have0
-        nbytes = BYTES_PER_ELEMENT.get  # dtype_bytes, written out: this runs per edge
-        bytes0 = bytes1 = nbytes(have0, 0) if write else 0
-        if write and have1 != have0:
-            bytes1 = nbytes(have1, 0)
-        wanted: list[tuple[int, int]] = []  # (mode, dtype) that need a Cast
-        nodes, through, converted, target = body.nodes, self.through, self.converted, self.target
-        for consumer, index in consumers:
-            inputs = nodes[consumer].inputs
-            if index >= len(inputs):
-                continue
-            in_port = inputs[index]
-            want0 = in_port.dtype
-            attrs = converted.get(consumer)
-            want1 = target if attrs and in_port.type_attr in attrs else want0
-            if want0 != have0 and want0 in FLOAT_TYPES:
-                wanted.append((0, want0))
-            if want1 != have1 and want1 in FLOAT_TYPES:
-                wanted.append((1, want1))
-            if consumer not in through:
-                bytes0 += nbytes(want0, 0)
-                bytes1 += nbytes(want1, 0)
-        ret_dtypes = self.ret_dtypes.get(ref)
-        if ret_dtypes:
-            for dtype in ret_dtypes:
-                if dtype != have0 and dtype in FLOAT_TYPES:
-                    wanted.append((0, dtype))
-                if dtype != have1 and dtype in FLOAT_TYPES:
-                    wanted.append((1, dtype))
-        if wanted:
-            for mode, dtype in dict.fromkeys(wanted):
-                if not self._bypass(mode, cast_source, dtype):
-                    self._cast(mode, degree, count, have1 if mode else have0, dtype)
-        if bytes0:
-            sums = self.sums[0]
-            sums[degree] = sums.get(degree, 0) + count * bytes0
-        if bytes1:
-            sums = self.sums[1]
-            sums[degree] = sums.get(degree, 0) + count * bytes1
 
     def _cast(self, mode: int, degree: int, count: int, have: int, want: int) -> None:
         moved = count * (dtype_bytes(have) + dtype_bytes(want))
