@@ -432,6 +432,7 @@ def _read_top_body(node_defs, resolver: _PortResolver) -> Body | None:
     add_consumer = consumers.setdefault
     refs: dict[str, TensorRef] = {}
     new_node = _new_node
+    new = tuple.__new__  # (TensorRef(...) without its Python-level __new__)
     for node_def in node_defs:
         node = new_node(node_def, resolver)
         node_name = node.name
@@ -443,7 +444,7 @@ def _read_top_body(node_defs, resolver: _PortResolver) -> Body | None:
                 if text.startswith("^"):
                     continue
                 source, _, index = text.partition(":")
-                ref = refs[text] = TensorRef(source, int(index) if index else 0)
+                ref = refs[text] = new(TensorRef, (source, int(index) if index else 0, False))
             add_consumer(ref, []).append((node_name, len(data_inputs)))
             data_inputs.append((ref, text))
     if len(nodes) != len(node_defs):

@@ -201,10 +201,14 @@ def _args_from_callers(view: GraphView, result) -> None:
     (Functions loaded from a SavedModel often lack ``_output_shapes`` in
     ``arg_attr``.) The first caller with a known shape wins.
     """
+    if len(view.bodies) < 2:  # no functions
+        return
     bodies = {body.name: body for body in view.bodies}
     for body in view.bodies:
         shapes = result[body.name]
         for node in body.nodes.values():
+            if not node.called_functions:
+                continue
             skip = 1 if node.op in _FIRST_INPUT_IS_NOT_AN_ARG else 0
             for callee in node.called_functions:
                 target = bodies.get(callee)
@@ -241,6 +245,7 @@ def _body_shapes(body: Body, args: dict[str, Shape | None],
     shapes: dict[TensorRef, Shape | None] = {
         TensorRef(name, 0, is_arg=True): shape for name, shape in args.items()}
     missing = []
+    new = tuple.__new__  # (TensorRef(name, index) without its Python-level __new__)
     for name, node in body.nodes.items():
         recorded = node.node_def.attr.get("_output_shapes")
         if recorded is None:
@@ -253,10 +258,11 @@ def _body_shapes(body: Body, args: dict[str, Shape | None],
             listed = parsed[key] = tuple(_shape_proto(p) for p in recorded.list.shape)
         outputs = len(node.outputs)
         if outputs == 1:  # (most nodes)
-            shapes[TensorRef(name, 0)] = listed[0] if listed else None
+            shapes[new(TensorRef, (name, 0, False))] = listed[0] if listed else None
             continue
         for index in range(outputs):
-            shapes[TensorRef(name, index)] = listed[index] if index < len(listed) else None
+            shapes[new(TensorRef, (name, index, False))] = (
+                listed[index] if index < len(listed) else None)
     if not missing:
         return shapes
     # Some nodes carry no shapes: fill them in producer-first order.

@@ -512,6 +512,7 @@ class _BodyTraffic:
         for name, dtype in body.arg_dtypes.items():
             if dtype in FLOAT_TYPES:
                 tensor(TensorRef(name, 0, is_arg=True), None, False, None)
+        new = tuple.__new__  # (TensorRef(name, index) without its Python-level __new__)
         for name, node in nodes.items():
             cast_source = None
             if node.op == "Cast" and node.data_inputs and node.inputs:
@@ -519,7 +520,8 @@ class _BodyTraffic:
                 self._existing_cast(name, node, cast_source)
             for index, port in enumerate(node.outputs):
                 if port.dtype in FLOAT_TYPES:
-                    tensor(TensorRef(name, index), port, name not in through, cast_source)
+                    tensor(new(TensorRef, (name, index, False)), port, name not in through,
+                           cast_source)
         self.known += known
         self.unknown += unknown
 
