@@ -245,7 +245,8 @@ class _Analysis:
     def _find_calls(self) -> None:
         called_known: set[str] = set()
         edges: dict[str, set[str]] = {}
-        for body in self.view.bodies:
+        # (Without library functions no call can matter: skip the walk.)
+        for body in self.view.bodies if self.functions else ():
             out = edges.setdefault(body.name, set())
             for node in body.nodes.values():
                 if node.op in self.functions:
@@ -382,8 +383,8 @@ class _Analysis:
 
     def _list_groups(self) -> None:
         """TensorLists: follow variant values; every op on one list agrees."""
-        if not any(node.op.startswith(("TensorList", "EmptyTensorList"))
-                   for body in self.view.bodies for node in body.nodes.values()):
+        if not any(op.startswith(("TensorList", "EmptyTensorList"))
+                   for body in self.view.bodies for op in body.ops):
             return
         uf = _UnionFind()
         blocked_values: dict = {}
@@ -698,6 +699,8 @@ class _Solver:
 def _tf1_frame_nodes(body: Body) -> frozenset[str]:
     """Nodes inside a TF1 loop frame: reached from an Enter without passing an Exit."""
     seen: set[str] = set()
+    if "Enter" not in body.ops and "RefEnter" not in body.ops:
+        return frozenset()
     stack = [name for name, node in body.nodes.items() if node.op in ("Enter", "RefEnter")]
     while stack:
         name = stack.pop()

@@ -138,6 +138,11 @@ class Body:
             order.extend(n for n in self.nodes if n not in placed)
         return order
 
+    @functools.cached_property
+    def ops(self) -> frozenset[str]:
+        """The op types of its nodes (does the body have any loop, TensorList...?)."""
+        return frozenset({node.op for node in self.nodes.values()})
+
     def output_refs(self, name: str) -> Iterator[TensorRef]:
         for index in range(len(self.nodes[name].outputs)):
             yield TensorRef(name, index)
