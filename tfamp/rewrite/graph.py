@@ -157,6 +157,10 @@ class GraphView:
     # With build_view's `earlier`: library functions whose signature is new or
     # differs from the one there; None without `earlier`.
     edited_signatures: frozenset[str] | None = None
+    # What read the ports (its caches hold for another view of a graph with
+    # the same function signatures).
+    resolver: _PortResolver | None = dataclasses.field(default=None, repr=False,
+                                                        compare=False)
 
     def node_count(self) -> int:
         return sum(len(body.nodes) for body in self.bodies)
@@ -191,7 +195,10 @@ def build_view(graph_def: graph_pb2.GraphDef, *,
       equal ones of `earlier`.
     """
     signatures = {f.signature.name: f.signature for f in graph_def.library.function}
-    resolver = _PortResolver(signatures)
+    if earlier is not None and earlier.resolver is not None and earlier.signatures == signatures:
+        resolver = earlier.resolver  # (the same OpDefs and signatures give the same ports)
+    else:
+        resolver = _PortResolver(signatures)
     before: dict[str, dict[str, Node]] = {}
     edited_signatures = None
     if earlier is not None:
@@ -216,7 +223,7 @@ def build_view(graph_def: graph_pb2.GraphDef, *,
         bodies.append(_build_body(name, fdef.node_def, resolver, fdef, before.get(name),
                                   written.get(name)))
     return GraphView(bodies=bodies, signatures=signatures,
-                     edited_signatures=edited_signatures)
+                     edited_signatures=edited_signatures, resolver=resolver)
 
 
 class _PortResolver:
