@@ -657,13 +657,13 @@ class _BodyColoring:
         (as16, _), (as32, _) = costs
         if not as16 < as32:
             return False
+        why = (f"follows {self.target_name} op {cause!r} with {len(region) - 1} more "
+               f"op(s) after it: together {_format_bytes(as16)} instead of "
+               f"{_format_bytes(as32)}")
         for member in region:
             self.kept.pop(member, None)
-            self.allow[member] = (
-                f"{self.slot_list[member]}: follows {self.target_name} op {cause!r} with "
-                f"{len(region) - 1} more op(s) after it: together "
-                f"{_format_bytes(as16)} instead of {_format_bytes(as32)}", cause,
-                rk.KIND_AFTER_16BIT)
+            self.allow[member] = (f"{self.slot_list[member]}: {why}", cause,
+                                  rk.KIND_AFTER_16BIT)
         return True
 
     def _free_region(self, slot: int) -> list[int]:
