@@ -41,7 +41,7 @@ from tfamp.oplists import DATA_BOUND_OPS
 from tfamp.rewrite import boundaries, kernels
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, Body, GraphView, TensorRef, dtype_name
-from tfamp.rewrite.shapes import Bytes, TensorShapes, elements_of, format_elements
+from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
 
 # Type attributes that do not change on their own, whatever list the op is on.
 # A TensorList's element type must agree with every op that touches the list,
