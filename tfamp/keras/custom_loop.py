@@ -52,7 +52,6 @@ from tfamp.runtime.runner import RewrittenFunction, is_tracing_for_tfamp
 
 log = logging.getLogger("tfamp")
 
-SCALED_LOSS_MARK = "_tfamp_scaled_loss"  # the mark loss_scale3 uses too
 
 # Per traced graph: {name of an op an enabled model's rewritten call produced: model}.
 _calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -114,12 +113,7 @@ class ModelLoop:
         if self._own_state is None:
             from tfamp.keras.loss_scale import _ScaleState
 
-            initial, growth, floor = self._scale_settings
-            with tf.init_scope():
-                if self.loss_scale == "dynamic":
-                    self._own_state = _ScaleState(initial, growth, floor)
-                else:
-                    self._own_state = _ScaleState(float(self.loss_scale), None, floor)
+            self._own_state = _ScaleState.for_setting(self.loss_scale, *self._scale_settings)
         return self._own_state
 
 
@@ -248,8 +242,8 @@ def _variable_ids(variables) -> set[int]:
 
 def scale_owner_for(target, sources):
     """The scale owner for ``tape.gradient(target, sources)``, or None (do not scale)."""
-    if (tf.executing_eagerly() or not _is_scalar_float(target)
-            or getattr(target, SCALED_LOSS_MARK, False)):
+    if (tf.executing_eagerly() or not scale_update.is_scalar_float(target)
+            or scale_update.is_scaled(target)):
         return None
     source_ids = _variable_ids(sources)
     owners = {}
@@ -443,11 +437,6 @@ def user_stacklevel() -> int:
             return level
         frame, level = frame.f_back, level + 1
     return 2
-
-
-def _is_scalar_float(target) -> bool:
-    return (isinstance(target, (tf.Tensor, tf.Variable)) and target.dtype.is_floating
-            and target.shape.rank == 0)
 
 
 def _safe_name(name: str) -> str:

@@ -25,8 +25,8 @@ import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as trainer_module
 
 from tfamp.keras import hooks
-from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer, is_scaled_loss
-from tfamp.keras.scale_update import unscale
+from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer
+from tfamp.keras.scale_update import is_scalar_float, is_scaled, unscale
 from tfamp.keras.state import EnabledState
 from tfamp.runtime.runner import RewrittenFunction
 
@@ -285,7 +285,7 @@ def _install_tape_hook() -> None:
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         optimizer = getattr(_tape_context, "optimizer", None)
         if (optimizer is None or output_gradients is not None
-                or not _is_scalar_float(target) or is_scaled_loss(target)):
+                or not is_scalar_float(target) or is_scaled(target)):
             return original(self, target, sources, output_gradients, **kwargs)
         scale = optimizer.loss_scale
         seed = tf.cast(tf.fill(tf.shape(target), tf.cast(scale, tf.float32)), target.dtype)
@@ -294,11 +294,6 @@ def _install_tape_hook() -> None:
 
     gradient._tfamp_keras3_hook = True
     tf.GradientTape.gradient = gradient
-
-
-def _is_scalar_float(target) -> bool:
-    return (isinstance(target, (tf.Tensor, tf.Variable)) and target.dtype.is_floating
-            and target.shape.rank == 0)
 
 
 __all__ = ["Keras3State", "LossScaleOptimizer", "StepFunctions", "check_backend",

@@ -35,6 +35,8 @@ import tensorflow as tf
 from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso
 from tf_keras.src.saving import object_registration
 
+from tfamp.keras.scale_update import BAD_NAMES_KEPT, finite_flags, mark_scaled
+
 log = logging.getLogger("tfamp")
 
 DEFAULT_INITIAL_SCALE = 2.0**15
@@ -42,7 +44,6 @@ DEFAULT_GROWTH_INTERVAL = 2000
 DEFAULT_MIN_SCALE = 1.0
 # Consecutive skipped steps at the floor before the stuck warning.
 STUCK_PATIENCE = 2
-_BAD_NAMES_KEPT = 3
 
 
 class _ScaleState(keras_lso._DynamicLossScaleState):
@@ -59,7 +60,21 @@ class _ScaleState(keras_lso._DynamicLossScaleState):
         self.skipped_steps = self._add_weight("skipped_steps", 0, dtype=tf.int64)
         self.floor_skips = self._add_weight("floor_skips", 0, dtype=tf.int64)
         self.first_nonfinite = self._add_weight(
-            "first_nonfinite", [-1] * _BAD_NAMES_KEPT, dtype=tf.int32)
+            "first_nonfinite", [-1] * BAD_NAMES_KEPT, dtype=tf.int32)
+
+    @classmethod
+    def for_setting(cls, loss_scale, initial_scale: float = DEFAULT_INITIAL_SCALE,
+                    growth_interval: int = DEFAULT_GROWTH_INTERVAL,
+                    min_scale: float = DEFAULT_MIN_SCALE) -> _ScaleState:
+        """The state for a ``loss_scale`` setting: "dynamic", or a fixed number.
+
+        Its variables are made outside any function being traced (a custom
+        loop's step may be what first asks for them).
+        """
+        with tf.init_scope():
+            if loss_scale == "dynamic":
+                return cls(initial_scale, growth_interval, min_scale)
+            return cls(float(loss_scale), None, min_scale)
 
     def update(self, grads):
         """Updates the scale for this step; returns (update op, apply grads?)."""
@@ -67,9 +82,9 @@ class _ScaleState(keras_lso._DynamicLossScaleState):
         if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
             strategy = tf.distribute.get_strategy()
             flags = strategy.experimental_local_results(
-                strategy.extended.call_for_each_replica(_finite_flags, args=(grads,)))[0]
+                strategy.extended.call_for_each_replica(finite_flags, args=(grads,)))[0]
         else:
-            flags = _finite_flags(grads)
+            flags = finite_flags(grads)
         is_finite = tf.reduce_all(flags)
         scale = self.current_loss_scale
 
@@ -88,7 +103,7 @@ class _ScaleState(keras_lso._DynamicLossScaleState):
 
         def on_nonfinite():
             bad = tf.cast(tf.reshape(tf.where(tf.logical_not(flags)), [-1]), tf.int32)
-            padded = tf.concat([bad, tf.fill([_BAD_NAMES_KEPT], -1)], 0)[:_BAD_NAMES_KEPT]
+            padded = tf.concat([bad, tf.fill([BAD_NAMES_KEPT], -1)], 0)[:BAD_NAMES_KEPT]
             at_floor = scale <= self.min_scale
             updates = [
                 self.skipped_steps.assign_add(1),
@@ -101,15 +116,6 @@ class _ScaleState(keras_lso._DynamicLossScaleState):
             return tf.group(*updates)
 
         return tf.cond(is_finite, on_finite, on_nonfinite), is_finite
-
-
-def _finite_flags(grads):
-    def values(g):
-        return g.values if isinstance(g, tf.IndexedSlices) else g
-
-    if not grads:
-        return tf.ones([0], tf.bool)
-    return tf.stack([tf.reduce_all(tf.math.is_finite(values(g))) for g in grads])
 
 
 class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
@@ -188,10 +194,7 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
 
     def get_scaled_loss(self, loss):
         scaled = super().get_scaled_loss(loss)
-        try:  # scaled by hand: tfamp's custom-loop tape hook leaves it alone
-            setattr(scaled, "_tfamp_scaled_loss", True)
-        except (AttributeError, TypeError):
-            pass
+        mark_scaled(scaled)  # scaled by hand: tfamp's custom-loop tape hook leaves it alone
         return scaled
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):

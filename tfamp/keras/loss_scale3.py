@@ -62,7 +62,6 @@ from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
 from tfamp.keras.loss_scale import (
-    _BAD_NAMES_KEPT,
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INITIAL_SCALE,
     DEFAULT_MIN_SCALE,
@@ -70,10 +69,15 @@ from tfamp.keras.loss_scale import (
     validate_settings,
     warn_stuck,
 )
-from tfamp.keras.scale_update import apply_if_finite, unscale, update_scale
+from tfamp.keras.scale_update import (
+    BAD_NAMES_KEPT,
+    apply_if_finite,
+    mark_scaled,
+    unscale,
+    update_scale,
+)
 
 
-SCALED_LOSS_MARK = "_tfamp_scaled_loss"
 INNER_MARK = "_tfamp_inner_of_loss_scale_optimizer"
 
 # Pending scaled losses: per thread (replica), per graph (trace), per optimizer.
@@ -96,10 +100,7 @@ def _pending_table() -> weakref.WeakKeyDictionary:
 
 def mark_scaled_loss(optimizer, scaled) -> None:
     """Marks `scaled` as a loss `optimizer` scaled (see the protocol above)."""
-    try:
-        setattr(scaled, SCALED_LOSS_MARK, True)
-    except (AttributeError, TypeError):  # e.g. a Python float in eager code
-        pass
+    mark_scaled(scaled)
     key = _graph_key()
     table = _pending_table()
     per_graph = table.get(key) if key is not _EAGER else getattr(_pending, "eager", None)
@@ -121,11 +122,6 @@ def consume_scaled_loss(optimizer) -> bool:
         return False
     per_graph[id(optimizer)] -= 1
     return True
-
-
-def is_scaled_loss(tensor) -> bool:
-    """True if `tensor` came out of a loss-scale optimizer's ``scale_loss``."""
-    return bool(getattr(tensor, SCALED_LOSS_MARK, False))
 
 
 # -- the optimizer ---------------------------------------------------------------
@@ -210,7 +206,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             shape=(), dtype="int64", initializer=zeros, aggregation="none",
             name="floor_skips")
         self.first_nonfinite = self.add_variable(
-            shape=(_BAD_NAMES_KEPT,), dtype="int32",
+            shape=(BAD_NAMES_KEPT,), dtype="int32",
             initializer=keras.initializers.Constant(-1), aggregation="none",
             name="first_nonfinite")
 

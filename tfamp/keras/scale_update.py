@@ -9,16 +9,42 @@ can use it for tf_keras and Keras 3 optimizers alike:
 * ``apply_if_finite``: run an optimizer update only when every gradient is
   finite on every replica, from a replica context (with ``merge_call`` where
   the strategy needs it: an optimizer's update calls ``merge_call`` itself,
-  which a ``tf.cond`` in a replica context cannot contain).
+  which a ``tf.cond`` in a replica context cannot contain);
+* what the tape patches ask of a ``tape.gradient`` target: ``is_scalar_float``
+  (a loss), and whether a loss-scale optimizer scaled it already
+  (``mark_scaled`` / ``is_scaled``: tfamp's and Keras's own optimizers mark the
+  loss they scale, so no patch scales it a second time).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import tensorflow as tf
 
-from tfamp.keras.loss_scale import _BAD_NAMES_KEPT
+# A skipped step records the indices of its first few non-finite gradients.
+BAD_NAMES_KEPT = 3
+# The attribute a loss-scale optimizer sets on a loss it has scaled.
+SCALED_LOSS_MARK = "_tfamp_scaled_loss"
+
+
+def is_scalar_float(target) -> bool:
+    """A scalar float tensor or variable: what a loss passed to a tape looks like."""
+    return (isinstance(target, (tf.Tensor, tf.Variable)) and target.dtype.is_floating
+            and target.shape.rank == 0)
+
+
+def mark_scaled(loss) -> None:
+    """Marks `loss` as scaled already (a value that takes no attribute, such as a
+    Python float in eager code, is left unmarked)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(loss, SCALED_LOSS_MARK, True)
+
+
+def is_scaled(loss) -> bool:
+    """True if a loss-scale optimizer marked `loss` as scaled (``mark_scaled``)."""
+    return bool(getattr(loss, SCALED_LOSS_MARK, False))
 
 
 def finite_flags(grads) -> tf.Tensor:
@@ -72,7 +98,7 @@ def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_
     def on_nonfinite():
         current = tf.convert_to_tensor(scale)
         bad = tf.cast(tf.reshape(tf.where(tf.logical_not(flags)), [-1]), tf.int32)
-        padded = tf.concat([bad, tf.fill([_BAD_NAMES_KEPT], -1)], 0)[:_BAD_NAMES_KEPT]
+        padded = tf.concat([bad, tf.fill([BAD_NAMES_KEPT], -1)], 0)[:BAD_NAMES_KEPT]
         skipped_steps.assign_add(tf.ones_like(skipped_steps))
         first_nonfinite.assign(tf.cast(padded, first_nonfinite.dtype))
         at_floor = current <= min_scale

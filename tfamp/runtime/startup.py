@@ -207,7 +207,8 @@ def _patch_keras3(active: _Activation) -> None:
         return
     from tfamp.keras import activation
     from tfamp.keras import keras3 as keras3_hooks
-    from tfamp.keras.loss_scale3 import INNER_MARK, SCALED_LOSS_MARK
+    from tfamp.keras.loss_scale3 import INNER_MARK
+    from tfamp.keras.scale_update import mark_scaled
 
     original_compile = base_trainer.Trainer.compile
 
@@ -243,8 +244,7 @@ def _patch_keras3(active: _Activation) -> None:
     @functools.wraps(original_scale_loss)
     def scale_loss(self, loss):
         scaled = original_scale_loss(self, loss)
-        with contextlib.suppress(AttributeError, TypeError):
-            setattr(scaled, SCALED_LOSS_MARK, True)
+        mark_scaled(scaled)
         return scaled
 
     lso_class.__init__ = lso_init
@@ -343,18 +343,19 @@ def _patch_custom_loops(active: _Activation) -> None:
     import tensorflow as tf
 
     from tfamp.keras import loss_scale as loss_scale_lib
+    from tfamp.keras.scale_update import is_scalar_float, is_scaled, unscale
 
     original_gradient = tf.GradientTape.gradient
 
     @functools.wraps(original_gradient)
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         if (getattr(active.no_tape_scaling, "on", False) or output_gradients is not None
-                or not _is_scalar_float(target) or getattr(target, _SCALED_LOSS_MARK, False)):
+                or not is_scalar_float(target) or is_scaled(target)):
             return original_gradient(self, target, sources, output_gradients, **kwargs)
         scale = _scale_state(active).current_loss_scale
         seed = tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
         grads = original_gradient(self, target, sources, seed, **kwargs)
-        return tf.nest.map_structure(lambda g: _unscale(g, scale), grads)
+        return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
 
     tf.GradientTape.gradient = gradient
 
@@ -449,9 +450,6 @@ def _is_loss_scale_optimizer(optimizer) -> bool:
 
 
 _state_lock = threading.Lock()
-# The mark tfamp.keras.loss_scale3 puts on a loss a loss-scale optimizer scaled
-# (kept here as a string so the tape patch needs no Keras import).
-_SCALED_LOSS_MARK = "_tfamp_scaled_loss"
 
 
 def _scale_state(active: _Activation):
@@ -461,42 +459,10 @@ def _scale_state(active: _Activation):
 
 def _make_scale_state(active: _Activation):
     if active.scale_state is None:
-        import tensorflow as tf
+        from tfamp.keras.loss_scale import _ScaleState
 
-        from tfamp.keras.loss_scale import (
-            DEFAULT_GROWTH_INTERVAL,
-            DEFAULT_INITIAL_SCALE,
-            DEFAULT_MIN_SCALE,
-            _ScaleState,
-        )
-
-        loss_scale = active.settings.loss_scale
-        with tf.init_scope():
-            if loss_scale == "dynamic":
-                active.scale_state = _ScaleState(
-                    DEFAULT_INITIAL_SCALE, DEFAULT_GROWTH_INTERVAL, DEFAULT_MIN_SCALE)
-            else:
-                active.scale_state = _ScaleState(float(loss_scale), None, DEFAULT_MIN_SCALE)
+        active.scale_state = _ScaleState.for_setting(active.settings.loss_scale)
     return active.scale_state
-
-
-def _is_scalar_float(target) -> bool:
-    import tensorflow as tf
-
-    return (isinstance(target, (tf.Tensor, tf.Variable)) and target.dtype.is_floating
-            and target.shape.rank == 0)
-
-
-def _unscale(grad, scale):
-    import tensorflow as tf
-
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        values = tf.cast(grad.values, tf.float32) / scale
-        return tf.IndexedSlices(tf.cast(values, grad.values.dtype), grad.indices,
-                                grad.dense_shape)
-    return tf.cast(tf.cast(grad, tf.float32) / scale, grad.dtype)
 
 
 # -- telling the user -------------------------------------------------------------
