@@ -17,7 +17,6 @@ hooks and unwraps the optimizer.
 from __future__ import annotations
 
 import logging
-import sys
 
 import tensorflow as tf
 import tf_keras as keras
@@ -32,6 +31,7 @@ from tfamp.keras.loss_scale import (
     validate_settings,
 )
 from tfamp.keras.state import EnabledState
+from tfamp.runtime import log_lines
 from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
@@ -143,34 +143,15 @@ def is_enabled(model) -> bool:
     return getattr(model, "_tfamp_state", None) is not None
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to the current ``sys.stderr`` (which may be replaced after enable)."""
-
-    _tfamp = True  # the same mark TFAMP_ENABLE's handler carries
-
-    def __init__(self):
-        super().__init__()
-        self.setFormatter(logging.Formatter("%(message)s"))
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value):
-        pass
-
-
 def _show_log_lines(verbose: bool | None) -> None:
     """Gives the ``tfamp`` logger a stderr handler at INFO when `verbose` asks for it."""
     if verbose is False:
         return
-    if any(getattr(h, "_tfamp", False) for h in log.handlers):
+    if log_lines.shown():
         return  # already shown (an earlier enable, or TFAMP_ENABLE with its verbosity)
     if verbose is None and (log.handlers or logging.getLogger().handlers):
         return  # the application configured logging: respect it
-    log.addHandler(_StderrHandler())
-    log.propagate = False
+    log_lines.show()
     if log.level == logging.NOTSET or (verbose and log.level > logging.INFO):
         log.setLevel(logging.INFO)  # an explicit quieter level is kept unless verbose=True
 

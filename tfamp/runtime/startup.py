@@ -42,6 +42,7 @@ import threading
 from pathlib import Path
 
 from tfamp.env import EnvError, EnvSettings, settings_from_env
+from tfamp.runtime import log_lines
 
 log = logging.getLogger("tfamp")
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
@@ -105,12 +106,7 @@ def activate(environ=None, *, from_startup_hook: bool = False) -> bool:
 
 def _configure_logging(verbosity: int) -> None:
     log.setLevel(_LEVELS[verbosity])
-    if not any(getattr(h, "_tfamp", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler._tfamp = True
-        log.addHandler(handler)
-        log.propagate = False
+    log_lines.show()
 
 
 # -- tf.function ----------------------------------------------------------------
