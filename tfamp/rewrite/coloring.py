@@ -1019,9 +1019,14 @@ class _BodyColoring:
         unchanged, so the result is too). DstT: a Cast to float32 whose consumers
         are all 16-bit casts straight to the 16-bit type.
         """
-        for slot, name in enumerate(self.slot_node):
-            node = self.body.nodes.get(name)
-            if node is None or node.op != "Cast" or not self._candidate(slot) or slot in self.allow:
+        if "Cast" not in self.body.ops:
+            return
+        nodes = self.body.nodes
+        casts = {name for name, node in nodes.items() if node.op == "Cast"}
+        for slot in [s for s, name in enumerate(self.slot_node) if name in casts]:
+            name = self.slot_node[slot]
+            node = nodes[name]
+            if not self._candidate(slot) or slot in self.allow:
                 continue
             if self.slot_attr[slot] == "SrcT":
                 ref = node.data_inputs[0][0]
