@@ -728,13 +728,18 @@ class _BodyColoring:
         for slot in region:
             name = slot_node[slot]
             input_refs, output_refs = refs_by_slot.get(slot) or self._slot_refs(slot)
-            for ref in input_refs:
+            # (outputs nothing reads are written by neither option's choice)
+            outputs = [ref for ref in output_refs if consumers_of.get(ref) or ref in rets]
+            for ref in (*input_refs, *outputs):  # the slot's own reads and writes
                 elements = counts.get(ref)
                 if elements is None:
                     return None
                 degree, count = elements
                 sums32[degree] = sums32.get(degree, 0) + count * 4
                 sums16[degree] = sums16.get(degree, 0) + count * 2
+            for ref in input_refs:
+                elements = counts[ref]
+                degree, count = elements
                 if ref.is_arg:  # (_ref_is_16bit, with the producer slot found once)
                     have16 = ref.node in args16
                 else:  # (_producer_slot)
@@ -770,18 +775,11 @@ class _BodyColoring:
                     else:
                         sums16[degree] += count * 6
                         casts16.append(elements)
-            for ref in output_refs:
-                all_consumers = consumers_of.get(ref, ())
-                if not all_consumers and ref not in rets:
-                    continue
-                elements = counts.get(ref)
-                if elements is None:
-                    return None
+            for ref in outputs:
+                elements = counts[ref]
                 degree, count = elements
-                sums32[degree] = sums32.get(degree, 0) + count * 4
-                sums16[degree] = sums16.get(degree, 0) + count * 2
                 wants = set(rets.get(ref, ()))  # does each consumer outside want 16-bit?
-                for c, i in all_consumers:
+                for c, i in consumers_of.get(ref, ()):
                     inputs = nodes[c].inputs  # (_consumer_slot)
                     consumer = slot_index.get((c, inputs[i].type_attr)) \
                         if i < len(inputs) else None
