@@ -30,6 +30,14 @@ def _node_defs_by_body(graph_def) -> dict:
     return bodies
 
 
+def _top_body_read_generally(graph_def):
+    """The top graph through build_view's general reader (used for function bodies)."""
+    from tfamp.rewrite import graph
+
+    signatures = {f.signature.name: f.signature for f in graph_def.library.function}
+    return graph._build_body("", graph_def.node, graph._PortResolver(signatures), None, {})
+
+
 def _view_facts(body) -> tuple:
     nodes = {name: (node.op, node.inputs, node.outputs, node.data_inputs,
                     node.called_functions) for name, node in body.nodes.items()}
@@ -59,6 +67,10 @@ def checked_insert_casts(real):
         assert [b.name for b in patched.bodies] == [b.name for b in fresh.bodies]
         for a, b in zip(patched.bodies, fresh.bodies, strict=True):
             assert _view_facts(a) == _view_facts(b), a.name
+        # The top graph is read in one pass; the general reader must agree.
+        for graph in (graph_def, new):
+            assert (_view_facts(_top_body_read_generally(graph))
+                    == _view_facts(build_view(graph).bodies[0]))
         return new, casts, written
 
     return wrapper

@@ -95,3 +95,21 @@ def test_check_against_an_earlier_view_looks_only_where_nodedefs_differ():
     # ... and the input's own defect, untouched, is left out (the pass ignores it).
     assert not any("mm_a" in m for m in found) and any("mm_a" in m for m in full)
     assert set(found) <= set(full)
+
+
+def test_a_graph_with_two_nodes_of_one_name_is_read_as_before():
+    """build_view reads the top graph in one pass; with a repeated name it falls
+    back to the general reader, where the last node of that name counts."""
+    from tfamp.rewrite.graph import TensorRef, build_view
+
+    graph_def, _, _ = trace(matmul_relu, M, M)
+    first = next(n for n in graph_def.node if n.name == "relu")
+    again = graph_def.node.add()
+    again.CopyFrom(first)
+    del again.input[:]
+    again.input.append("x")
+    body = build_view(graph_def).bodies[0]
+    assert len(body.nodes) == len(graph_def.node) - 1
+    assert [ref for ref, _ in body.nodes["relu"].data_inputs] == [TensorRef("x", 0)]
+    assert ("relu", 0) in body.consumers[TensorRef("x", 0)]
+    assert ("relu", 0) not in body.consumers.get(TensorRef("mm", 0), [])
