@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow as tf
 
 import tfamp
 from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
@@ -67,3 +68,13 @@ def test_config_errors_say_what_and_how(kwargs, message):
 def test_rewrite_rejects_non_graph_def():
     with pytest.raises(TypeError, match="expects a tf.compat.v1.GraphDef"):
         tfamp.rewrite_graph_def("graph.pb")
+
+
+def test_rewrite_refuses_repeated_node_names_and_keeps_the_input():
+    graph_def = tf.function(lambda x: tf.nn.relu(x, name="relu")).get_concrete_function(
+        tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
+    graph_def.node.add().CopyFrom(next(n for n in graph_def.node if n.name == "relu"))
+    before = graph_def.SerializeToString()
+    with pytest.raises(ValueError, match="the top graph has more than one node named 'relu'"):
+        tfamp.rewrite_graph_def(graph_def)
+    assert graph_def.SerializeToString() == before

@@ -115,10 +115,12 @@ class _BodyEditor:
         # node name -> its position in node_list. The body lists its nodes in
         # the order of the NodeDefs it was read from (a copy of which
         # node_list is), one per name: no need to read every name again.
-        if len(body.nodes) == len(node_list):
-            self.position = {name: i for i, name in enumerate(body.nodes)}
-        else:  # (names used twice: the last one counts, as in the view)
-            self.position = {n.name: i for i, n in enumerate(node_list)}
+        if len(body.nodes) != len(node_list):
+            raise ValueError(
+                f"{body.name or 'the top graph'} has {len(node_list)} NodeDefs but "
+                f"{len(body.nodes)} distinct names: node names must be unique "
+                f"(rewrite_graph_def says which).")
+        self.position = {name: i for i, name in enumerate(body.nodes)}
         self.taken_names = set(self.position) | set(body.arg_dtypes)
         self.cast_for: dict[tuple[TensorRef, int], str] = {}  # -> consumer text
         signature = coloring.signatures.get(body.name)

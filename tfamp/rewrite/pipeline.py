@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 from collections.abc import Iterable
@@ -92,6 +93,7 @@ def rewrite_graph_def(
 
 def _rewrite(graph_def, config, outputs, function_name):
     view = build_view(graph_def)
+    _refuse_repeated_names(graph_def, view)
     if outputs is None:
         outputs = _unconsumed_float_outputs(view.bodies[0])
     shapes = tensor_shapes(graph_def, view)
@@ -142,6 +144,24 @@ def _rewrite(graph_def, config, outputs, function_name):
     if log.isEnabledFor(logging.DEBUG):  # (the line walks every node)
         log.debug("%s", report.summary_line())
     return new_graph_def, report
+
+
+def _refuse_repeated_names(graph_def, view) -> None:
+    """Raises ValueError if a body has two nodes of one name (the view keeps one)."""
+    node_lists = {"": graph_def.node} | {
+        f.signature.name: f.node_def for f in graph_def.library.function}
+    for body in view.bodies:
+        node_defs = node_lists[body.name]
+        if len(body.nodes) == len(node_defs):
+            continue
+        repeated = [name for name, n in collections.Counter(
+            n.name for n in node_defs).items() if n > 1]
+        where = f"function {body.name!r}" if body.name else "the top graph"
+        raise ValueError(
+            f"rewrite_graph_def expects node names unique within a graph or function, "
+            f"but {where} has more than one node named "
+            f"{', '.join(repr(n) for n in repeated[:5])}; TensorFlow cannot import such a "
+            f"graph either. Rename or remove the repeated nodes and rewrite again.")
 
 
 def _nodes_to_keep(problems: list[Problem], coloring,
