@@ -75,7 +75,16 @@ def test_list_changes_reach_the_rewrite(capsys, graph_files):
     (lambda d: _write(d / "model.onnx", b"x"), "unknown kind of file '.onnx'"),
     (lambda d: _write(d / "bad.json", b"{not json"), "not valid JSON"),
     (lambda d: _write(d / "other.json", b'{"a": 1}'), "not a tfamp report"),
+    (lambda d: _write(d / "twice.pb", _graph_with_a_repeated_name()),
+     "the top graph has more than one node named 'relu'"),
 ])
+def _graph_with_a_repeated_name() -> bytes:
+    graph_def = tf.function(lambda x: tf.nn.relu(x, name="relu")).get_concrete_function(
+        tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
+    graph_def.node.add().CopyFrom(next(n for n in graph_def.node if n.name == "relu"))
+    return graph_def.SerializeToString()
+
+
 def test_bad_files_give_one_line_and_exit_2(capsys, tmp_path, make, expected):
     code, out, err = run(capsys, "inspect", str(make(tmp_path)))
     assert code == 2 and out == ""

@@ -182,8 +182,11 @@ def _inspect(args) -> int:
     if loaded.report is not None:
         report = loaded.report
     else:
-        _, report = rewrite_graph_def(loaded.graph_def, config, outputs=loaded.outputs,
-                                      function_name=loaded.name)
+        try:
+            _, report = rewrite_graph_def(loaded.graph_def, config, outputs=loaded.outputs,
+                                          function_name=loaded.name)
+        except ValueError as err:  # a graph the pass cannot take (it says why)
+            raise UserError(f"{args.path}: {err}") from None
     if args.why:
         from tfamp.inspect.explain import UnknownNodeError, explain
         from tfamp.rewrite.graph import build_view
