@@ -67,6 +67,13 @@ def test_list_changes_reach_the_rewrite(capsys, graph_files):
     assert json.loads(out)["converted"] == {"MatMul": 1}
 
 
+def _graph_with_a_repeated_name() -> bytes:
+    graph_def = tf.function(lambda x: tf.nn.relu(x, name="relu")).get_concrete_function(
+        tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
+    graph_def.node.add().CopyFrom(next(n for n in graph_def.node if n.name == "relu"))
+    return graph_def.SerializeToString()
+
+
 @pytest.mark.parametrize("make, expected", [
     (lambda d: d / "missing.pb", "no such file"),
     (lambda d: _write(d / "empty.pb", b""), "is empty"),
@@ -78,13 +85,6 @@ def test_list_changes_reach_the_rewrite(capsys, graph_files):
     (lambda d: _write(d / "twice.pb", _graph_with_a_repeated_name()),
      "the top graph has more than one node named 'relu'"),
 ])
-def _graph_with_a_repeated_name() -> bytes:
-    graph_def = tf.function(lambda x: tf.nn.relu(x, name="relu")).get_concrete_function(
-        tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
-    graph_def.node.add().CopyFrom(next(n for n in graph_def.node if n.name == "relu"))
-    return graph_def.SerializeToString()
-
-
 def test_bad_files_give_one_line_and_exit_2(capsys, tmp_path, make, expected):
     code, out, err = run(capsys, "inspect", str(make(tmp_path)))
     assert code == 2 and out == ""
