@@ -1,58 +1,118 @@
-"""tfamp.enable on the model zoo: fit / evaluate / predict converge like float32.
+"""tfamp.enable on the model zoo, in tf_keras and Keras 3: fit / evaluate / predict
+converge like float32.
 
-Same models and data as test_zoo_training (there via tfamp.function on a custom
-step; here through Keras fit with tfamp's loss scaling). One fast float16 case
-per default run; every model in both dtypes with ``-m slow``.
+Same data as test_zoo_training (there via tfamp.function on a custom step; here
+through Keras fit with tfamp's loss scaling), the models built in each Keras.
+A few fast float16 cases per default run; every model in both dtypes and both
+Kerases with ``-m slow``.
 """
 
+import keras as keras3
 import numpy as np
 import pytest
-import tf_keras as keras
+import tf_keras
+from keras import layers as L
 
 import tfamp
-from tests.test_zoo_training import _build, _expect_converted, _make_data
+from tests.test_zoo_training import SEED, _build, _expect_converted, _make_data
+from tfamp.keras.loss_scale3 import LossScaleOptimizer as Keras3LossScaleOptimizer
 
-EPOCHS = {"mlp": 6, "cnn": 6, "lstm": 6, "gru": 6, "transformer": 6}
+EPOCHS = 6
 REL_TOL = 0.05
+KINDS = ("mlp", "cnn", "lstm", "gru", "transformer")
 
 
-def _fit(kind: str, dtype: str | None):
+def build_keras3(kind: str):
+    """(Keras 3 model, loss) with deterministic initial weights."""
+    keras3.utils.set_random_seed(SEED)
+    mse = keras3.losses.MeanSquaredError()
+    if kind == "mlp":
+        return keras3.Sequential([keras3.Input((16,)), L.Dense(64, activation="relu"),
+                                  L.Dense(64, activation="relu"), L.Dense(1)]), mse
+    if kind == "cnn":
+        return keras3.Sequential([
+            keras3.Input((12, 12, 1)),
+            L.Conv2D(16, 3, padding="same"), L.BatchNormalization(momentum=0.9), L.ReLU(),
+            L.MaxPooling2D(2),
+            L.Conv2D(16, 3, padding="same"), L.BatchNormalization(momentum=0.9), L.ReLU(),
+            L.Flatten(), L.Dropout(0.1), L.Dense(4),
+        ]), keras3.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if kind == "lstm":
+        return keras3.Sequential([keras3.Input((10, 4)), L.LSTM(32), L.Dense(1)]), mse
+    if kind == "gru":
+        return keras3.Sequential([keras3.Input((10, 4)), L.GRU(32), L.Dense(1)]), mse
+    if kind == "transformer":
+        inputs = keras3.Input((8, 16))
+        attention = L.MultiHeadAttention(num_heads=2, key_dim=8)(inputs, inputs)
+        h = L.LayerNormalization()(inputs + attention)
+        ff = L.Dense(16)(L.Dense(32, activation="relu")(h))
+        h = L.LayerNormalization()(h + ff)
+        outputs = L.Dense(1)(L.GlobalAveragePooling1D()(h))
+        return keras3.Model(inputs, outputs), mse
+    raise ValueError(kind)
+
+
+def expect_converted_keras3(kind: str, report) -> None:
+    """As for tf_keras, except Keras 3's BatchNormalization: it computes moments
+    with ordinary ops (no FusedBatchNormV3)."""
+    if kind != "cnn":
+        _expect_converted(kind, report)
+        return
+    converted = report.converted
+    assert converted.get("Conv2D", 0) == 2, converted
+    for op in ("Conv2DBackpropFilter", "MatMul"):
+        assert converted.get(op, 0) >= 1, (op, converted)
+
+
+# flavour -> (Keras module, model builder, expected conversions, tfamp's loss-scale optimizer)
+FLAVOURS = {
+    "tf_keras": (tf_keras, _build, _expect_converted, tfamp.LossScaleOptimizer),
+    "keras3": (keras3, build_keras3, expect_converted_keras3, Keras3LossScaleOptimizer),
+}
+
+
+def fit(flavour: str, kind: str, dtype: str | None):
+    keras, build, _, _ = FLAVOURS[flavour]
     x, y = _make_data(kind, 1024, seed=1)
     x_val, y_val = _make_data(kind, 256, seed=2)
-    model, loss = _build(kind)
+    model, loss = build(kind)
     model.compile(optimizer=keras.optimizers.Adam(3e-3), loss=loss)
     if dtype is not None:
         tfamp.enable(model, dtype=dtype)
-    history = model.fit(x, y, epochs=EPOCHS[kind], batch_size=64, shuffle=False, verbose=0,
+    history = model.fit(x, y, epochs=EPOCHS, batch_size=64, shuffle=False, verbose=0,
                         validation_data=(x_val, y_val))
-    return model, history.history, model.evaluate(x_val, y_val, verbose=0), \
-        model.predict(x_val[:64], verbose=0)
+    return (model, history.history, model.evaluate(x_val, y_val, verbose=0),
+            model.predict(x_val[:64], verbose=0))
 
 
-CASES = [pytest.param("mlp", "float16"), pytest.param("cnn", "float16")] + [
-    pytest.param(kind, dtype, marks=pytest.mark.slow)
-    for kind in ("mlp", "cnn", "lstm", "gru", "transformer")
-    for dtype in ("float16", "bfloat16")
-    if (kind, dtype) not in (("mlp", "float16"), ("cnn", "float16"))
+# (Keras 3's CNN+BatchNorm float16 takes ~18 s: slow set)
+FAST = (("tf_keras", "mlp", "float16"), ("tf_keras", "cnn", "float16"),
+        ("keras3", "mlp", "float16"))
+CASES = [pytest.param(*case) for case in FAST] + [
+    pytest.param(flavour, kind, dtype, marks=pytest.mark.slow)
+    for flavour in FLAVOURS for kind in KINDS for dtype in ("float16", "bfloat16")
+    if (flavour, kind, dtype) not in FAST
 ]
 
 
-@pytest.mark.parametrize("kind, dtype", CASES)
-def test_enable_fit_evaluate_predict_match_float32(kind, dtype):
-    _, reference, want_eval, want_pred = _fit(kind, None)
-    model, history, got_eval, got_pred = _fit(kind, dtype)
-    print(f"[enable zoo] {kind} {dtype}: val loss fp32 {want_eval:.5f} vs {got_eval:.5f} "
-          f"({100 * (got_eval - want_eval) / want_eval:+.2f}%); "
+@pytest.mark.parametrize("flavour, kind, dtype", CASES)
+def test_enable_fit_evaluate_predict_match_float32(flavour, kind, dtype):
+    _, _, expect_converted, loss_scale_optimizer = FLAVOURS[flavour]
+    _, reference, want_eval, want_pred = fit(flavour, kind, None)
+    model, history, got_eval, got_pred = fit(flavour, kind, dtype)
+    print(f"[enable zoo] {flavour} {kind} {dtype}: val loss fp32 {want_eval:.5f} vs "
+          f"{got_eval:.5f} ({100 * (got_eval - want_eval) / want_eval:+.2f}%); "
           f"first/last train loss {history['loss'][0]:.4f}/{history['loss'][-1]:.4f}")
     assert history["loss"][-1] < 0.6 * history["loss"][0], "training should converge"
     assert got_eval == pytest.approx(want_eval, rel=REL_TOL)
     assert history["val_loss"][-1] == pytest.approx(reference["val_loss"][-1], rel=REL_TOL)
     assert got_pred.dtype == np.float32 and got_pred.shape == want_pred.shape
-    _expect_converted(kind, model.train_function.reports[0])
+    assert not np.array_equal(got_pred, want_pred)  # 16-bit math ran
+    expect_converted(kind, model.train_function.reports[0])
     assert model.predict_function.reports[0].converted
     assert all(w.dtype == "float32" for w in model.weights)
     if dtype == "float16":
-        assert isinstance(model.optimizer, tfamp.LossScaleOptimizer)
+        assert isinstance(model.optimizer, loss_scale_optimizer)
         assert history["loss_scale"][-1] >= 1.0
     else:
         assert "loss_scale" not in history
