@@ -7,49 +7,20 @@ A few fast float16 cases per default run; every model in both dtypes and both
 Kerases with ``-m slow``.
 """
 
+import functools
+
 import keras as keras3
 import numpy as np
 import pytest
 import tf_keras
-from keras import layers as L
 
 import tfamp
-from tests.test_zoo_training import SEED, _build, _expect_converted, _make_data
+from tests.test_zoo_training import _build, _expect_converted, _make_data
 from tfamp.keras.loss_scale3 import LossScaleOptimizer as Keras3LossScaleOptimizer
 
 EPOCHS = 6
 REL_TOL = 0.05
 KINDS = ("mlp", "cnn", "lstm", "gru", "transformer")
-
-
-def build_keras3(kind: str):
-    """(Keras 3 model, loss) with deterministic initial weights."""
-    keras3.utils.set_random_seed(SEED)
-    mse = keras3.losses.MeanSquaredError()
-    if kind == "mlp":
-        return keras3.Sequential([keras3.Input((16,)), L.Dense(64, activation="relu"),
-                                  L.Dense(64, activation="relu"), L.Dense(1)]), mse
-    if kind == "cnn":
-        return keras3.Sequential([
-            keras3.Input((12, 12, 1)),
-            L.Conv2D(16, 3, padding="same"), L.BatchNormalization(momentum=0.9), L.ReLU(),
-            L.MaxPooling2D(2),
-            L.Conv2D(16, 3, padding="same"), L.BatchNormalization(momentum=0.9), L.ReLU(),
-            L.Flatten(), L.Dropout(0.1), L.Dense(4),
-        ]), keras3.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if kind == "lstm":
-        return keras3.Sequential([keras3.Input((10, 4)), L.LSTM(32), L.Dense(1)]), mse
-    if kind == "gru":
-        return keras3.Sequential([keras3.Input((10, 4)), L.GRU(32), L.Dense(1)]), mse
-    if kind == "transformer":
-        inputs = keras3.Input((8, 16))
-        attention = L.MultiHeadAttention(num_heads=2, key_dim=8)(inputs, inputs)
-        h = L.LayerNormalization()(inputs + attention)
-        ff = L.Dense(16)(L.Dense(32, activation="relu")(h))
-        h = L.LayerNormalization()(h + ff)
-        outputs = L.Dense(1)(L.GlobalAveragePooling1D()(h))
-        return keras3.Model(inputs, outputs), mse
-    raise ValueError(kind)
 
 
 def expect_converted_keras3(kind: str, report) -> None:
@@ -67,7 +38,8 @@ def expect_converted_keras3(kind: str, report) -> None:
 # flavour -> (Keras module, model builder, expected conversions, tfamp's loss-scale optimizer)
 FLAVOURS = {
     "tf_keras": (tf_keras, _build, _expect_converted, tfamp.LossScaleOptimizer),
-    "keras3": (keras3, build_keras3, expect_converted_keras3, Keras3LossScaleOptimizer),
+    "keras3": (keras3, functools.partial(_build, keras=keras3), expect_converted_keras3,
+               Keras3LossScaleOptimizer),
 }
 
 

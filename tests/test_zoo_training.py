@@ -97,42 +97,34 @@ def _make_data(kind: str, n: int, seed: int):
 # --------------------------------------------------------------------------- models
 
 
-def _build(kind: str):
-    """(model, loss function) with deterministic initial weights."""
+def _build(kind: str, keras=keras):
+    """(model, loss function) with deterministic initial weights, built in `keras`
+    (tf_keras by default; test_enable_zoo passes Keras 3 too)."""
     keras.utils.set_random_seed(SEED)
+    layers = keras.layers
     mse = keras.losses.MeanSquaredError()
     if kind == "mlp":
-        model = keras.Sequential([
-            L.Dense(64, activation="relu", input_shape=(16,)),
-            L.Dense(64, activation="relu"),
-            L.Dense(1),
-        ])
-        return model, mse
+        return keras.Sequential([keras.Input((16,)), layers.Dense(64, activation="relu"),
+                                 layers.Dense(64, activation="relu"), layers.Dense(1)]), mse
     if kind == "cnn":
-        model = keras.Sequential([
-            L.Conv2D(16, 3, padding="same", input_shape=(12, 12, 1)),
-            L.BatchNormalization(momentum=0.9),
-            L.ReLU(),
-            L.MaxPooling2D(2),
-            L.Conv2D(16, 3, padding="same"),
-            L.BatchNormalization(momentum=0.9),
-            L.ReLU(),
-            L.Flatten(),
-            L.Dropout(0.1),
-            L.Dense(4),
-        ])
-        return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        return keras.Sequential([
+            keras.Input((12, 12, 1)),
+            layers.Conv2D(16, 3, padding="same"), layers.BatchNormalization(momentum=0.9),
+            layers.ReLU(), layers.MaxPooling2D(2),
+            layers.Conv2D(16, 3, padding="same"), layers.BatchNormalization(momentum=0.9),
+            layers.ReLU(), layers.Flatten(), layers.Dropout(0.1), layers.Dense(4),
+        ]), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if kind == "lstm":
-        return keras.Sequential([L.LSTM(32, input_shape=(10, 4)), L.Dense(1)]), mse
+        return keras.Sequential([keras.Input((10, 4)), layers.LSTM(32), layers.Dense(1)]), mse
     if kind == "gru":
-        return keras.Sequential([L.GRU(32, input_shape=(10, 4)), L.Dense(1)]), mse
+        return keras.Sequential([keras.Input((10, 4)), layers.GRU(32), layers.Dense(1)]), mse
     if kind == "transformer":
         inputs = keras.Input((8, 16))
-        attention = L.MultiHeadAttention(num_heads=2, key_dim=8)(inputs, inputs)
-        h = L.LayerNormalization()(inputs + attention)
-        ff = L.Dense(16)(L.Dense(32, activation="relu")(h))
-        h = L.LayerNormalization()(h + ff)
-        outputs = L.Dense(1)(L.GlobalAveragePooling1D()(h))
+        attention = layers.MultiHeadAttention(num_heads=2, key_dim=8)(inputs, inputs)
+        h = layers.LayerNormalization()(inputs + attention)
+        ff = layers.Dense(16)(layers.Dense(32, activation="relu")(h))
+        h = layers.LayerNormalization()(h + ff)
+        outputs = layers.Dense(1)(layers.GlobalAveragePooling1D()(h))
         return keras.Model(inputs, outputs), mse
     raise ValueError(kind)
 
