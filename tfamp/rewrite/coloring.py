@@ -240,7 +240,7 @@ class _BodyColoring:
         self.target_name = dtype_name(self.target)
         # Whether a chain after a 16-bit op may take in arithmetic on variable
         # reads (an optimizer's moment and weight updates): in bfloat16 only,
-        # see _reads_variable.
+        # see _region_stops_at.
         self.regions_read_variables = self.target == DT_BFLOAT16
         self.keep_patterns = [re.compile(p) for p in config.keep_fp32]
         self.device_type = kernels.resolve_device_type(config.device_type)
@@ -742,7 +742,7 @@ class _BodyColoring:
                 degree, count = elements
                 if ref.is_arg:  # (_ref_is_16bit, with the producer slot found once)
                     have16 = ref.node in args16
-                else:  # (_producer_slot)
+                else:  # the producer's slot (its output port's type attribute)
                     producer_node = nodes.get(ref.node)
                     producer = None
                     if producer_node is not None and ref.index < len(producer_node.outputs):
@@ -780,7 +780,7 @@ class _BodyColoring:
                 degree, count = elements
                 wants = set(rets.get(ref, ()))  # does each consumer outside want 16-bit?
                 for c, i in consumers_of.get(ref, ()):
-                    inputs = nodes[c].inputs  # (_consumer_slot)
+                    inputs = nodes[c].inputs  # the consumer's slot
                     consumer = slot_index.get((c, inputs[i].type_attr)) \
                         if i < len(inputs) else None
                     if consumer not in members and not self._follows_any_dtype(c, i):
@@ -796,18 +796,6 @@ class _BodyColoring:
                         sums16[degree] += count * (2 + width)
                         casts16.append(elements)
         return (Bytes.of_sums(sums16), casts16), (Bytes.of_sums(sums32), casts32)
-
-    def _producer_slot(self, ref: TensorRef) -> int | None:
-        if ref.is_arg:
-            return None
-        port = self.body.producer_port(ref)
-        return None if port is None else self.slot_index.get((ref.node, port.type_attr))
-
-    def _consumer_slot(self, consumer: str, index: int) -> int | None:
-        inputs = self.body.nodes[consumer].inputs
-        if index >= len(inputs):
-            return None
-        return self.slot_index.get((consumer, inputs[index].type_attr))
 
     def _run_time_scale(self, slot: int) -> str | None:
         """The node a scaling op's scalar operand comes from, if only known at run time.
@@ -933,9 +921,6 @@ class _BodyColoring:
         for s, (inputs, outputs) in found.items():
             self._refs_by_slot[s] = (list(dict.fromkeys(inputs)), outputs)
         return self._refs_by_slot.setdefault(slot, ([], []))
-
-    def _slot_output_refs(self, slot: int) -> list[TensorRef]:
-        return self._slot_refs(slot)[1]
 
     def _follows_any_dtype(self, consumer: str, index: int) -> bool:
         """A free clear op that reads only metadata (Shape, ...) takes either dtype.
