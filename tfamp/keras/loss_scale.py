@@ -35,7 +35,13 @@ import tensorflow as tf
 from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso
 from tf_keras.src.saving import object_registration
 
-from tfamp.keras.scale_update import BAD_NAMES_KEPT, finite_flags, mark_scaled
+from tfamp.keras.scale_update import (
+    BAD_NAMES_KEPT,
+    finite_flags,
+    loss_scale_ops,
+    mark_scaled,
+    update_scale,
+)
 
 log = logging.getLogger("tfamp")
 
@@ -85,37 +91,16 @@ class _ScaleState(keras_lso._DynamicLossScaleState):
                 strategy.extended.call_for_each_replica(finite_flags, args=(grads,)))[0]
         else:
             flags = finite_flags(grads)
-        is_finite = tf.reduce_all(flags)
-        scale = self.current_loss_scale
+        finite, group = self.update_from_flags(flags)
+        return group, finite
 
-        def on_finite():
-            if not self.is_dynamic:
-                return tf.group(self.floor_skips.assign(0))
-
-            def grow():
-                return tf.group(keras_lso._assign_if_finite(scale, scale * self.multiplier),
-                                self.counter.assign(0))
-
-            return tf.group(
-                self.floor_skips.assign(0),
-                tf.cond(self.counter + 1 >= self.growth_steps, grow,
-                        lambda: tf.group(self.counter.assign_add(1))))
-
-        def on_nonfinite():
-            bad = tf.cast(tf.reshape(tf.where(tf.logical_not(flags)), [-1]), tf.int32)
-            padded = tf.concat([bad, tf.fill([BAD_NAMES_KEPT], -1)], 0)[:BAD_NAMES_KEPT]
-            at_floor = scale <= self.min_scale
-            updates = [
-                self.skipped_steps.assign_add(1),
-                self.first_nonfinite.assign(padded),
-                self.floor_skips.assign(tf.where(at_floor, self.floor_skips + 1, 0)),
-                self.counter.assign(0),
-            ]
-            if self.is_dynamic:
-                updates.append(scale.assign(tf.maximum(scale / self.multiplier, self.min_scale)))
-            return tf.group(*updates)
-
-        return tf.cond(is_finite, on_finite, on_nonfinite), is_finite
+    def update_from_flags(self, flags):
+        """The scale rules for a step whose gradient flags are `flags`: (finite, updates)."""
+        return update_scale(
+            flags, scale=self.current_loss_scale, good_steps=self.counter,
+            skipped_steps=self.skipped_steps, floor_skips=self.floor_skips,
+            first_nonfinite=self.first_nonfinite, dynamic=self.is_dynamic,
+            growth_interval=self.growth_steps, min_scale=self.min_scale)
 
 
 class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
@@ -193,17 +178,28 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
     # -- applying ------------------------------------------------------------
 
     def get_scaled_loss(self, loss):
-        scaled = super().get_scaled_loss(loss)
+        from tfamp.keras import custom_loop
+
+        with loss_scale_ops():
+            scaled = super().get_scaled_loss(loss)
         mark_scaled(scaled)  # scaled by hand: tfamp's custom-loop tape hook leaves it alone
+        custom_loop.note_scaled_loss()
         return scaled
+
+    def get_unscaled_gradients(self, grads):
+        with loss_scale_ops():
+            return super().get_unscaled_gradients(grads)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         from tfamp.keras import custom_loop
 
-        if custom_loop.take_pending() is not None:
+        pending = custom_loop.take_pending()
+        if pending is not None:
             # tfamp's tape hook scaled and unscaled (a custom loop); this optimizer
             # checks finiteness itself. Keeps tf_keras's "you forgot" warning quiet.
             self._loss_has_been_scaled = self._gradients_have_been_unscaled = True
+        custom_loop.note_update(
+            pending, scaled=pending is not None or custom_loop.take_scaled_loss())
         grads_and_vars = list(grads_and_vars)
         # Same filter the parent applies before the finiteness check, so index i
         # of the recorded flags names variable i here.

@@ -13,7 +13,12 @@ can use it for tf_keras and Keras 3 optimizers alike:
 * what the tape patches ask of a ``tape.gradient`` target: ``is_scalar_float``
   (a loss), and whether a loss-scale optimizer scaled it already
   (``mark_scaled`` / ``is_scaled``: tfamp's and Keras's own optimizers mark the
-  loss they scale, so no patch scales it a second time).
+  loss they scale, so no patch scales it a second time);
+* ``loss_scale_ops``: every op the loss-scale machinery creates (the seed, the
+  unscaling, the finiteness flags, the scale and its update) carries the node
+  attribute ``_tfamp_loss_scale``; the rewrite keeps such nodes float32 whatever
+  the op lists say (``rewrite/coloring.py``). The scale update is written as
+  selects (no ``tf.cond`` branch, which is a graph of its own, to mark again).
 """
 
 from __future__ import annotations
@@ -22,11 +27,29 @@ import contextlib
 from collections.abc import Callable
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+
+from tfamp.rewrite.reasons import LOSS_SCALE_ATTR
 
 # A skipped step records the indices of its first few non-finite gradients.
 BAD_NAMES_KEPT = 3
 # The attribute a loss-scale optimizer sets on a loss it has scaled.
 SCALED_LOSS_MARK = "_tfamp_scaled_loss"
+_MARK = {LOSS_SCALE_ATTR: attr_value_pb2.AttrValue(b=True)}
+
+
+@contextlib.contextmanager
+def loss_scale_ops():
+    """Ops created within carry ``_tfamp_loss_scale``: the rewrite keeps them float32.
+
+    Applies to the current graph only (a ``tf.cond`` branch or loop body is a
+    graph of its own: enter it again there). Nothing happens eagerly.
+    """
+    if tf.executing_eagerly():
+        yield
+        return
+    with tf.compat.v1.get_default_graph()._attr_scope(_MARK):
+        yield
 
 
 def is_scalar_float(target) -> bool:
@@ -53,9 +76,10 @@ def finite_flags(grads) -> tf.Tensor:
         return g.values if isinstance(g, tf.IndexedSlices) else g
 
     grads = [g for g in grads if g is not None]
-    if not grads:
-        return tf.ones([0], tf.bool)
-    return tf.stack([tf.reduce_all(tf.math.is_finite(values(g))) for g in grads])
+    with loss_scale_ops():
+        if not grads:
+            return tf.ones([0], tf.bool)
+        return tf.stack([tf.reduce_all(tf.math.is_finite(values(g))) for g in grads])
 
 
 def all_reduce_flags(flags: tf.Tensor) -> tf.Tensor:
@@ -65,9 +89,10 @@ def all_reduce_flags(flags: tf.Tensor) -> tf.Tensor:
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return flags
-    bad = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                             tf.cast(tf.logical_not(flags), tf.float32))
-    return tf.equal(bad, 0.0)
+    with loss_scale_ops():
+        bad = context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                 tf.cast(tf.logical_not(flags), tf.float32))
+        return tf.equal(bad, 0.0)
 
 
 def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_nonfinite,
@@ -75,55 +100,80 @@ def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_
     """Updates the scale state after a step whose gradient flags are `flags`.
 
     Every state argument is a variable (tf.Variable or keras.Variable). Call it
-    once per step: in a cross-replica context, or with no strategy.
+    once per step: in a cross-replica context, or with no strategy. Written as
+    selects, not ``tf.cond``: every variable is assigned its new value (the old
+    one where nothing changes), so the step's only conditional is apply-or-skip.
+    Under XLA each conditional of the step costs a round trip that drains the GPU.
+
+    Returns:
+      (all gradients finite, the group of assignments).
     """
-    finite = tf.reduce_all(flags)
+    with loss_scale_ops():
+        finite = tf.reduce_all(flags)
+        current = tf.cast(tf.convert_to_tensor(scale), tf.float32)
+        good = tf.cast(tf.convert_to_tensor(good_steps), tf.int64)
+        counter = good + 1
+        grow = tf.logical_and(finite, counter >= growth_interval) if dynamic else tf.constant(False)
+        doubled = current * 2.0
+        grown = tf.where(tf.math.is_finite(doubled), doubled, current)
+        halved = tf.maximum(current / 2.0, min_scale)
+        new_scale = tf.where(finite, tf.where(grow, grown, current),
+                             halved if dynamic else current)
+        new_good = tf.where(tf.logical_and(finite, tf.logical_not(grow)), counter,
+                            tf.zeros_like(counter)) if dynamic else tf.zeros_like(counter)
+        floor = tf.cast(tf.convert_to_tensor(floor_skips), tf.int64)
+        new_floor = tf.where(finite, tf.zeros_like(floor),
+                             tf.where(current <= min_scale, floor + 1, tf.zeros_like(floor)))
+        skipped = tf.cast(tf.convert_to_tensor(skipped_steps), tf.int64)
+        new_skipped = skipped + tf.cast(tf.logical_not(finite), tf.int64)
+        new_first = tf.where(finite, tf.cast(tf.convert_to_tensor(first_nonfinite), tf.int32),
+                             first_bad_indices(flags))
+        updates = [
+            scale.assign(tf.cast(new_scale, scale.dtype)),
+            good_steps.assign(tf.cast(new_good, good_steps.dtype)),
+            floor_skips.assign(tf.cast(new_floor, floor_skips.dtype)),
+            skipped_steps.assign(tf.cast(new_skipped, skipped_steps.dtype)),
+            first_nonfinite.assign(tf.cast(new_first, first_nonfinite.dtype)),
+        ]
+        group = tf.group(*[u for u in updates if isinstance(u, (tf.Operation, tf.Tensor))])
+    return finite, group
 
-    def on_finite():
-        floor_skips.assign(tf.zeros_like(floor_skips))
-        if not dynamic:
-            return
-        counter = tf.cast(good_steps, tf.int64) + 1
 
-        def grow():
-            doubled = tf.convert_to_tensor(scale) * 2.0
-            scale.assign(tf.where(tf.math.is_finite(doubled), doubled, scale))
-            good_steps.assign(tf.zeros_like(good_steps))
+def first_bad_indices(flags) -> tf.Tensor:
+    """The positions of the first ``BAD_NAMES_KEPT`` False flags, padded with -1 (int32).
 
-        def count():
-            good_steps.assign_add(tf.ones_like(good_steps))
-
-        tf.cond(counter >= growth_interval, grow, count)
-
-    def on_nonfinite():
-        current = tf.convert_to_tensor(scale)
-        bad = tf.cast(tf.reshape(tf.where(tf.logical_not(flags)), [-1]), tf.int32)
-        padded = tf.concat([bad, tf.fill([BAD_NAMES_KEPT], -1)], 0)[:BAD_NAMES_KEPT]
-        skipped_steps.assign_add(tf.ones_like(skipped_steps))
-        first_nonfinite.assign(tf.cast(padded, first_nonfinite.dtype))
-        at_floor = current <= min_scale
-        floor_skips.assign(tf.where(at_floor, floor_skips + 1, tf.zeros_like(floor_skips)))
-        good_steps.assign(tf.zeros_like(good_steps))
-        if dynamic:
-            scale.assign(tf.maximum(current / 2.0, min_scale))
-
-    if tf.executing_eagerly():
-        on_finite() if bool(finite) else on_nonfinite()
-    else:
-        tf.cond(finite, on_finite, on_nonfinite)
-    return finite
+    Static shapes only (no ``tf.where`` of a condition, whose output size depends
+    on the data), so XLA compiles it without a dynamic shape.
+    """
+    count = int(flags.shape[0]) if flags.shape.rank == 1 and flags.shape[0] is not None else None
+    if count is None:
+        count = tf.size(flags)
+    positions = tf.range(count)
+    # The earliest bad flag gets the largest key; good ones key 0.
+    keys = tf.where(tf.logical_not(flags), count - positions, tf.zeros_like(positions))
+    keys = tf.concat([keys, tf.zeros([BAD_NAMES_KEPT], keys.dtype)], 0)
+    values, indices = tf.math.top_k(keys, k=BAD_NAMES_KEPT)
+    return tf.where(values > 0, indices, -tf.ones_like(indices))
 
 
 def unscale(grad, scale):
     """`grad / scale` computed in float32, returned in the gradient's dtype."""
     if grad is None:
         return None
-    scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
-    if isinstance(grad, tf.IndexedSlices):
-        values = tf.cast(grad.values, tf.float32) / scale
-        return tf.IndexedSlices(tf.cast(values, grad.values.dtype), grad.indices,
-                                grad.dense_shape)
-    return tf.cast(tf.cast(grad, tf.float32) / scale, grad.dtype)
+    with loss_scale_ops():
+        scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
+        if isinstance(grad, tf.IndexedSlices):
+            values = tf.cast(grad.values, tf.float32) / scale
+            return tf.IndexedSlices(tf.cast(values, grad.values.dtype), grad.indices,
+                                    grad.dense_shape)
+        return tf.cast(tf.cast(grad, tf.float32) / scale, grad.dtype)
+
+
+def seed(target, scale):
+    """The initial gradient of a scaled backprop: `scale` in `target`'s shape and dtype."""
+    with loss_scale_ops():
+        scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
+        return tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
 
 
 def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
@@ -139,6 +189,8 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
     """
     grads = list(grads)
     flags = all_reduce_flags(finite_flags(grads))
+    with loss_scale_ops():
+        finite = tf.reduce_all(flags)
     context = tf.distribute.get_replica_context()
     needs_merge = (tf.distribute.has_strategy() and context is not None
                    and not tf.__internal__.distribute.strategy_supports_no_merge_call())
@@ -152,12 +204,12 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
 
     if not needs_merge:
         if tf.executing_eagerly():
-            if bool(tf.reduce_all(flags)):
+            if bool(finite):
                 apply_fn(grads)
             else:
                 skip()
         else:
-            tf.cond(tf.reduce_all(flags), lambda: run(apply_fn, grads), skip)
+            tf.cond(finite, lambda: run(apply_fn, grads), skip)
         update_fn(flags)
         return
 
@@ -167,7 +219,9 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
         def apply():
             distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
 
-        tf.cond(tf.reduce_all(flags), apply, skip)
+        with loss_scale_ops():
+            finite = tf.reduce_all(flags)
+        tf.cond(finite, apply, skip)
         update_fn(flags)
 
     context.merge_call(cross_replica, args=(flags, grads))

@@ -382,6 +382,10 @@ class _BodyColoring:
         `call_block` is ``_call_block(node)``."""
         if name in self.keep:
             return f"kept float32: {self.keep[name]}", rk.KIND_INVALID_GRAPH
+        if rk.LOSS_SCALE_ATTR in node.node_def.attr:
+            return ("kept float32: part of the loss-scale machinery (the scale, its seed and "
+                    "update, unscaling, the finiteness check) reads float32 values",
+                    rk.KIND_LOSS_SCALE)
         for pattern in self.keep_patterns:
             if pattern.search(name):
                 return (f"kept float32: name matches keep_fp32 pattern {pattern.pattern!r}",

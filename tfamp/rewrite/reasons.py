@@ -9,6 +9,10 @@ printed ("deny list", "no 16-bit kernel", ...), so its summaries read the same.
 
 from __future__ import annotations
 
+# The node attribute tfamp's loss-scale code sets on every op it creates
+# (``keras/scale_update.loss_scale_ops``); such nodes are kept float32.
+LOSS_SCALE_ATTR = "_tfamp_loss_scale"
+
 # -- converted to 16-bit ------------------------------------------------------
 KIND_ALLOW = "allow list"  # on the allow list: always converted
 KIND_BETWEEN = "between 16-bit ops"  # infer/clear on a path between 16-bit ops
@@ -22,6 +26,7 @@ KIND_DENY_LIST = "deny list"  # on the deny list
 KIND_DOWNSTREAM_OF_DENY = "downstream of a deny op"  # deny spread to it
 KIND_NO_KERNEL = "no 16-bit kernel"  # OpDef or (its device's) kernels refuse 16-bit
 KIND_USER_OVERRIDE = "user override"  # name matches AmpConfig.keep_fp32
+KIND_LOSS_SCALE = "loss-scale machinery"  # seed, unscaling, finiteness check, scale update
 KIND_GRAPH_OUTPUT = "graph output"  # callers rely on the output's dtype
 KIND_VARIABLE = "variable op"  # variables (resource or ref) and their reads
 KIND_FUNCTION_CALL = "function call"  # a call keeps its callee's signature
