@@ -7,9 +7,10 @@ names and tfamp's Keras 3 loss-scale optimizer. What follows is the tf_keras pat
 Enabling installs per-instance hooks (nothing on the class, so other models and
 saved files are unaffected): ``make_train_function``, ``make_test_function`` and
 ``make_predict_function`` wrap the tf.functions Keras builds in tfamp's
-``RewrittenFunction``; ``train_step`` adds ``loss_scale`` and ``skipped_steps``
-to the logs (so they reach History and TensorBoard); ``compile`` wraps the
-optimizer it is given; ``call`` runs the model rewritten, with loss scaling, inside
+``RewrittenFunction``; ``train_step`` runs in the model's step scope (every loss
+scaled once by the model's scale, an overridden step included) and adds
+``loss_scale`` and ``skipped_steps`` to the logs (so they reach History and
+TensorBoard); ``compile`` wraps the optimizer it is given; ``call`` runs the model rewritten, with loss scaling, inside
 the user's own tf.function (``tfamp.keras.custom_loop``). Disabling removes the
 hooks and unwraps the optimizer.
 """
@@ -233,15 +234,6 @@ def _install_hooks(model, state: _EnabledState) -> None:
         model.optimizer = state.wrap_optimizer(model.optimizer)
         return result
 
-    def train_step(data):
-        logs = cls.train_step(model, data)
-        optimizer = model.optimizer
-        if isinstance(optimizer, LossScaleOptimizer) and isinstance(logs, dict):
-            logs = dict(logs)
-            logs["loss_scale"] = _replicated(lambda: tf.identity(optimizer.loss_scale))
-            logs["skipped_steps"] = _replicated(lambda: tf.identity(optimizer.skipped_steps))
-        return logs
-
     def hooked_maker(attr: str, maker_name: str, after_call=None):
         def make(force=False):
             made = getattr(cls, maker_name)(model, force)
@@ -262,18 +254,5 @@ def _install_hooks(model, state: _EnabledState) -> None:
         return make
 
     hooks.install(model, cls, state, LossScaleOptimizer, compile=compile,
-                  train_step=train_step, hooked_maker=hooked_maker,
-                  metrics_method="_validate_and_get_metrics_result", read_scale=_read_scale)
-
-
-def _read_scale(optimizer) -> tuple[float, int] | None:
-    if not isinstance(optimizer, LossScaleOptimizer):
-        return None
-    return float(optimizer.loss_scale.numpy()), int(optimizer.skipped_steps.numpy())
-
-
-def _replicated(read):
-    """`read()` once for all replicas, so Keras's per-replica sum does not multiply it."""
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
-        return read()
-    return tf.distribute.get_replica_context().merge_call(lambda _: read())
+                  hooked_maker=hooked_maker, metrics_method="_validate_and_get_metrics_result",
+                  replicated_logs=True)

@@ -84,6 +84,7 @@ class ModelLoop:
         self._scale_settings = (initial_scale, growth_interval, min_scale)
         self._forward = None
         self._own_state = None
+        self.step_owner = None  # the scale owner the model's train step last applied
         self.warned_eager = False
         self.warned_control_flow = False
 
@@ -200,10 +201,129 @@ def _in_control_flow_branch() -> bool:
 
 def _build_if_needed(owner, model) -> None:
     """A Keras 3 loss-scale optimizer's scale is a variable only once built."""
-    if owner is None or getattr(owner, "built", True) or not hasattr(owner, "dynamic_scale"):
+    if owner is None or not hasattr(owner, "_update_state") or owner.built:
         return
     with tf.init_scope():
         owner.build(model.trainable_variables)
+
+
+# -- an enabled model's train_step -------------------------------------------------------
+
+_step = threading.local()
+
+
+class StepScope:
+    """One trace of an enabled model's ``train_step``: who scales, and what was updated.
+
+    Within it every ``tape.gradient`` of a scalar float loss that nobody scaled
+    (Keras's own train step scales through its loss-scale optimizer, which marks
+    the loss) is seeded with the model's scale and unscaled in float32, and the
+    optimizer update that follows checks finiteness and updates that same scale,
+    whichever optimizer it is (the compiled one, or a GAN's own two).
+
+    Attributes:
+      loop: the model's ModelLoop (its scale owner).
+      owner: the scale owner the tapes used, once one was scaled.
+      scaled: optimizer updates whose gradients were loss-scaled.
+      unscaled: optimizer updates of gradients tfamp did not scale (a
+        non-scalar target, ``output_gradients`` given, or an eager tape).
+    """
+
+    def __init__(self, loop: ModelLoop):
+        self.loop = loop
+        self.owner = None
+        self.scaled = 0
+        self.unscaled = 0
+        self.own_losses = 0  # losses a loss-scale optimizer scaled itself, not yet applied
+
+    def owner_for_tape(self, target):
+        """The scale owner for ``tape.gradient(target, ...)`` here, or None (do not scale)."""
+        if (tf.executing_eagerly() or not scale_update.is_scalar_float(target)
+                or scale_update.is_scaled(target)):
+            return None
+        if self.owner is None:
+            model = self.loop.model_ref()
+            self.owner = self.loop.scale_owner()
+            if model is not None:
+                _build_if_needed(self.owner, model)
+        return self.owner
+
+    def reported_owner(self):
+        """The owner whose scale this step applied, or None if it applied none."""
+        if not self.scaled:
+            return None
+        return self.owner if self.owner is not None else self.loop.find_optimizer()
+
+
+class train_step_scope:  # noqa: N801  (a context manager, like tf.name_scope)
+    """Within it, tapes and optimizer updates follow the model's scale (``StepScope``)."""
+
+    def __init__(self, loop: ModelLoop):
+        self._scope = StepScope(loop)
+
+    def __enter__(self) -> StepScope:
+        install_patches()
+        self._previous = getattr(_step, "scope", None)
+        _step.scope = self._scope
+        return self._scope
+
+    def __exit__(self, *exc):
+        _step.scope = self._previous
+        return False
+
+
+def current_step() -> StepScope | None:
+    """The enabled model's train step being traced in this thread, if any."""
+    return getattr(_step, "scope", None)
+
+
+def note_scaled_loss() -> None:
+    """A loss-scale optimizer scaled a loss itself (tf_keras ``get_scaled_loss``)."""
+    scope = current_step()
+    if scope is not None and not tf.executing_eagerly():
+        scope.own_losses += 1
+
+
+def take_scaled_loss() -> bool:
+    """True (once per loss) if a loss-scale optimizer scaled a loss in the current step."""
+    scope = current_step()
+    if scope is None or scope.own_losses <= 0:
+        return False
+    scope.own_losses -= 1
+    return True
+
+
+def note_update(owner, scaled: bool | None = None) -> None:
+    """Records an optimizer update in the current step: scaled by `owner`, or unscaled.
+
+    `scaled` overrides the inference from `owner` (a loss-scale optimizer that
+    scaled through its own ``scale_loss`` passes True with no owner).
+    """
+    scope = current_step()
+    if scope is None or tf.executing_eagerly():
+        return
+    if scaled if scaled is not None else owner is not None:
+        scope.scaled += 1
+    else:
+        scope.unscaled += 1
+
+
+def scale_values(owner) -> tuple[tf.Tensor, tf.Tensor]:
+    """(current scale as float32, skipped steps as int64) of any scale owner."""
+    skipped = owner.skipped_steps
+    if not hasattr(owner, "_update_state"):  # tf_keras optimizer or a state
+        skipped = getattr(owner, "_loss_scale", owner).skipped_steps
+    return current_scale(owner), tf.cast(tf.convert_to_tensor(skipped), tf.int64)
+
+
+def unscaled_message(model) -> str:
+    return (f"tfamp: model {model.name!r}'s train_step applied gradients that tfamp did not "
+            f"loss-scale (the tape's target is not a scalar float loss, output_gradients "
+            f"was given, or the loss was scaled by hand with another scale), so float16 "
+            f"gradients below 6e-8 flush to zero there and no loss_scale is reported for "
+            f"it. Fix: differentiate the scalar loss itself (tape.gradient(loss, "
+            f"variables)), or scale it with model.optimizer.scale_loss / get_scaled_loss; "
+            f"or use dtype='bfloat16' (no loss scaling needed).")
 
 
 # -- loss scaling on the tape ---------------------------------------------------------
@@ -274,9 +394,9 @@ def current_scale(owner):
 # tfamp's own graph code: AutoGraph (converting the user's step) must leave it as written.
 @tf.autograph.experimental.do_not_convert
 def _scaled_gradient(original, tape, target, sources, owner, kwargs):
-    scale = current_scale(owner)
-    seed = tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
-    grads = original(tape, target, sources, seed, **kwargs)
+    with scale_update.loss_scale_ops():
+        scale = current_scale(owner)
+    grads = original(tape, target, sources, scale_update.seed(target, scale), **kwargs)
     _push_pending(owner)
     return tf.nest.map_structure(lambda g: scale_update.unscale(g, scale), grads)
 
@@ -308,12 +428,7 @@ def update_owner_scale(owner, flags) -> None:
     if hasattr(owner, "_update_state"):  # tfamp's Keras 3 loss-scale optimizer
         owner._update_state(flags)
         return
-    state = getattr(owner, "_loss_scale", owner)  # tfamp's tf_keras optimizer, or a state
-    scale_update.update_scale(
-        flags, scale=state.current_loss_scale, good_steps=state.counter,
-        skipped_steps=state.skipped_steps, floor_skips=state.floor_skips,
-        first_nonfinite=state.first_nonfinite, dynamic=state.is_dynamic,
-        growth_interval=state.growth_steps, min_scale=state.min_scale)
+    getattr(owner, "_loss_scale", owner).update_from_flags(flags)  # tf_keras, or a state
 
 
 def install_patches() -> None:
@@ -338,7 +453,9 @@ def _patch_tape() -> None:
     @functools.wraps(original)
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         if output_gradients is None:
-            owner = scale_owner_for(target, sources)
+            scope = current_step()
+            owner = (scope.owner_for_tape(target) if scope is not None
+                     else scale_owner_for(target, sources))
             if owner is not None:
                 return _scaled_gradient(original, self, target, sources, owner, kwargs)
         return original(self, target, sources, output_gradients, **kwargs)
@@ -351,6 +468,14 @@ def _is_tfamp_optimizer(optimizer) -> bool:
     return module.startswith("tfamp.") and "LossScaleOptimizer" in type(optimizer).__name__
 
 
+def _is_inner_optimizer(optimizer) -> bool:
+    """Wrapped by a loss-scale optimizer (tfamp's or Keras's), which reports its updates."""
+    from tfamp.keras.loss_scale3 import INNER_MARK
+
+    return bool(getattr(optimizer, INNER_MARK, False)
+                or getattr(optimizer, "_is_wrapped_by_loss_scale_optimizer", False))
+
+
 def _patch_tf_keras_optimizer() -> None:
     try:
         import tf_keras
@@ -361,7 +486,11 @@ def _patch_tf_keras_optimizer() -> None:
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        owner = None if _is_tfamp_optimizer(self) else take_pending()
+        if _is_tfamp_optimizer(self):
+            return original(self, grads_and_vars, *args, **kwargs)
+        owner = take_pending()
+        if not _is_inner_optimizer(self):
+            note_update(owner)
         if owner is None:
             return original(self, grads_and_vars, *args, **kwargs)
         return scale_update.apply_gradients_if_finite(
@@ -382,7 +511,11 @@ def _patch_keras3_optimizer() -> None:
 
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
-        owner = None if _is_tfamp_optimizer(self) else take_pending()
+        if _is_tfamp_optimizer(self):
+            return original(self, grads, trainable_variables)
+        owner = take_pending()
+        if not _is_inner_optimizer(self):
+            note_update(owner)
         if owner is None:
             return original(self, grads, trainable_variables)
         scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,

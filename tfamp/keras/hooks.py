@@ -2,13 +2,24 @@
 
 ``tfamp.enable`` sets instance attributes over a model's own methods (its class
 is left alone). What differs between tf_keras (``activation.py``) and Keras 3
-(``keras3.py``) is how a step function is built and how the loss scale is read;
-the hooks below take those as arguments.
+(``keras3.py``) is how a step function is built and how ``compile`` wraps the
+optimizer; the hooks below take those as arguments.
+
+``train_step`` is one hook for both: Keras's own step or an overridden one
+(a GAN's two optimizers, a VAE's sum-reduced loss) runs in the model's step
+scope (``custom_loop.train_step_scope``), so every loss it differentiates is
+scaled by the model's one scale and every update checks and updates that scale.
+The logs get ``loss_scale`` / ``skipped_steps`` of the scale the step applied,
+and none when it applied none.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable
+
+log = logging.getLogger("tfamp")
 
 # Keys tfamp adds to the logs of an enabled model's train step.
 LOG_KEYS = ("loss_scale", "skipped_steps")
@@ -29,6 +40,64 @@ def fit_hook(model, cls, state):
     return fit
 
 
+def train_step_hook(model, cls, state, *, replicated_logs: bool):
+    """``train_step`` in the model's step scope, with tfamp's log keys.
+
+    Args:
+      replicated_logs: read the scale once for all replicas (tf_keras sums
+        per-replica logs under a strategy).
+    """
+    from tfamp.keras import custom_loop
+
+    def train_step(data):
+        if state.loop is None or state.loss_scale is None:
+            return cls.train_step(model, data)
+        with custom_loop.train_step_scope(state.loop) as scope:
+            logs = cls.train_step(model, data)
+        if scope.unscaled and not state.warned_unscaled:
+            state.warned_unscaled = True
+            message = custom_loop.unscaled_message(model)
+            log.warning("%s", message)
+            warnings.warn(message, UserWarning, stacklevel=custom_loop.user_stacklevel())
+        owner = scope.reported_owner()
+        if owner is None or not isinstance(logs, dict):
+            return logs
+        state.loop.step_owner = owner
+
+        def read():
+            return custom_loop.scale_values(owner)
+
+        scale, skipped = _read_once(read) if replicated_logs else read()
+        logs = dict(logs)
+        logs["loss_scale"], logs["skipped_steps"] = scale, skipped
+        return logs
+
+    return train_step
+
+
+def _read_once(read):
+    """`read()` once for all replicas, so Keras's per-replica sum does not multiply it."""
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return read()
+    return tf.distribute.get_replica_context().merge_call(lambda _: read())
+
+
+def read_scale(state) -> tuple[float, int] | None:
+    """(loss scale, skipped steps) the model's train step applies, as Python numbers.
+
+    None until a step applied a scale (or when it applies none).
+    """
+    owner = getattr(state.loop, "step_owner", None) if state.loop is not None else None
+    if owner is None:
+        return None
+    from tfamp.keras import custom_loop
+
+    scale, skipped = custom_loop.scale_values(owner)
+    return float(scale.numpy()), int(skipped.numpy())
+
+
 def metrics_result_hook(model, base: Callable, read_scale: Callable):
     """Keras's epoch-end metrics re-read, with tfamp's log keys set aside.
 
@@ -40,15 +109,15 @@ def metrics_result_hook(model, base: Callable, read_scale: Callable):
       model: the enabled model.
       base: the class's method (``_validate_and_get_metrics_result`` in
         tf_keras, ``_get_metrics_result_or_logs`` in Keras 3), unbound.
-      read_scale: optimizer -> (loss scale, skipped steps) as Python numbers,
-        or None when the optimizer scales nothing.
+      read_scale: () -> (loss scale, skipped steps) as Python numbers, or None
+        when the step applies no scale.
     """
 
     def metrics_result(logs):
         if not (isinstance(logs, dict) and any(k in logs for k in LOG_KEYS)):
             return base(model, logs)
         result = base(model, {k: v for k, v in logs.items() if k not in LOG_KEYS})
-        scale = read_scale(model.optimizer)
+        scale = read_scale()
         if isinstance(result, dict) and scale is not None:
             result = dict(result)
             result["loss_scale"], result["skipped_steps"] = scale
@@ -57,13 +126,14 @@ def metrics_result_hook(model, base: Callable, read_scale: Callable):
     return metrics_result
 
 
-def after_train_hook(model, lso_cls):
+def after_train_hook(model, state):
     """After each train call: warn (naming the op) when the scale is stuck at its floor."""
 
     def after_train_call(_outputs):
-        optimizer = model.optimizer
-        if isinstance(optimizer, lso_cls):
-            optimizer.check_stuck(diagnose=lambda: _diagnose(model))
+        owner = getattr(state.loop, "step_owner", None) if state.loop is not None else None
+        check = getattr(owner, "check_stuck", None)
+        if check is not None:
+            check(diagnose=lambda: _diagnose(model))
 
     return after_train_call
 
@@ -75,21 +145,19 @@ def _diagnose(model):
 
 
 def install(model, cls, state, lso_cls, *, compile: Callable,  # noqa: A002
-            train_step: Callable, hooked_maker: Callable, metrics_method: str,
-            read_scale: Callable) -> None:
-    """Sets every hook on `model`: the flavour's own `compile`, `train_step` and
-    step-function maker, the shared ones above, and the custom-loop ``call``.
+            hooked_maker: Callable, metrics_method: str, replicated_logs: bool) -> None:
+    """Sets every hook on `model`: the flavour's own `compile` and step-function
+    maker, the shared ones above, and the custom-loop ``call``.
 
     Args:
       model: the model; `cls` its class, whose methods the hooks call.
       state: its EnabledState.
       lso_cls: the flavour's LossScaleOptimizer class.
       compile: ``compile`` that wraps the optimizer.
-      train_step: ``train_step`` that adds tfamp's log keys.
       hooked_maker: (attr, maker name, after_call=None) -> the
         ``make_*_function`` hook.
       metrics_method: the name of Keras's epoch-end metrics method.
-      read_scale: see ``metrics_result_hook``.
+      replicated_logs: see ``train_step_hook``.
     """
     from tfamp.keras import custom_loop
 
@@ -97,10 +165,11 @@ def install(model, cls, state, lso_cls, *, compile: Callable,  # noqa: A002
         "call": custom_loop.call_hook(model, cls.call, state, lso_cls),
         "compile": compile,
         "fit": fit_hook(model, cls, state),
-        "train_step": train_step,
-        metrics_method: metrics_result_hook(model, getattr(cls, metrics_method), read_scale),
+        "train_step": train_step_hook(model, cls, state, replicated_logs=replicated_logs),
+        metrics_method: metrics_result_hook(model, getattr(cls, metrics_method),
+                                            lambda: read_scale(state)),
         "make_train_function": hooked_maker(
-            "train_function", "make_train_function", after_train_hook(model, lso_cls)),
+            "train_function", "make_train_function", after_train_hook(model, state)),
         "make_test_function": hooked_maker("test_function", "make_test_function"),
         "make_predict_function": hooked_maker("predict_function", "make_predict_function"),
     }

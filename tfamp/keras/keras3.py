@@ -8,9 +8,9 @@ Keras builds them, tfamp hands the trainer module a ``tf.function`` that wraps
 the *first* function built, the step, in ``RewrittenFunction``; the loop stays
 a plain tf.function that calls the rewritten step (so it is not coloured
 again). ``call`` runs the model rewritten, with loss scaling, inside the user's own
-tf.function (``tfamp.keras.custom_loop``). ``train_step`` runs under a gradient-tape hook (so an overridden
-``train_step`` that never calls ``scale_loss`` still gets loss scaling, applied
-once) and adds ``loss_scale`` / ``skipped_steps`` to the logs; ``compile``
+tf.function (``tfamp.keras.custom_loop``). ``train_step`` is the hook both Kerases
+share (``tfamp.keras.hooks.train_step_hook``): the model's step scope scales an
+overridden ``train_step`` that never calls ``scale_loss`` too, once; ``compile``
 wraps the optimizer in tfamp's Keras 3 ``LossScaleOptimizer``.
 """
 
@@ -26,7 +26,6 @@ from keras.src.backend.tensorflow import trainer as trainer_module
 
 from tfamp.keras import hooks
 from tfamp.keras.loss_scale3 import INNER_MARK, LossScaleOptimizer
-from tfamp.keras.scale_update import is_scalar_float, is_scaled, unscale
 from tfamp.keras.state import EnabledState
 from tfamp.runtime.runner import RewrittenFunction
 
@@ -92,7 +91,6 @@ def enable(model, state: Keras3State):
     check_no_other_mixed_precision(model)
     if getattr(model, "_tfamp_state", None) is not None:
         disable(model)
-    _install_tape_hook()
     _install_hooks(model, state)
     if getattr(model, "optimizer", None) is not None:
         model.optimizer = _wrapped(model, state)
@@ -199,17 +197,6 @@ def _install_hooks(model, state: Keras3State) -> None:
         model.optimizer = _wrapped(model, state)
         return result
 
-    def train_step(data):
-        optimizer = model.optimizer
-        lso = optimizer if isinstance(optimizer, LossScaleOptimizer) else None
-        with tape_scaling(lso):
-            logs = cls.train_step(model, data)
-        if lso is not None and isinstance(logs, dict):
-            logs = dict(logs)
-            logs["loss_scale"] = tf.identity(lso.loss_scale)
-            logs["skipped_steps"] = tf.identity(lso.skipped_steps)
-        return logs
-
     def hooked_maker(attr: str, maker_name: str, after_call=None):
         def make(force=False):
             current = model.__dict__.get(attr)
@@ -236,66 +223,9 @@ def _install_hooks(model, state: Keras3State) -> None:
         return make
 
     hooks.install(model, cls, state, LossScaleOptimizer, compile=compile,
-                  train_step=train_step, hooked_maker=hooked_maker,
-                  metrics_method="_get_metrics_result_or_logs", read_scale=_read_scale)
-
-
-def _read_scale(optimizer) -> tuple[float, int] | None:
-    if not (isinstance(optimizer, LossScaleOptimizer) and optimizer.built):
-        return None
-    return float(optimizer.dynamic_scale.numpy()), int(optimizer.skipped_steps.numpy())
-
-
-
-
-# -- the gradient-tape hook an enabled model's train_step runs under --------------
-
-_tape_context = threading.local()
-_tape_hook_installed = False
-
-
-class tape_scaling:  # noqa: N801  (used as a context manager, like tf.name_scope)
-    """Within it, ``GradientTape.gradient`` of a scalar float loss that nobody
-    scaled is seeded with `optimizer`'s loss scale and the gradients are
-    unscaled in float32; the optimizer then does not divide again (no
-    ``scale_loss`` is pending). ``None`` turns the hook off.
-    """
-
-    def __init__(self, optimizer: LossScaleOptimizer | None):
-        self._optimizer = optimizer
-
-    def __enter__(self):
-        self._previous = getattr(_tape_context, "optimizer", None)
-        _tape_context.optimizer = self._optimizer
-        return self
-
-    def __exit__(self, *exc):
-        _tape_context.optimizer = self._previous
-        return False
-
-
-def _install_tape_hook() -> None:
-    global _tape_hook_installed
-    if _tape_hook_installed:
-        return
-    _tape_hook_installed = True
-    original = tf.GradientTape.gradient
-
-    @functools.wraps(original)
-    def gradient(self, target, sources, output_gradients=None, **kwargs):
-        optimizer = getattr(_tape_context, "optimizer", None)
-        if (optimizer is None or output_gradients is not None
-                or not is_scalar_float(target) or is_scaled(target)):
-            return original(self, target, sources, output_gradients, **kwargs)
-        scale = optimizer.loss_scale
-        seed = tf.cast(tf.fill(tf.shape(target), tf.cast(scale, tf.float32)), target.dtype)
-        grads = original(self, target, sources, seed, **kwargs)
-        return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
-
-    gradient._tfamp_keras3_hook = True
-    tf.GradientTape.gradient = gradient
+                  hooked_maker=hooked_maker, metrics_method="_get_metrics_result_or_logs",
+                  replicated_logs=False)
 
 
 __all__ = ["Keras3State", "LossScaleOptimizer", "StepFunctions", "check_backend",
-           "disable", "enable", "is_keras3_model", "tape_scaling",
-           "uses_keras_mixed_precision"]
+           "disable", "enable", "is_keras3_model", "uses_keras_mixed_precision"]

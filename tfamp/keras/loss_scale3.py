@@ -72,6 +72,7 @@ from tfamp.keras.loss_scale import (
 from tfamp.keras.scale_update import (
     BAD_NAMES_KEPT,
     apply_if_finite,
+    loss_scale_ops,
     mark_scaled,
     unscale,
     update_scale,
@@ -218,7 +219,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.dynamic_scale if self.built else tf.constant(self.initial_scale)
 
     def scale_loss(self, loss):
-        scaled = super().scale_loss(loss)
+        with loss_scale_ops():
+            scaled = super().scale_loss(loss)
         mark_scaled_loss(self, scaled)
         return scaled
 
@@ -227,7 +229,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def apply(self, grads, trainable_variables=None):
         from tfamp.keras import custom_loop
 
-        custom_loop.take_pending()  # a custom-loop step: this optimizer checks it itself
+        # A tape tfamp scaled (custom loop or train step): this optimizer checks it itself.
+        pending = custom_loop.take_pending()
         grads = list(grads)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -237,7 +240,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise ValueError("apply() must be called in a replica context.")
         variables = (list(trainable_variables) if trainable_variables is not None
                      else list(self._trainable_variables))
-        if consume_scaled_loss(self):
+        scaled_here = consume_scaled_loss(self)
+        custom_loop.note_update(pending, scaled=pending is not None or scaled_here)
+        if scaled_here:
             scale = self.dynamic_scale
             grads = [g if g is None or self._overwrite_variable_with_gradient(v)
                      else unscale(g, scale) for g, v in zip(grads, variables, strict=True)]

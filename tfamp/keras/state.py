@@ -24,6 +24,7 @@ class EnabledState:
     check: bool
     ranges: object = None  # None, True, or an output directory for RangeMonitor
     loop: object = None  # custom_loop.ModelLoop, set when the hooks are installed
+    warned_unscaled: bool = False  # the step applied gradients tfamp could not scale
 
     tfamp_optimizer = None  # set by each flavour
     keras_loss_scale_optimizer = None

@@ -204,7 +204,7 @@ def _patch_keras3(active: _Activation) -> None:
     from tfamp.keras import activation
     from tfamp.keras import keras3 as keras3_hooks
     from tfamp.keras.loss_scale3 import INNER_MARK
-    from tfamp.keras.scale_update import mark_scaled
+    from tfamp.keras.scale_update import loss_scale_ops, mark_scaled
 
     original_compile = base_trainer.Trainer.compile
 
@@ -239,7 +239,8 @@ def _patch_keras3(active: _Activation) -> None:
 
     @functools.wraps(original_scale_loss)
     def scale_loss(self, loss):
-        scaled = original_scale_loss(self, loss)
+        with loss_scale_ops():
+            scaled = original_scale_loss(self, loss)
         mark_scaled(scaled)
         return scaled
 
@@ -339,18 +340,17 @@ def _patch_custom_loops(active: _Activation) -> None:
     import tensorflow as tf
 
     from tfamp.keras import loss_scale as loss_scale_lib
-    from tfamp.keras.scale_update import is_scalar_float, is_scaled, unscale
+    from tfamp.keras.scale_update import is_scalar_float, is_scaled, seed, unscale
 
     original_gradient = tf.GradientTape.gradient
 
     @functools.wraps(original_gradient)
     def gradient(self, target, sources, output_gradients=None, **kwargs):
-        if (getattr(active.no_tape_scaling, "on", False) or output_gradients is not None
+        if (_scaled_elsewhere(active) or output_gradients is not None
                 or not is_scalar_float(target) or is_scaled(target)):
             return original_gradient(self, target, sources, output_gradients, **kwargs)
         scale = _scale_state(active).current_loss_scale
-        seed = tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
-        grads = original_gradient(self, target, sources, seed, **kwargs)
+        grads = original_gradient(self, target, sources, seed(target, scale), **kwargs)
         return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
 
     tf.GradientTape.gradient = gradient
@@ -368,6 +368,17 @@ def _patch_custom_loops(active: _Activation) -> None:
             return original_compute(self, *args, **kwargs)
 
     loss_scale_lib.LossScaleOptimizer.compute_gradients = compute_gradients
+
+
+def _scaled_elsewhere(active: _Activation) -> bool:
+    """True where the process-wide custom-loop scale must stand aside: a Keras train
+    step whose optimizer scales the loss itself, or an enabled model's train step
+    (its own scale owns every tape and update there: ``custom_loop.train_step_scope``)."""
+    if getattr(active.no_tape_scaling, "on", False):
+        return True
+    from tfamp.keras import custom_loop
+
+    return custom_loop.current_step() is not None
 
 
 def _optimizer_classes():
@@ -401,7 +412,7 @@ def _patch_keras3_apply(active: _Activation) -> None:
 
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
-        if (getattr(active.no_tape_scaling, "on", False)
+        if (_scaled_elsewhere(active)
                 or isinstance(self, keras.optimizers.LossScaleOptimizer)
                 or getattr(self, loss_scale3.INNER_MARK, False)):
             return original(self, grads, trainable_variables)
@@ -417,7 +428,7 @@ def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib)
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        if (getattr(active.no_tape_scaling, "on", False) or _is_loss_scale_optimizer(self)
+        if (_scaled_elsewhere(active) or _is_loss_scale_optimizer(self)
                 or getattr(self, "_is_wrapped_by_loss_scale_optimizer", False)):
             return original(self, grads_and_vars, *args, **kwargs)
         from tfamp.keras import scale_update
@@ -431,14 +442,7 @@ def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib)
 
 def _update_process_scale(active: _Activation, flags) -> None:
     """The custom-loop (process-wide) scale after a step with gradient `flags`."""
-    from tfamp.keras import scale_update
-
-    state = _scale_state(active)
-    scale_update.update_scale(
-        flags, scale=state.current_loss_scale, good_steps=state.counter,
-        skipped_steps=state.skipped_steps, floor_skips=state.floor_skips,
-        first_nonfinite=state.first_nonfinite, dynamic=state.is_dynamic,
-        growth_interval=state.growth_steps, min_scale=state.min_scale)
+    _scale_state(active).update_from_flags(flags)
 
 
 def _is_loss_scale_optimizer(optimizer) -> bool:

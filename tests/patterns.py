@@ -1,0 +1,308 @@
+"""Training patterns of the keras.io guides, written once for both Kerases.
+
+Each pattern builds a model (seeded), trains it for a few steps on fixed
+synthetic data and returns the total weight change, so a test can compare a
+mixed-precision run's update with float32's (cosine, norm ratio). ``tiny``
+multiplies every loss by 1e-6 and the learning rate by 1e6 (SGD everywhere,
+so the update is the same size): unscaled float16 gradients of such a loss
+underflow, so a run whose gradients were not loss-scaled is told apart from
+one whose were. (At 1e-5 these small models' gradients mostly stay above
+float16's subnormals: an unscaled GAN still reached cosine 0.93; at 1e-6, 0.22.)
+
+Also a command line, for runs under ``TFAMP_ENABLE=1`` (which patches the
+whole process): ``python tests/patterns.py KERAS PATTERN [--tiny] --out F.npz``.
+
+Patterns:
+  gan       overridden ``train_step`` driving two models with their own
+            optimizers; ``compile()`` without an optimizer
+  wgan_gp   as gan, the critic loss with a gradient penalty through a nested
+            GradientTape (non-scalar inner target), optimizers passed to an
+            overridden ``compile``
+  vae       overridden ``train_step`` on ``self.optimizer``; the
+            reconstruction loss is a sum over pixels (keras.io VAE)
+  sum_loss  overridden ``train_step`` whose loss is a ``reduce_sum`` over
+            every pixel of the batch (no mean): its gradients overflow float16
+            at the default start scale, so dynamic scaling must come down
+  multi_io  two inputs, two outputs, ``loss_weights`` and
+            ``steps_per_execution=4``; Keras's own train step
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import numpy as np
+
+TINY_LOSS = 1e-6
+BATCH = 16
+STEPS = 6
+
+
+def keras_module(name: str):
+    """"tf_keras" or "keras3" -> the module."""
+    return importlib.import_module("tf_keras" if name == "tf_keras" else "keras")
+
+
+def _is_keras3(keras) -> bool:
+    return keras.__name__ == "keras"
+
+
+def _grads_and_apply(keras, optimizer, loss, tape, variables):
+    """tape.gradient + the optimizer update, written as each Keras's guides do."""
+    grads = tape.gradient(loss, variables)
+    optimizer.apply_gradients(zip(grads, variables))
+
+
+def _mlp(keras, inputs: int, outputs: int, name: str, hidden: int = 32):
+    x = keras.Input((inputs,))
+    h = keras.layers.Dense(hidden, activation="relu")(x)
+    h = keras.layers.Dense(hidden, activation="relu")(h)
+    return keras.Model(x, keras.layers.Dense(outputs)(h), name=name)
+
+
+def _gan(keras, tiny: bool, lr: float, penalty: bool):
+    import tensorflow as tf
+
+    factor = TINY_LOSS if tiny else 1.0
+
+    class GAN(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.generator = _mlp(keras, 8, 16, "generator")
+            self.critic = _mlp(keras, 16, 1, "critic")
+
+        def call(self, z):
+            return self.critic(self.generator(z))
+
+        def compile(self, d_optimizer=None, g_optimizer=None, **kwargs):  # noqa: A003
+            super().compile(**kwargs)
+            self.d_optimizer = d_optimizer or keras.optimizers.SGD(lr)
+            self.g_optimizer = g_optimizer or keras.optimizers.SGD(lr)
+
+        def _penalty(self, real, fake):
+            alpha = tf.random.stateless_uniform([tf.shape(real)[0], 1], seed=[3, 4])
+            mixed = real + alpha * (fake - real)
+            with tf.GradientTape() as inner:
+                inner.watch(mixed)
+                pred = self.critic(mixed)
+            grads = inner.gradient(pred, [mixed])[0]  # a non-scalar target, as keras.io
+            norm = tf.sqrt(tf.reduce_sum(tf.square(grads), axis=1) + 1e-12)
+            return tf.reduce_mean((norm - 1.0) ** 2)
+
+        def train_step(self, data):
+            real = data
+            z = tf.random.stateless_normal([tf.shape(real)[0], 8], seed=[1, 2])
+            with tf.GradientTape() as tape:
+                fake = self.generator(z)
+                real_out, fake_out = self.critic(real), self.critic(fake)
+                if penalty:
+                    d_loss = (tf.reduce_mean(fake_out) - tf.reduce_mean(real_out)
+                              + 10.0 * self._penalty(real, fake))
+                else:
+                    d_loss = (tf.reduce_mean(tf.nn.softplus(-real_out))
+                              + tf.reduce_mean(tf.nn.softplus(fake_out)))
+                d_loss = d_loss * factor
+            _grads_and_apply(keras, self.d_optimizer, d_loss, tape,
+                             self.critic.trainable_weights)
+            with tf.GradientTape() as tape:
+                fake_out = self.critic(self.generator(z))
+                if penalty:
+                    g_loss = -tf.reduce_mean(fake_out)
+                else:
+                    g_loss = tf.reduce_mean(tf.nn.softplus(-fake_out))
+                g_loss = g_loss * factor
+            _grads_and_apply(keras, self.g_optimizer, g_loss, tape,
+                             self.generator.trainable_weights)
+            return {"d_loss": d_loss, "g_loss": g_loss}
+
+    model = GAN()
+    model.compile(keras.optimizers.SGD(lr), keras.optimizers.SGD(lr))
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(BATCH * STEPS, 16)).astype("float32")
+    return model, (data,), {}
+
+
+def gan(keras, tiny, lr):
+    return _gan(keras, tiny, lr, penalty=False)
+
+
+def wgan_gp(keras, tiny, lr):
+    return _gan(keras, tiny, lr, penalty=True)
+
+
+def _autoencoder_parts(keras, latent: int):
+    x = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(x)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    encoder = keras.Model(x, keras.layers.Dense(latent * 2)(h), name="encoder")
+    z = keras.Input((latent,))
+    h = keras.layers.Dense(8 * 8 * 8, activation="relu")(z)
+    h = keras.layers.Reshape((8, 8, 8))(h)
+    out = keras.layers.Conv2D(1, 3, padding="same")(h)
+    decoder = keras.Model(z, out, name="decoder")
+    return encoder, decoder
+
+
+def _images(n: int):
+    rng = np.random.default_rng(1)
+    return rng.uniform(size=(n, 8, 8, 1)).astype("float32")
+
+
+def vae(keras, tiny, lr):
+    import tensorflow as tf
+
+    factor = TINY_LOSS if tiny else 1.0
+
+    class VAE(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.decoder = _autoencoder_parts(keras, 4)
+
+        def call(self, x):
+            mean, _ = tf.split(self.encoder(x), 2, axis=-1)
+            return self.decoder(mean)
+
+        def train_step(self, data):
+            x = data[0] if isinstance(data, tuple) else data
+            with tf.GradientTape() as tape:
+                mean, log_var = tf.split(self.encoder(x), 2, axis=-1)
+                eps = tf.random.stateless_normal(tf.shape(mean), seed=[5, 6])
+                z = mean + tf.exp(0.5 * log_var) * eps
+                logits = self.decoder(z)
+                recon = tf.reduce_mean(tf.reduce_sum(
+                    tf.nn.sigmoid_cross_entropy_with_logits(labels=x, logits=logits),
+                    axis=(1, 2, 3)))
+                kl = -0.5 * tf.reduce_mean(tf.reduce_sum(
+                    1 + log_var - tf.square(mean) - tf.exp(log_var), axis=1))
+                loss = (recon + kl) * factor
+            _grads_and_apply(keras, self.optimizer, loss, tape, self.trainable_weights)
+            return {"loss": loss}
+
+    model = VAE()
+    model.compile(optimizer=keras.optimizers.SGD(lr))
+    return model, (_images(BATCH * STEPS),), {}
+
+
+def sum_loss(keras, tiny, lr):
+    import tensorflow as tf
+
+    factor = TINY_LOSS if tiny else 1.0
+
+    class SumLoss(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.decoder = _autoencoder_parts(keras, 8)
+
+        def call(self, x):
+            return self.decoder(self.encoder(x)[:, :8])
+
+        def train_step(self, data):
+            x = data[0] if isinstance(data, tuple) else data
+            with tf.GradientTape() as tape:  # gradients up to ~40: 2^15 overflows
+                loss = tf.reduce_sum(tf.square(self(x) - x)) * factor
+            _grads_and_apply(keras, self.optimizer, loss, tape, self.trainable_weights)
+            return {"loss": loss}
+
+    model = SumLoss()
+    model.compile(optimizer=keras.optimizers.SGD(lr * 1e-3))
+    # Twice the steps: dynamic scaling must first come down from 2^15.
+    return model, (_images(BATCH * STEPS * 2),), {}
+
+
+def multi_io(keras, tiny, lr):
+    factor = TINY_LOSS if tiny else 1.0
+    a, b = keras.Input((12,), name="a"), keras.Input((6,), name="b")
+    h = keras.layers.Concatenate()([keras.layers.Dense(16, activation="relu")(a), b])
+    h = keras.layers.Dense(32, activation="relu")(h)
+    out1 = keras.layers.Dense(1, name="reg")(h)
+    out2 = keras.layers.Dense(3, name="cls")(h)
+    model = keras.Model([a, b], [out1, out2])
+    model.compile(optimizer=keras.optimizers.SGD(lr),
+                  loss={"reg": "mse", "cls": keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True)},
+                  loss_weights={"reg": 0.5 * factor, "cls": 2.0 * factor},
+                  steps_per_execution=4)
+    rng = np.random.default_rng(2)
+    n = BATCH * 8
+    xa = rng.normal(size=(n, 12)).astype("float32")
+    xb = rng.normal(size=(n, 6)).astype("float32")
+    y1 = xa[:, :3].sum(axis=1, keepdims=True)
+    y2 = rng.integers(0, 3, size=(n,)).astype("int64")
+    return model, ({"a": xa, "b": xb}, {"reg": y1, "cls": y2}), {}
+
+
+PATTERNS = {"gan": gan, "wgan_gp": wgan_gp, "vae": vae, "sum_loss": sum_loss,
+            "multi_io": multi_io}
+LEARNING_RATE = 1e-2
+
+
+def build(keras, pattern: str, tiny: bool = False):
+    """(model, fit arguments) for `pattern`, seeded: the same weights in every run."""
+    keras.utils.set_random_seed(0)
+    lr = LEARNING_RATE / (TINY_LOSS if tiny else 1.0)
+    return PATTERNS[pattern](keras, tiny, lr)
+
+
+def train(keras, pattern: str, *, tiny: bool = False, before_fit=None) -> dict:
+    """Trains `pattern` (one epoch of a few steps); returns what the tests compare.
+
+    Args:
+      before_fit: called with the compiled model (e.g. ``tfamp.enable``).
+
+    Returns:
+      {"delta": the concatenated weight change, "dtypes": the variables'
+      dtypes, "steps": the number of batches, "history": fit's history (last
+      values)}.
+    """
+    model, data, kwargs = build(keras, pattern, tiny)
+    if before_fit is not None:
+        before_fit(model)
+    x = data[0]
+    y = data[1] if len(data) > 1 else None
+    before = [np.array(v.numpy(), copy=True) for v in model.trainable_weights]
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, **kwargs)
+    delta = np.concatenate([(np.asarray(v.numpy()) - w).ravel()
+                            for v, w in zip(model.trainable_weights, before, strict=True)])
+    dtypes = sorted({_dtype_name(v) for v in model.weights})
+    size = len(next(iter(x.values())) if isinstance(x, dict) else x)
+    return {"delta": delta, "dtypes": dtypes, "steps": -(-size // BATCH),
+            "history": {k: float(v[-1]) for k, v in history.history.items()}}
+
+
+def _dtype_name(variable) -> str:
+    dtype = variable.dtype
+    return dtype if isinstance(dtype, str) else dtype.name
+
+
+def compare(reference: np.ndarray, delta: np.ndarray) -> tuple[float, float]:
+    """(cosine, norm ratio) of a run's weight change against float32's."""
+    norm_ref, norm = float(np.linalg.norm(reference)), float(np.linalg.norm(delta))
+    if norm_ref == 0.0 or norm == 0.0:
+        return 0.0, norm / norm_ref if norm_ref else float("inf")
+    return float(reference @ delta) / (norm_ref * norm), norm / norm_ref
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("keras", choices=["tf_keras", "keras3"])
+    parser.add_argument("patterns", nargs="+", choices=sorted(PATTERNS))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", required=True, help="an .npz file for the results")
+    args = parser.parse_args(argv)
+    keras = keras_module(args.keras)
+    arrays, meta = {}, {}
+    for pattern in args.patterns:
+        result = train(keras, pattern, tiny=args.tiny)
+        arrays[pattern] = result["delta"]
+        meta[pattern] = {"dtypes": result["dtypes"], "steps": result["steps"],
+                         "history": result["history"]}
+    np.savez(args.out, meta=json.dumps(meta), **arrays)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
