@@ -114,10 +114,15 @@ def test_custom_loop_overflow_step_is_skipped_only_with_tfamp(tmp_path):
 ])
 def test_invalid_setting_stops_before_the_script_with_one_line(tmp_path, variable, value,
                                                                expected):
+    """Checked at start-up; op-list names (TensorFlow's op registry) when TensorFlow
+    is imported, which is where the script would first use them."""
     env = {variable: value}
     if variable != "TFAMP_ENABLE":
         env["TFAMP_ENABLE"] = "1"
-    result = run(["-c", "print('script ran')"], tmp_path, **env)
+    needs_registry = variable == "TFAMP_ALLOWLIST_ADD"
+    script = "import tensorflow\nprint('script ran')" if needs_registry else (
+        "print('script ran')")
+    result = run(["-c", script], tmp_path, **env)
     assert result.returncode == 2
     assert "script ran" not in result.stdout
     errors = [line for line in result.stderr.splitlines() if line.startswith("tfamp:")]

@@ -74,9 +74,49 @@ def test_exit_notice_is_silent_after_a_crash(tmp_path):
 
 
 def test_exit_notice_still_warns_when_nothing_was_traced(tmp_path):
-    result = run(["-c", "print('eager only')"], tmp_path, TFAMP_ENABLE="1")
+    script = "import tensorflow as tf\nprint('eager only', float(tf.ones([])))\n"
+    result = run(["-c", script], tmp_path, TFAMP_ENABLE="1")
     assert result.returncode == 0
     assert "the script traced no tf.function" in result.stderr
+
+
+def test_a_process_that_never_imports_tensorflow_imports_and_prints_nothing(tmp_path):
+    """pip, shell tools, any Python process of a shell with TFAMP_ENABLE exported."""
+    code = "import sys; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
+           "('tensorflow', 'keras', 'tf_keras', 'numpy')))"
+    result = run(["-X", "importtime", "-c", code], tmp_path, TFAMP_ENABLE="1")
+    assert result.returncode == 0 and result.stdout.strip() == "[]"
+    assert not [line for line in result.stderr.splitlines() if line.startswith("tfamp")]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    ours = {name for name in imported if name.startswith("tfamp")}
+    # The hook and the settings reader, nothing heavier (no dataclasses/typing either).
+    assert ours == {"tfamp", "tfamp.runtime", "tfamp.runtime.hook", "tfamp.env"}, ours
+    assert not imported & {"typing", "dataclasses", "logging"}
+
+
+@pytest.mark.parametrize("first_import", ["import keras", "import tf_keras",
+                                          "from tensorflow import keras"])
+def test_tfamp_activates_whatever_is_imported_first(tmp_path, first_import):
+    script = textwrap.dedent(f"""
+        {first_import}
+        import tensorflow as tf
+        f = tf.function(lambda x: tf.matmul(x, x))
+        print(f(tf.ones([4, 4])).dtype.name)
+    """)
+    result = run(["-c", script], tmp_path, TFAMP_ENABLE="1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "float32"
+    assert "-> float16 (MatMul x1)" in result.stderr
+
+
+def test_a_misspelled_variable_gets_a_hint_and_tfamp_stays_off(tmp_path):
+    script = "import sys; print('tensorflow' in sys.modules)"
+    result = run(["-c", script], tmp_path, TFAMP_ENABLED="1")
+    assert result.returncode == 0 and result.stdout.strip() == "False"
+    assert tfamp_lines(result.stderr) == [
+        "tfamp: TFAMP_ENABLED is not a tfamp setting; did you mean TFAMP_ENABLE? "
+        "(TFAMP_ENABLE is not set, so tfamp is off)"]
 
 
 KERAS3_FIT = textwrap.dedent("""

@@ -7,8 +7,9 @@ TensorFlow until something actually needs it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+# typing.TYPE_CHECKING without importing typing: the start-up hook imports this
+# package in every process with a TFAMP_* variable set.
+TYPE_CHECKING = False
 
 __version__ = "0.1.0"
 
@@ -63,6 +64,8 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tfamp' has no attribute {name!r}")
+    import importlib
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -19,9 +19,7 @@ Variables:
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 from collections.abc import Mapping
 
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -42,16 +40,34 @@ class EnvError(ValueError):
     """A TFAMP_* variable has a value tfamp cannot use."""
 
 
-@dataclasses.dataclass(frozen=True)
 class EnvSettings:
-    """Everything the environment asks of tfamp."""
+    """Everything the environment asks of tfamp (read-only).
 
-    enabled: bool
-    config: object  # tfamp.AmpConfig (imported lazily: it imports TensorFlow)
-    loss_scale: object  # "dynamic", a float, or None
-    report_dir: str | None
-    verbosity: int
-    ranges_dir: str | None = None  # TFAMP_RANGES: where RangeMonitor writes; None = off
+    A plain class, not a dataclass: the start-up hook builds one in every
+    process with a TFAMP_* variable, and ``dataclasses`` costs milliseconds to import.
+    """
+
+    __slots__ = ("enabled", "config", "loss_scale", "report_dir", "verbosity", "ranges_dir")
+
+    def __init__(self, *, enabled: bool, config, loss_scale, report_dir: str | None,
+                 verbosity: int, ranges_dir: str | None = None):
+        values = dict(enabled=enabled, config=config, loss_scale=loss_scale,
+                      report_dir=report_dir, verbosity=verbosity, ranges_dir=ranges_dir)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        # config: tfamp.AmpConfig (imports TensorFlow), or None when not built;
+        # loss_scale: "dynamic", a float, or None; ranges_dir: None = off.
+
+    def __setattr__(self, name, value):
+        raise AttributeError("EnvSettings is read-only")
+
+    def __eq__(self, other):
+        return isinstance(other, EnvSettings) and all(
+            getattr(self, n) == getattr(other, n) for n in self.__slots__)
+
+    def __repr__(self):
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
+        return f"EnvSettings({fields})"
 
 
 def is_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -60,11 +76,15 @@ def is_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _parse_enable(environ.get("TFAMP_ENABLE", ""))
 
 
-def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
+def settings_from_env(environ: Mapping[str, str] | None = None, *,
+                      with_config: bool = True) -> EnvSettings:
     """Reads and validates every TFAMP_* variable.
 
     Args:
       environ: the environment to read; ``os.environ`` if None.
+      with_config: build the AmpConfig, which checks op-list names against
+        TensorFlow's op registry (so it imports TensorFlow). False: every other
+        check, no TensorFlow import, and ``config`` is None (the start-up hook).
 
     Raises:
       EnvError: naming the variable, its value and the accepted values.
@@ -91,12 +111,14 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
 
     ranges_dir = _parse_ranges(environ.get("TFAMP_RANGES", ""))
 
-    from tfamp.config import AmpConfig
+    config = None
+    if with_config:
+        from tfamp.config import AmpConfig
 
-    try:
-        config = AmpConfig(dtype=dtype, keep_fp32=keep, **changes)
-    except (ValueError, TypeError) as err:
-        raise EnvError(_env_message(str(err))) from err
+        try:
+            config = AmpConfig(dtype=dtype, keep_fp32=keep, **changes)
+        except (ValueError, TypeError) as err:
+            raise EnvError(_env_message(str(err))) from err
     return EnvSettings(enabled=enabled, config=config, loss_scale=loss_scale,
                        report_dir=report_dir, verbosity=VERBOSITY_WORDS[verbosity_text],
                        ranges_dir=ranges_dir)
@@ -148,6 +170,8 @@ def _parse_loss_scale(text: str, dtype: str):
 
 def _parse_op_names(variable: str, text: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in text.split(",") if part.strip())
+    if names:
+        import re  # only when the variable is set: the start-up hook stays cheap
     for name in names:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise EnvError(f"{variable}={text!r} is not valid: {name!r} is not an op name; "
@@ -158,6 +182,8 @@ def _parse_op_names(variable: str, text: str) -> tuple[str, ...]:
 
 def _parse_patterns(text: str) -> tuple[str, ...]:
     patterns = tuple(part.strip() for part in text.split(",") if part.strip())
+    if patterns:
+        import re
     for pattern in patterns:
         try:
             re.compile(pattern)
@@ -179,11 +205,19 @@ def _env_message(config_message: str) -> str:
     return config_message
 
 
-def _check_unknown_variables(environ: Mapping[str, str]) -> None:
-    for name in environ:
+def unknown_variable_message(environ: Mapping[str, str]) -> str | None:
+    """"NAME is not a tfamp setting; did you mean ...?" for the first unknown TFAMP_*."""
+    for name in sorted(environ):
         if name.startswith("TFAMP_") and name not in KNOWN_VARIABLES:
             import difflib
 
             hint = difflib.get_close_matches(name, sorted(KNOWN_VARIABLES), n=1)
             fix = f"did you mean {hint[0]}?" if hint else "see tfamp's README for the list"
-            raise EnvError(f"{name} is not a tfamp setting; {fix}")
+            return f"{name} is not a tfamp setting; {fix}"
+    return None
+
+
+def _check_unknown_variables(environ: Mapping[str, str]) -> None:
+    message = unknown_variable_message(environ)
+    if message is not None:
+        raise EnvError(message)
