@@ -44,6 +44,11 @@ def loss_scale_ops():
 
     Applies to the current graph only (a ``tf.cond`` branch or loop body is a
     graph of its own: enter it again there). Nothing happens eagerly.
+
+    Never hold it across a cross-replica synchronisation (``all_reduce``,
+    ``merge_call``): the graph's attribute scope is shared by every thread, and
+    MirroredStrategy runs the other replicas' threads there, whose ops (a whole
+    forward pass) would be marked too and kept float32.
     """
     if tf.executing_eagerly():
         yield
@@ -90,8 +95,11 @@ def all_reduce_flags(flags: tf.Tensor) -> tf.Tensor:
     if context is None or context.num_replicas_in_sync == 1:
         return flags
     with loss_scale_ops():
-        bad = context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                 tf.cast(tf.logical_not(flags), tf.float32))
+        local_bad = tf.cast(tf.logical_not(flags), tf.float32)
+    # Outside the scope: MirroredStrategy runs the other replicas' threads while
+    # this one waits in the all-reduce (see loss_scale_ops).
+    bad = context.all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
+    with loss_scale_ops():
         return tf.equal(bad, 0.0)
 
 
