@@ -334,6 +334,15 @@ class RewrittenFunction(polymorphic_function.Function):
             raise AttributeError(name)
         return getattr(self._tf_function, name)
 
+    def __getstate__(self):  # Function's own expects the fields its __init__ sets
+        state = self.__dict__.copy()
+        state.pop("_bound", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._bound = weakref.WeakKeyDictionary()
+
     # -- what the original tf.function answers ----------------------------------
 
     @property
