@@ -21,7 +21,9 @@ drop a ``@tfamp.function`` without a word):
 * a ``tfamp.function`` given to ``tfamp.function`` is rewritten once, with the
   new settings (it is a tf.function now, and must not be rewritten twice);
 * ``function_aliases`` name the rewritten functions;
-* under ``TFAMP_ENABLE=1`` every tf.function a script saves is saved rewritten.
+* under ``TFAMP_ENABLE=1`` every tf.function a script saves is saved rewritten
+  (a tf.Module, and a tf_keras ``model.save(save_format="tf")``, which used to
+  fail there).
 """
 
 from __future__ import annotations
@@ -407,3 +409,45 @@ def test_tfamp_enable_saves_every_tf_function_rewritten(tmp_path):
     assert lines["dtype"] == "float32", result.stdout
     assert {"MatMul", "Relu"} <= set(lines["half"].split(",")), result.stdout
     assert lines["close"] == "True" and lines["restored"] == "True", result.stdout
+
+
+KERAS_ENV_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    import tf_keras as keras
+
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, x[:, :1], epochs=1, batch_size=16, verbose=0)
+    want = model(x).numpy()  # eager: float32
+    model.save(sys.argv[1], save_format="tf")  # used to fail: RewrittenFunction not Trackable
+    loaded = tf.saved_model.load(sys.argv[1])
+    serve = loaded.signatures["serving_default"]
+    (y,) = serve(tf.constant(x)).values()
+    gd = serve.graph.as_graph_def()
+    nodes = list(gd.node) + [n for f in gd.library.function for n in f.node_def]
+    half = sorted({n.op for n in nodes
+                   if "T" in n.attr and n.attr["T"].type == tf.float16.as_datatype_enum})
+    print("dtype", y.dtype.name)
+    print("half", ",".join(half))
+    print("close", bool(np.allclose(y.numpy(), want, atol=2e-2, rtol=2e-2)))
+""")
+
+
+def test_tfamp_enable_tf_keras_model_save_keeps_the_rewrite(tmp_path):
+    script = tmp_path / "save.py"
+    script.write_text(KERAS_ENV_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update(TFAMP_ENABLE="1", TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "model")],
+                            capture_output=True, text=True, env=env, cwd=str(tmp_path),
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
+    assert lines["dtype"] == "float32", result.stdout
+    assert {"MatMul", "BiasAdd"} <= set(lines["half"].split(",")), result.stdout
+    assert lines["close"] == "True", result.stdout
