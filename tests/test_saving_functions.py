@@ -18,6 +18,8 @@ drop a ``@tfamp.function`` without a word):
 * ``tf.train.Checkpoint`` of the owning module saves and restores the
   variables, and the function still runs rewritten afterwards;
 * a bound method leaves nothing of its own in the instance's ``__dict__``;
+* ``MirroredStrategy.run`` of a ``tfamp.function`` (which clones a tf.function)
+  runs it rewritten;
 * a ``tfamp.function`` given to ``tfamp.function`` is rewritten once, with the
   new settings (it is a tf.function now, and must not be rewritten twice);
 * ``function_aliases`` name the rewritten functions;
@@ -350,6 +352,20 @@ def test_a_tfamp_function_given_to_tfamp_function_is_rewritten_once():
     assert report.converted
     assert {dtype for op, dtype in _op_dtypes(again.get_concrete_function(X))
             if op == "MatMul"} == {"bfloat16"}
+
+
+def test_strategy_run_of_a_tfamp_function_runs_it_rewritten():
+    # MirroredStrategy.run lifts a tf.function with Function._clone: the clone
+    # must be rewritten too, not a plain float32 tf.function.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        w = tf.Variable(tf.ones((4, 4)) / 3)
+    fn = tfamp.function(lambda x: tf.matmul(x, w))
+    got = strategy.run(fn, args=(tf.ones((2, 4)),))
+    assert got.dtype == tf.float32
+    want16 = tf.matmul(tf.ones((2, 4), tf.float16), tf.cast(w, tf.float16))
+    np.testing.assert_array_equal(got.numpy(), tf.cast(want16, tf.float32).numpy())
+    assert fn._jit_compile is None  # Function's fields read through to the tf.function
 
 
 def test_nothing_to_convert_saves_the_traced_function(tmp_path):

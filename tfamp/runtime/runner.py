@@ -269,6 +269,17 @@ def _called_names(node, library) -> list[str]:
     return [n for n in names if n in library]
 
 
+# The fields Function.__init__ sets (RewrittenFunction never runs it): read from
+# the wrapped tf.function.
+_FUNCTION_FIELDS = frozenset({
+    "_lock", "_python_function", "_function_type", "_default_values", "_function_cache",
+    "_function_captures", "_attributes", "_is_pure", "_shared_rendezvous", "_autograph",
+    "_experimental_autograph_options", "_reduce_retracing", "_jit_compile",
+    "_created_variables", "_variable_creation_config", "_no_variable_creation_config",
+    "_descriptor_cache", "_name", "_key_for_call_stats", "_omit_frequent_tracing_warning",
+})
+
+
 class RewrittenFunction(polymorphic_function.Function):
     """A tf.function whose every concrete function runs tfamp-rewritten.
 
@@ -328,9 +339,11 @@ class RewrittenFunction(polymorphic_function.Function):
         self._after_call = after_call
 
     def __getattr__(self, name: str):
-        # Anything else a tf.function offers answers for the original. Private
-        # names are not forwarded: Trackable keeps its own state in them.
-        if name.startswith("_"):
+        # Anything else a tf.function offers answers for the original, and so do
+        # the fields Function.__init__ sets, which TensorFlow's own code reads
+        # (`fn._jit_compile`, ...). Other private names are not forwarded:
+        # Trackable keeps its own state in them.
+        if name.startswith("_") and name not in _FUNCTION_FIELDS:
             raise AttributeError(name)
         return getattr(self._tf_function, name)
 
@@ -364,10 +377,6 @@ class RewrittenFunction(polymorphic_function.Function):
     @property
     def function_type(self):
         return self._tf_function.function_type
-
-    @property
-    def _jit_compile(self):  # read by Function.experimental_get_compiler_ir
-        return getattr(self._tf_function, "_jit_compile", None)
 
     def experimental_get_tracing_count(self) -> int:
         return self._tf_function.experimental_get_tracing_count()
@@ -423,6 +432,18 @@ class RewrittenFunction(polymorphic_function.Function):
                 self._on_report(report)
         return entry[1]
 
+    def _clone(self, python_function):
+        # How tf.distribute's MirroredStrategy.run lifts a tf.function around its
+        # replica loop: the clone must be rewritten too.
+        return self._rewrapped(self._tf_function._clone(python_function))
+
+    def _decorate(self, decorator):
+        self._tf_function._decorate(decorator)  # in place, before any trace
+
+    def _rewrapped(self, tf_function) -> RewrittenFunction:
+        return RewrittenFunction(tf_function, self._config, check=self._check,
+                                 after_call=self._after_call, on_report=self._on_report)
+
     def __call__(self, *args, **kwargs):
         outputs = self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
         if self._after_call is not None:
@@ -435,9 +456,7 @@ class RewrittenFunction(polymorphic_function.Function):
             return self
         bound = self._bound.get(instance)
         if bound is None:
-            bound = RewrittenFunction(
-                self._tf_function.__get__(instance, owner), self._config,
-                check=self._check, after_call=self._after_call, on_report=self._on_report)
+            bound = self._rewrapped(self._tf_function.__get__(instance, owner))
             self._bound[instance] = bound
         return bound
 
