@@ -52,6 +52,8 @@ _FUNC_NAME_STRING_ATTRS = frozenset({
     "_forward_function_name", "_backward_function_name",
 })
 _rename_counter = itertools.count()
+# Every renamed library function registered so far (see _register_renamed_library).
+_kept_library: list = []
 # Names of the FunctionDefs tfamp has already handled in this process: the ones it
 # built from rewritten graphs, and originals it found nothing to convert in.
 # (TensorFlow allow-lists function attributes, so no attribute can mark them.)
@@ -154,6 +156,11 @@ def _register_renamed_library(graph_def: graph_pb2.GraphDef, suffix: str) -> lis
         library[name]._children = [library[c] for c in sorted(callees)]
     del graph_def.library.function[:]
     del graph_def.library.gradient[:]
+    # Registered for the life of the process, as before they were held by the
+    # graph: other callers (the non-finite probe, tests) run graphs that call
+    # these functions without holding them, and a dropped AtomicFunction leaves
+    # the eager context.
+    _kept_library.extend(library.values())
     return list(library.values())
 
 
