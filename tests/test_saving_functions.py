@@ -411,14 +411,23 @@ ENV_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_tfamp_enable_saves_every_tf_function_rewritten(tmp_path):
+def _run_enabled(script_text: str, tmp_path):
+    """Runs a script as TFAMP_ENABLE=1 does, with this checkout's start-up code.
+
+    ``tfamp run`` calls the same ``startup.activate()`` as the interpreter hook,
+    whatever hook the shared environment has installed (the hook is idempotent).
+    """
     script = tmp_path / "save.py"
-    script.write_text(ENV_SCRIPT)
+    script.write_text(script_text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
     env.update(TFAMP_ENABLE="1", TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run([sys.executable, str(script), str(tmp_path / "model")],
-                            capture_output=True, text=True, env=env, cwd=str(tmp_path),
-                            timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "tfamp", "run", str(script), str(tmp_path / "model")],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600)
+
+
+def test_tfamp_enable_saves_every_tf_function_rewritten(tmp_path):
+    result = _run_enabled(ENV_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
     assert lines["patched"] == "True", result.stdout
@@ -455,13 +464,7 @@ KERAS_ENV_SCRIPT = textwrap.dedent("""
 
 
 def test_tfamp_enable_tf_keras_model_save_keeps_the_rewrite(tmp_path):
-    script = tmp_path / "save.py"
-    script.write_text(KERAS_ENV_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
-    env.update(TFAMP_ENABLE="1", TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run([sys.executable, str(script), str(tmp_path / "model")],
-                            capture_output=True, text=True, env=env, cwd=str(tmp_path),
-                            timeout=600)
+    result = _run_enabled(KERAS_ENV_SCRIPT, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
     assert lines["dtype"] == "float32", result.stdout
