@@ -102,7 +102,8 @@ class _Module(tf.Module):
     def reference(self, name, x):
         y = tf.matmul(x, self.w)
         return {"signed": {"y": y}, "traced": tf.nn.relu(y), "attribute": y * 2.0,
-                "wrapped": y - 1.0, "plain_caller": tf.nn.relu(y) + 1.0, "serve": {"y": y}, "serving_default": {"y": y}}[name]
+                "wrapped": y - 1.0, "plain_caller": tf.nn.relu(y) + 1.0,
+                "serve": {"y": y}, "serving_default": {"y": y}}[name]
 
 
 class _KerasNet(keras.Model):
@@ -168,7 +169,8 @@ SAVE_CASES = [
 
 
 def _prepare(owner):
-    for name in ("traced", "attribute", "wrapped", "plain_caller"):  # no input_signature: trace by calling
+    # no input_signature: trace by calling
+    for name in ("traced", "attribute", "wrapped", "plain_caller"):
         if hasattr(owner, name):
             getattr(owner, name)(X)
     if isinstance(owner, keras.Model | keras3.Model):
