@@ -238,15 +238,16 @@ def _install_hooks(model, state: _EnabledState) -> None:
         def make(force=False):
             made = getattr(cls, maker_name)(model, force)
             current = model.__dict__.get(attr, made)
+            # RewrittenFunction first: it is a tf.function (PolymorphicFunction) too.
+            if isinstance(current, RewrittenFunction):
+                if after_call is not None:  # built by TFAMP_ENABLE's tf.function
+                    current.set_after_call(after_call)
+                return current
             if isinstance(current, tf.types.experimental.PolymorphicFunction):
                 wrapped = RewrittenFunction(current, state.config, check=state.check,
                                             after_call=after_call)
                 object.__setattr__(model, attr, wrapped)
                 return wrapped
-            if isinstance(current, RewrittenFunction):
-                if after_call is not None:  # built by TFAMP_ENABLE's tf.function
-                    current.set_after_call(after_call)
-                return current
             if current is not None:
                 log.warning("tfamp: %s runs eagerly (run_eagerly=True), so there is no "
                             "graph to rewrite; it stays float32.", attr)

@@ -11,6 +11,12 @@ FuncGraph, bind each captured placeholder to the original capture's live
 tensor, carry over the original control outputs (without them variable updates
 race inside Keras's multi-step loops), and register every library function
 under a new name (an original name is already taken by the original body).
+
+``RewrittenFunction`` is a ``tf.function`` to TensorFlow (a subclass of its
+``Function`` class that never traces by itself): ``tf.saved_model.save``,
+``signatures=``, ``get_concrete_function`` and ``experimental_get_compiler_ir``
+all find the rewritten ConcreteFunctions, so what is saved or compiled is what
+runs.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ import functools
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.eager import context
+from tensorflow.core.function.polymorphism import function_type as function_type_lib
+from tensorflow.python.eager.polymorphic_function import atomic_function, polymorphic_function
 from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
 from tensorflow.python.framework import func_graph as func_graph_lib
 from tensorflow.python.framework import importer
@@ -44,6 +52,8 @@ _FUNC_NAME_STRING_ATTRS = frozenset({
     "_forward_function_name", "_backward_function_name",
 })
 _rename_counter = itertools.count()
+# Every renamed library function registered so far (see _register_renamed_library).
+_kept_library: list = []
 # Names of the FunctionDefs tfamp has already handled in this process: the ones it
 # built from rewritten graphs, and originals it found nothing to convert in.
 # (TensorFlow allow-lists function attributes, so no attribute can mark them.)
@@ -96,11 +106,17 @@ def rewrite_concrete_function(
         graph_def, config, outputs=outputs, function_name=_display_name(old.name))
     if check:
         assert_valid_graph_def(new_graph_def)
-    _register_renamed_library(new_graph_def, f"_tfamp{next(_rename_counter)}")
+    library = _register_renamed_library(new_graph_def, f"_tfamp{next(_rename_counter)}")
     new_graph = _import_as_func_graph(new_graph_def, old)
+    for fn in library:  # the graph's children: saved and compiled along with it
+        new_graph._add_function(fn)
     attrs = dict(getattr(concrete, "_attrs", {}) or {})
     rewritten = concrete_lib.ConcreteFunction.from_func_graph(
         new_graph, concrete.function_type, attrs)
+    # Set by tracing, not by from_func_graph: the flat (keyword) call signature
+    # that signatures= and SavedModel loading use.
+    rewritten._arg_keywords = concrete._arg_keywords
+    rewritten._num_positional_args = concrete._num_positional_args
     log.info("%s", report.summary_line())
     return rewritten, report
 
@@ -110,11 +126,13 @@ def _display_name(graph_name: str) -> str:
     return graph_name.removeprefix("__inference_")
 
 
-def _register_renamed_library(graph_def: graph_pb2.GraphDef, suffix: str) -> None:
+def _register_renamed_library(graph_def: graph_pb2.GraphDef, suffix: str) -> list:
     """Renames every library function (and all references), then registers them.
 
     Moves the library out of `graph_def`: the functions live in the eager
-    context, where the rewritten graph's calls find them.
+    context, where the rewritten graph's calls find them. Returns them as
+    AtomicFunctions, for the rewritten graph to hold (a SavedModel or an XLA
+    compilation takes a function's library from its graph).
     """
     names = {f.signature.name: f.signature.name + suffix for f in graph_def.library.function}
     _rename_references(graph_def.node, names)
@@ -129,11 +147,31 @@ def _register_renamed_library(graph_def: graph_pb2.GraphDef, suffix: str) -> Non
         # a per-rewrite tag keeps the choice among the rewritten variants.
         if "api_implements" in fdef.attr:
             fdef.attr["api_implements"].s += suffix.encode()
-    ctx = context.context()
-    for fdef in graph_def.library.function:
-        ctx.add_function_def(fdef)
+    fdefs = {fdef.signature.name: fdef for fdef in graph_def.library.function}
+    library = {name: atomic_function.from_function_def(fdef, _flat_function_type(fdef))
+               for name, fdef in fdefs.items()}
+    for name, fdef in fdefs.items():
+        # The functions each one calls: a SavedModel rebuilds its graph with them.
+        callees = {c for node in fdef.node_def for c in _called_names(node, fdefs)}
+        library[name]._children = [library[c] for c in sorted(callees)]
     del graph_def.library.function[:]
     del graph_def.library.gradient[:]
+    # Registered for the life of the process, as before they were held by the
+    # graph: other callers (the non-finite probe, tests) run graphs that call
+    # these functions without holding them, and a dropped AtomicFunction leaves
+    # the eager context.
+    _kept_library.extend(library.values())
+    return list(library.values())
+
+
+def _flat_function_type(fdef) -> function_type_lib.FunctionType:
+    """The FunctionType of a library FunctionDef: positional tensors in, a tuple out."""
+
+    def specs(args):
+        return tuple(tf.TensorSpec(None, tf.dtypes.as_dtype(arg.type)) for arg in args)
+
+    return function_type_lib.from_structured_signature(
+        (specs(fdef.signature.input_arg), {}), specs(fdef.signature.output_arg))
 
 
 def _rename_references(node_defs, names: dict[str, str]) -> None:
@@ -238,12 +276,31 @@ def _called_names(node, library) -> list[str]:
     return [n for n in names if n in library]
 
 
-class RewrittenFunction:
+# The fields Function.__init__ sets (RewrittenFunction never runs it): read from
+# the wrapped tf.function.
+_FUNCTION_FIELDS = frozenset({
+    "_lock", "_python_function", "_function_type", "_default_values", "_function_cache",
+    "_function_captures", "_attributes", "_is_pure", "_shared_rendezvous", "_autograph",
+    "_experimental_autograph_options", "_reduce_retracing", "_jit_compile",
+    "_created_variables", "_variable_creation_config", "_no_variable_creation_config",
+    "_descriptor_cache", "_name", "_key_for_call_stats", "_omit_frequent_tracing_warning",
+})
+
+
+class RewrittenFunction(polymorphic_function.Function):
     """A tf.function whose every concrete function runs tfamp-rewritten.
 
     Call it like the original. Each new input signature traces the original,
     rewrites that graph once, and caches the result. ``reports`` holds one
     RewriteReport per rewritten concrete function.
+
+    It is a ``tf.function`` wherever TensorFlow asks (``isinstance`` of its
+    ``Function`` class), and every way TensorFlow reads one gets the rewritten
+    graphs: ``get_concrete_function``, ``experimental_get_compiler_ir``,
+    ``tf.saved_model.save`` (as a module attribute or in ``signatures=``). The
+    tracing itself is the original tf.function's: this class never runs
+    ``Function.__init__``, and what it does not answer itself (the tracing
+    count, ``function_spec``, options) the original answers.
     """
 
     def __init__(self, fn: Callable, config: AmpConfig | None = None, *,
@@ -254,6 +311,10 @@ class RewrittenFunction:
             raise TypeError(
                 f"tfamp.function expects a Python function or a tf.function, "
                 f"received {type(fn).__name__}.")
+        if isinstance(fn, RewrittenFunction):
+            # Rewrite its tf.function with these settings, not its rewritten graphs
+            # again (e.g. tfamp.function around a tf.function under TFAMP_ENABLE).
+            fn = fn._tf_function
         if isinstance(fn, tf.types.experimental.PolymorphicFunction):
             if tf_function_kwargs:
                 raise TypeError(
@@ -267,6 +328,9 @@ class RewrittenFunction:
         self._after_call = after_call
         self._on_report = on_report
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
+        # One bound RewrittenFunction per instance, as tf.function keeps (not in
+        # the instance's __dict__, where a tf.Module would save it as a function).
+        self._bound = weakref.WeakKeyDictionary()
         functools.update_wrapper(self, fn, updated=())  # name and docstring only
 
     @property
@@ -277,25 +341,82 @@ class RewrittenFunction:
     def reports(self) -> list[RewriteReport]:
         return [report for _, _, report in self._rewritten.values() if report is not None]
 
-    @property
-    def python_function(self) -> Callable:
-        return self._tf_function.python_function
-
     def set_after_call(self, after_call: Callable[[Any], None] | None) -> None:
         """Sets the hook run with the outputs after every call (e.g. a monitor)."""
         self._after_call = after_call
 
     def __getattr__(self, name: str):
-        # Anything else a tf.function offers (experimental_get_tracing_count,
-        # function_spec, ...) answers for the original.
-        if name.startswith("_"):
+        # Anything else a tf.function offers answers for the original, and so do
+        # the fields Function.__init__ sets, which TensorFlow's own code reads
+        # (`fn._jit_compile`, ...). Other private names are not forwarded:
+        # Trackable keeps its own state in them.
+        if name.startswith("_") and name not in _FUNCTION_FIELDS:
             raise AttributeError(name)
         return getattr(self._tf_function, name)
+
+    def __getstate__(self):  # Function's own expects the fields its __init__ sets
+        state = self.__dict__.copy()
+        state.pop("_bound", None)
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._bound = weakref.WeakKeyDictionary()
+
+    # -- what the original tf.function answers ----------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._tf_function.name
+
+    @property
+    def python_function(self) -> Callable:
+        return self._tf_function.python_function
+
+    @property
+    def input_signature(self):
+        return self._tf_function.input_signature
+
+    @property
+    def function_spec(self):
+        return self._tf_function.function_spec
+
+    @property
+    def function_type(self):
+        return self._tf_function.function_type
+
+    def experimental_get_tracing_count(self) -> int:
+        return self._tf_function.experimental_get_tracing_count()
+
+    def pretty_printed_concrete_signatures(self, verbose=True) -> str:
+        return self._tf_function.pretty_printed_concrete_signatures(verbose)
+
+    def get_initialization_function(self, *args, **kwargs):
+        return self._tf_function.get_initialization_function(*args, **kwargs)
+
+    # -- the rewritten concrete functions ---------------------------------------
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten ConcreteFunction for these arguments (traced if new)."""
         with _tracing_for_tfamp():
             concrete = self._tf_function.get_concrete_function(*args, **kwargs)
+        return self._rewritten_for(concrete)
+
+    def _get_concrete_function_garbage_collected(self, *args, **kwargs):
+        # What tf.saved_model's signatures= asks a tf.function for.
+        return self.get_concrete_function(*args, **kwargs)
+
+    def _list_all_concrete_functions(self) -> list:
+        # Every traced signature, rewritten; Function's own
+        # _list_all_concrete_functions_for_serialization (what SavedModel
+        # saves) and experimental_get_compiler_ir build on this and
+        # get_concrete_function.
+        if self.input_signature is not None:
+            self.get_concrete_function()
+        originals = self._tf_function._list_all_concrete_functions()
+        return [self._rewritten_for(concrete) for concrete in originals]
+
+    def _rewritten_for(self, concrete):
         entry = self._rewritten.get(id(concrete))
         if entry is None or entry[0] is not concrete:
             if only_calls_handled_functions(concrete.graph, self._config):
@@ -318,6 +439,18 @@ class RewrittenFunction:
                 self._on_report(report)
         return entry[1]
 
+    def _clone(self, python_function):
+        # How tf.distribute's MirroredStrategy.run lifts a tf.function around its
+        # replica loop: the clone must be rewritten too.
+        return self._rewrapped(self._tf_function._clone(python_function))
+
+    def _decorate(self, decorator):
+        self._tf_function._decorate(decorator)  # in place, before any trace
+
+    def _rewrapped(self, tf_function) -> RewrittenFunction:
+        return RewrittenFunction(tf_function, self._config, check=self._check,
+                                 after_call=self._after_call, on_report=self._on_report)
+
     def __call__(self, *args, **kwargs):
         outputs = self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
         if self._after_call is not None:
@@ -328,13 +461,10 @@ class RewrittenFunction:
         # As a method decorator: bind like a tf.function does, one per instance.
         if instance is None:
             return self
-        cache_name = f"_tfamp_bound_{id(self)}"
-        bound = instance.__dict__.get(cache_name)
+        bound = self._bound.get(instance)
         if bound is None:
-            bound = RewrittenFunction(
-                self._tf_function.__get__(instance, owner), self._config,
-                check=self._check, after_call=self._after_call, on_report=self._on_report)
-            instance.__dict__[cache_name] = bound
+            bound = self._rewrapped(self._tf_function.__get__(instance, owner))
+            self._bound[instance] = bound
         return bound
 
 
