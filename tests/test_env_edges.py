@@ -8,6 +8,7 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.test_env_activation import last_json, run
@@ -150,3 +151,44 @@ def test_keras3_fit_logs_one_summary_per_rewritten_step(tmp_path, steps_per_exec
     assert not any("multi_step_on_iterator" in line for line in result.stderr.splitlines())
     assert [p.name for p in reports.glob("*.json")] == ["001_" + summaries[0].split(":")[1]
                                                        .strip() + ".json"]
+
+
+KERAS_OWN_LSO = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tf_keras as keras
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 8)).astype("float32")
+    y = x[:, :1]
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=optimizer, loss="mse")
+    before = np.concatenate([w.ravel() for w in model.get_weights()])
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    delta = np.concatenate([w.ravel() for w in model.get_weights()]) - before
+    model.save(sys.argv[1], save_format="tf")
+    again = keras.models.load_model(sys.argv[1])
+    again.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    print(json.dumps({"delta": delta.tolist(), "scale": float(model.optimizer.loss_scale),
+                      "reloaded": type(again.optimizer).__name__}))
+""")
+
+
+def test_tf_keras_own_loss_scale_optimizer_is_kept_and_scales_once(tmp_path):
+    """A tf_keras model compiled with Keras's LossScaleOptimizer (or reloaded from a
+    SavedModel with one) keeps it under TFAMP_ENABLE: tfamp rewrites its graphs, Keras
+    scales the loss once (scaled a second time by the tape patch, 2^30, every step
+    overflowed and was skipped: the weights never moved)."""
+    script = tmp_path / "own_lso.py"
+    script.write_text(KERAS_OWN_LSO)
+    plain = last_json(run([str(script), str(tmp_path / "plain")], tmp_path))
+    amp_result = run([str(script), str(tmp_path / "amp")], tmp_path, TFAMP_ENABLE="1")
+    amp = last_json(amp_result)
+    assert "uses Keras's own LossScaleOptimizer" in amp_result.stderr
+    assert "ops -> float16 (MatMul" in amp_result.stderr
+    assert amp["reloaded"] == plain["reloaded"]
+    want, got = np.array(plain["delta"]), np.array(amp["delta"])
+    cosine = float(want @ got / np.linalg.norm(want) / np.linalg.norm(got))
+    assert cosine > 0.99 and 0.9 < np.linalg.norm(got) / np.linalg.norm(want) < 1.1

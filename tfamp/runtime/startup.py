@@ -165,11 +165,23 @@ def _patch_tf_keras(active: _Activation) -> None:
     model_class = tf_keras.Model
     original = model_class.compile
 
+    from tfamp.keras.loss_scale import LossScaleOptimizer
+    from tfamp.keras.scale_update import loss_scale_ops, mark_scaled
+
+    keras_lso = tf_keras.mixed_precision.LossScaleOptimizer
+
     @functools.wraps(original)
     def compile(self, *args, **kwargs):  # noqa: A001
         result = original(self, *args, **kwargs)
         if activation.mixed_policy_name(self) is not None:
             return result  # Keras's policy trains it: see _patch_keras_mixed_policies
+        if (isinstance(getattr(self, "optimizer", None), keras_lso)
+                and not isinstance(self.optimizer, LossScaleOptimizer)):
+            # Keras's own loss scaling (the user's, or restored by load_model from
+            # a SavedModel): its graphs are rewritten, its loss scaling stays Keras's.
+            log.info("tfamp: model %r uses Keras's own LossScaleOptimizer: tfamp rewrites "
+                     "its graphs and leaves loss scaling to Keras.", self.name)
+            return result
         if not activation.is_enabled(self):
             activation.enable(self, config=active.settings.config,
                               loss_scale=active.settings.loss_scale,
@@ -177,6 +189,30 @@ def _patch_tf_keras(active: _Activation) -> None:
         return result
 
     model_class.compile = compile
+
+    # The loss Keras's own tf_keras LossScaleOptimizer scales is marked, so the
+    # custom-loop tape patch does not scale it again (tfamp's subclass marks too).
+    # `LossScaleOptimizer(opt)` builds a LossScaleOptimizerV3 for a new-style
+    # optimizer, which is not a subclass: patch both.
+    from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso_module
+
+    for lso_class in (keras_lso, keras_lso_module.LossScaleOptimizerV3):
+        _mark_scaled_losses(lso_class, loss_scale_ops, mark_scaled)
+
+
+def _mark_scaled_losses(lso_class, loss_scale_ops, mark_scaled) -> None:
+    original = lso_class.__dict__.get("get_scaled_loss")
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def get_scaled_loss(self, loss):
+        with loss_scale_ops():
+            scaled = original(self, loss)
+        mark_scaled(scaled)
+        return scaled
+
+    lso_class.get_scaled_loss = get_scaled_loss
 
 
 def _patch_keras3(active: _Activation) -> None:
