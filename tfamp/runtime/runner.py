@@ -43,6 +43,7 @@ from tfamp.rewrite.check import assert_valid_graph_def
 from tfamp.config import AmpConfig
 from tfamp.rewrite.report import RewriteReport
 from tfamp.rewrite import rewrite_graph_def
+from tfamp.runtime import progress
 
 log = logging.getLogger("tfamp")
 
@@ -400,6 +401,9 @@ class RewrittenFunction(polymorphic_function.Function):
         """The rewritten ConcreteFunction for these arguments (traced if new)."""
         with _tracing_for_tfamp():
             concrete = self._tf_function.get_concrete_function(*args, **kwargs)
+        entry = self._rewritten.get(id(concrete))
+        if entry is not None and entry[0] is concrete:
+            return entry[1]
         return self._rewritten_for(concrete)
 
     def _get_concrete_function_garbage_collected(self, *args, **kwargs):
@@ -452,7 +456,10 @@ class RewrittenFunction(polymorphic_function.Function):
                                  after_call=self._after_call, on_report=self._on_report)
 
     def __call__(self, *args, **kwargs):
-        outputs = self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
+        # A first call traces, rewrites and (under XLA) compiles: said in one line
+        # when it takes long (runtime/progress.py).
+        with progress.phase(self):
+            outputs = self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
         if self._after_call is not None:
             self._after_call(outputs)
         return outputs

@@ -1,0 +1,72 @@
+"""One line while a slow phase runs (tracing, rewriting, a first step); nothing on quick ones.
+
+A first ``fit`` step of a large model can spend a minute tracing, rewriting and
+compiling before anything is printed. ``phase(fn)`` marks the function whose call
+is running; a daemon thread (started on first use, waking twice a second)
+logs it once when it has run longer than ``NOTICE_AFTER_S`` seconds. Entering
+and leaving a phase costs two attribute writes, so it can wrap every call of a
+rewritten function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+log = logging.getLogger("tfamp")
+
+NOTICE_AFTER_S = 5.0
+_POLL_S = 0.5
+
+
+class _Watch:
+    def __init__(self):
+        self.what = None  # the function whose call is running
+        self.since = 0.0
+        self.announced = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tfamp-progress",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(_POLL_S)
+            what, since = self.what, self.since
+            if what is None or self.announced:
+                continue
+            elapsed = time.monotonic() - since
+            if elapsed >= NOTICE_AFTER_S:
+                self.announced = True
+                name = getattr(what, "__name__", None) or "a function"
+                log.info("tfamp: first call of %s: tracing, rewriting and compiling it for "
+                         "mixed precision (%.0f s so far; a large model takes a while)",
+                         name, elapsed)
+
+
+_watch = _Watch()
+
+
+@contextlib.contextmanager
+def phase(what):
+    """Marks a call of `what` (a function) as running; the outermost one is announced.
+
+    Only a call still running after ``NOTICE_AFTER_S`` is announced, so in
+    practice a first call (trace, rewrite, compile), once.
+    """
+    if _watch.what is not None:  # nested (a rewritten step traced inside a loop)
+        yield
+        return
+    _watch.start()
+    _watch.since, _watch.announced, _watch.what = time.monotonic(), False, what
+    try:
+        yield
+    finally:
+        _watch.what = None
