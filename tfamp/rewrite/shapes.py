@@ -170,7 +170,8 @@ def tensor_shapes(graph_def, view: GraphView,
       view: its GraphView.
       fallback: shapes of another version of the same graph (e.g. before a
         rewrite), used by (body, node name, output index) where a node has no
-        ``_output_shapes`` attribute of its own.
+        ``_output_shapes`` attribute of its own, and by (body, argument name)
+        where an argument has none.
 
     Without `fallback`, nodes that carry no ``_output_shapes`` take the shapes
     TensorFlow's shape functions give them (``shape_inference``), where
@@ -194,8 +195,11 @@ def tensor_shapes(graph_def, view: GraphView,
     lacking: list[str] = []  # bodies with nodes that carry no shapes
     for body in view.bodies:
         old = fallback.shapes.get(body.name) if fallback is not None else None
-        result[body.name] = _body_shapes(body, arg_shapes.get(body.name, {}), old, parsed,
-                                         lacking)
+        args = arg_shapes.get(body.name, {})
+        if old is not None and None in args.values():  # (arguments by name, as nodes)
+            args = {name: shape if shape is not None else old.get(TensorRef(name, 0, True))
+                    for name, shape in args.items()}
+        result[body.name] = _body_shapes(body, args, old, parsed, lacking)
     if lacking and fallback is None:
         inferred = shape_inference.inferred_shapes(graph_def, view, result)
         if inferred is not None:
