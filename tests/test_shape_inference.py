@@ -182,6 +182,27 @@ def test_a_graph_with_shapes_is_not_imported(monkeypatch):
     assert report.traffic_before_bytes is not None
 
 
+def test_a_traced_graph_with_a_few_function_nodes_unshaped_is_not_imported(monkeypatch):
+    """As an RNN step's forward function: nodes added after the shapes were
+    recorded. Propagation fills them in; the graph is not imported."""
+    graph_def, outputs = GRAPHS["function_call"]()
+    body = graph_def.library.function[0]
+    relu = next(n for n in body.node_def if n.op == "Relu")
+    del relu.attr["_output_shapes"]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("shape inference ran on a traced graph")
+
+    monkeypatch.setattr(shape_inference, "inferred_shapes", fail)
+    shapes = tensor_shapes(graph_def, build_view(graph_def))
+    assert shapes.shape(body.signature.name, TensorRef("Relu", 0)) == (32, 128)
+    # A function with no shapes at all is a graph stored without them.
+    for node in body.node_def:
+        node.attr.pop("_output_shapes", None)
+    with pytest.raises(AssertionError, match="shape inference ran"):
+        tensor_shapes(graph_def, build_view(graph_def))
+
+
 def _with_unknown_op(graph_def) -> graph_pb2.GraphDef:
     """`graph_def` plus a node of an op type TensorFlow has never heard of."""
     copy = graph_pb2.GraphDef()

@@ -173,10 +173,13 @@ def tensor_shapes(graph_def, view: GraphView,
         ``_output_shapes`` attribute of its own, and by (body, argument name)
         where an argument has none.
 
-    Without `fallback`, nodes that carry no ``_output_shapes`` take the shapes
-    TensorFlow's shape functions give them (``shape_inference``), where
-    TensorFlow can import the graph; a graph whose nodes all carry the
-    attribute is not imported.
+    Without `fallback`, a graph stored without ``_output_shapes`` (a node of
+    the top graph, or every node of a function, carries none) gets the shapes
+    TensorFlow's shape functions give (``shape_inference``) where its nodes
+    have none, if TensorFlow can import it. A traced graph is not imported:
+    its top graph carries shapes everywhere, and the few function nodes added
+    after the trace recorded them (an RNN's forward function) are filled in
+    by propagation as before.
 
     Returns:
       TensorShapes; a shape is None where it is not known.
@@ -192,7 +195,8 @@ def tensor_shapes(graph_def, view: GraphView,
         arg_shapes[fdef.signature.name] = per_arg
     result = {}
     parsed: dict[bytes, tuple[Shape | None, ...]] = {}
-    lacking: list[str] = []  # bodies with nodes that carry no shapes
+    # bodies with nodes that carry no shapes: (name, whether none of them does)
+    lacking: list[tuple[str, bool]] = []
     for body in view.bodies:
         old = fallback.shapes.get(body.name) if fallback is not None else None
         args = arg_shapes.get(body.name, {})
@@ -200,13 +204,14 @@ def tensor_shapes(graph_def, view: GraphView,
             args = {name: shape if shape is not None else old.get(TensorRef(name, 0, True))
                     for name, shape in args.items()}
         result[body.name] = _body_shapes(body, args, old, parsed, lacking)
-    if lacking and fallback is None:
+    if fallback is None and any(name == "" or none for name, none in lacking):
         inferred = shape_inference.inferred_shapes(graph_def, view, result)
         if inferred is not None:
+            lacking_names = {name for name, _ in lacking}
             for body in view.bodies:
                 old = inferred.get(body.name)
                 args = arg_shapes.get(body.name, {})
-                if old is None or (body.name not in lacking
+                if old is None or (body.name not in lacking_names
                                    and all(s is not None for s in args.values())):
                     continue
                 args = {name: shape if shape is not None else
@@ -258,12 +263,13 @@ def _shape_proto(proto) -> Shape | None:
 def _body_shapes(body: Body, args: dict[str, Shape | None],
                  old: dict[TensorRef, Shape | None] | None,
                  parsed: dict[bytes, tuple[Shape | None, ...]] | None = None,
-                 lacking: list[str] | None = None,
+                 lacking: list[tuple[str, bool]] | None = None,
                  ) -> dict[TensorRef, Shape | None]:
     """`parsed`: _output_shapes attributes read so far, by their serialized
     bytes (a step has thousands of tensors but few distinct shape lists, and
-    reading a shape proto dim by dim is slow). `lacking`: the body's name is
-    appended if some node with outputs carries no shapes."""
+    reading a shape proto dim by dim is slow). `lacking`: (the body's name,
+    whether no node carries shapes) is appended if some node with outputs
+    carries none."""
     if parsed is None:
         parsed = {}
     shapes: dict[TensorRef, Shape | None] = {
@@ -290,7 +296,8 @@ def _body_shapes(body: Body, args: dict[str, Shape | None],
     if not missing:
         return shapes
     if lacking is not None:
-        lacking.append(body.name)
+        lacking.append((body.name, len(missing) == sum(1 for n in body.nodes.values()
+                                                        if n.outputs)))
     # Some nodes carry no shapes: fill them in producer-first order.
     missing_set = set(missing)
     order = body.topological_order() if len(missing) > 1 else missing
