@@ -44,6 +44,7 @@ Both results are measured the same way (top graph and every library function):
     python benchmarks/vs_grappler.py                       # all models, both dtypes
     python benchmarks/vs_grappler.py --models gru --dtypes bfloat16
     python benchmarks/vs_grappler.py --json out/vs_grappler.json
+    python benchmarks/vs_grappler.py --strip-shapes   # graphs without _output_shapes
 
 grappler registers its oneDNN bfloat16 pass only when oneDNN is enabled, so this
 script sets TF_ENABLE_ONEDNN_OPTS=1 (before TensorFlow is imported) unless the
@@ -79,8 +80,13 @@ from tensorflow.python.eager import wrap_function  # noqa: E402
 from tensorflow.python.grappler import cluster as gcluster  # noqa: E402
 from tensorflow.python.grappler import tf_optimizer  # noqa: E402
 
+from tfamp.rewrite.boundaries import original_function_name  # noqa: E402
 from tfamp.rewrite.graph import build_view  # noqa: E402
-from tfamp.rewrite.shapes import tensor_shapes  # noqa: E402
+from tfamp.rewrite.shapes import (  # noqa: E402
+    TensorShapes,
+    tensor_shapes,
+    without_recorded_shapes,
+)
 from tfamp.rewrite.traffic import body_weights, estimate_traffic  # noqa: E402
 
 log = logging.getLogger("vs_grappler")
@@ -124,6 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="do not execute one step of each rewritten graph")
     parser.add_argument("--details", type=int, default=8,
                         help="max node names listed per difference (default 8)")
+    parser.add_argument("--strip-shapes", action="store_true",
+                        help="give both tools the step without recorded shapes "
+                             "(no _output_shapes), as a graph read from a file often is; "
+                             "traffic is still measured with the float32 step's shapes")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = parser.parse_args(argv)
@@ -488,6 +498,8 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
     model, x_shape, y_shape = builder()
     concrete = _common.train_step(model, x_shape, y_shape)
     graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    # What the tools are given; the shaped graph stays the yardstick.
+    given = without_recorded_shapes(graph_def) if args.strip_shapes else graph_def
     outputs = _common.output_names(concrete)
     fetch_nodes = list(dict.fromkeys(t.op.name for t in concrete.graph.outputs))
     trips = _common.SEQ_LEN if key in ("lstm", "gru") else 1
@@ -499,7 +511,7 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
     casts_before = cast_count(before)
     log.info("%s: traced %d nodes in %.1fs", key, _common.node_count(graph_def),
              time.perf_counter() - start)
-    metagraph = metagraph_for(graph_def, fetch_nodes)
+    metagraph = metagraph_for(given, fetch_nodes)
     rng = tf.random.Generator.from_seed(0)
     step_args = [rng.normal(x_shape), rng.normal(y_shape)]
     original_run = run_once(graph_def, concrete, step_args) if args.run else None
@@ -514,7 +526,7 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
         results = {}
 
         def run_tfamp(config=config):
-            return tfamp.rewrite_graph_def(graph_def, config, outputs=outputs,
+            return tfamp.rewrite_graph_def(given, config, outputs=outputs,
                                            function_name=key)
 
         grappler_cfg = grappler_config([GRAPPLER_OPTIMIZER[dtype]])
@@ -585,10 +597,15 @@ def traffic_of(graph_def, original_shapes, trips: int) -> dict:
     """tfamp's traffic estimate of any version of the step, on the original's shapes.
 
     Nodes keep their names through both rewrites, so a node without its own
-    ``_output_shapes`` takes the original's; new Casts take their input's.
+    ``_output_shapes`` takes the original's; new Casts take their input's; a
+    copy of a function tfamp made (``<name>_tfamp_f16``) takes its original's.
     Loops without a static trip count run `trips` times (the RNN length).
     """
     view = build_view(graph_def)
+    copies = {body.name: original_shapes.shapes.get(original_function_name(body.name), {})
+              for body in view.bodies if body.name not in original_shapes.shapes}
+    if copies:
+        original_shapes = TensorShapes({**original_shapes.shapes, **copies})
     shapes = tensor_shapes(graph_def, view, fallback=original_shapes)
     traffic = estimate_traffic(view, shapes, body_weights(view, default_trips=trips, shapes=shapes))
     if traffic.total is None:
@@ -837,7 +854,8 @@ def main(argv=None) -> int:
             rows.extend(compare(key, title, builder, args.dtypes, args, cluster))
     finally:
         cluster.Shutdown()
-    print(f"tfamp vs grappler AMP: training steps (Adam, MSE), pass time best of "
+    print(f"tfamp vs grappler AMP: training steps (Adam, MSE)"
+          f"{', given without recorded shapes' if args.strip_shapes else ''}, pass time best of "
           f"{args.repeat}; {os.cpu_count()} CPU cores, TensorFlow {tf.__version__}; "
           f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS')}")
     print(f"load average (1/5/15 min) at start {load_start}, at end {_common.load_average()}")

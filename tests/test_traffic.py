@@ -124,9 +124,14 @@ def test_traffic_unknown_without_shapes_and_with_unknown_batch():
     assert report.traffic_line().startswith(f"{report.traffic_share:.0%} of float32's")
     _, _, no_shapes, _ = rewritten(_matmul_relu, tf.TensorSpec([None, 8]),
                                    tf.TensorSpec([8, 16]), add_shapes=False)
-    # Without _output_shapes too many sizes are unknown: no figure at all.
-    assert no_shapes.traffic_share is None
-    assert no_shapes.traffic_line() == "unknown (shapes unknown for 2 of 4 float tensors)"
+    # Without _output_shapes, TensorFlow's shape functions give the same sizes.
+    assert (no_shapes.traffic_share, no_shapes.traffic_note) == (
+        report.traffic_share, report.traffic_note)
+    # Of unknown rank, not even they do: too many sizes unknown, no figure at all.
+    _, _, no_rank, _ = rewritten(_matmul_relu, tf.TensorSpec(None), tf.TensorSpec([8, 16]),
+                                 add_shapes=False)
+    assert no_rank.traffic_share is None
+    assert no_rank.traffic_line() == "unknown (shapes unknown for 3 of 4 float tensors)"
 
 
 def test_report_json_round_trip_and_old_reports():
@@ -376,9 +381,15 @@ def test_unknown_batch_still_decides_by_bytes():
 
 
 def test_counts_break_the_tie_without_shapes():
-    _, _, report, _ = rewritten(_conv_grads, *CONV_SPECS, add_shapes=False)
+    """Sizes unknown even to TensorFlow (unknown rank): the Cast count decides."""
+    specs = [tf.TensorSpec(None)] * 3
+    _, _, report, _ = rewritten(_conv_grads, *specs, add_shapes=False)
     node = decision(report, "BiasAddGrad")
     assert not node.converted and "elements" not in node.reason
+    # Without _output_shapes but with shapes TensorFlow can infer, bytes decide.
+    _, _, inferred, _ = rewritten(_conv_grads, *CONV_SPECS, add_shapes=False)
+    assert "a Cast of 64 elements instead of 524,288" in decision(
+        inferred, "BiasAddGrad").reason
 
 
 def _grow(x, w):  # 16-bit MatMul [4, 4] -> Pad to [64, 64] (clear) -> Exp (deny)
@@ -440,9 +451,16 @@ def test_fan_out_a_cast_already_paid_for_is_free():
 
 
 def test_clear_chain_without_shapes_follows_grappler():
-    spec = tf.TensorSpec([4, 4])
-    _, _, report, _ = rewritten(_grow, spec, spec, add_shapes=False)
+    """Sizes unknown even to TensorFlow: the clear op follows its neighbour, as in
+    grappler; with sizes it inferred, the smaller Cast decides, as with
+    ``_output_shapes``."""
+    _, _, report, _ = rewritten(_grow, tf.TensorSpec(None), tf.TensorSpec(None),
+                                add_shapes=False)
     assert decision(report, "pad").converted
+    spec = tf.TensorSpec([4, 4])
+    _, _, inferred, _ = rewritten(_grow, spec, spec, add_shapes=False)
+    assert not decision(inferred, "pad").converted
+    assert "a Cast of 16 elements instead of 4,096" in decision(inferred, "pad").reason
 
 
 # -- FLOPs inside library functions (SavedModel) --------------------------------

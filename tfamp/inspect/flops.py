@@ -3,7 +3,8 @@
 From static shapes:
 
 * ``graph_def_flops``: a GraphDef with ``_output_shapes`` attributes
-  (``as_graph_def(add_shapes=True)`` of a traced or loaded function), counting
+  (``as_graph_def(add_shapes=True)`` of a traced or loaded function; without
+  them, TensorFlow's shape inference fills them in), counting
   inside library functions too, each weighted by how often it runs per step (a
   loop body times its static trip count; see ``tfamp.rewrite.traffic``). This
   is what ``tfamp inspect`` uses for SavedModels, Keras files and GraphDefs.

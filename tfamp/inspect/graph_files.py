@@ -53,18 +53,15 @@ class Inspectable:
           ({(function, node name): FLOPs per step}, library functions included
           and weighted by runs per step; how many such ops had unknown shapes;
           the degree d: the FLOPs are coefficients of B**d, B an unknown
-          dimension such as a SavedModel's batch), or None when the GraphDef
-          carries no shapes.
+          dimension such as a SavedModel's batch), or None without a GraphDef.
+          A GraphDef stored without ``_output_shapes`` gets the shapes
+          TensorFlow's shape inference gives it (``rewrite.shape_inference``).
         """
         from tfamp.inspect.flops import graph_def_flops
 
-        graph_def = self.graph_def
-        if graph_def is None or not (
-                any("_output_shapes" in n.attr for n in graph_def.node)
-                or any("_output_shapes" in n.attr
-                       for f in graph_def.library.function for n in f.node_def)):
+        if self.graph_def is None:
             return None
-        return graph_def_flops(graph_def)
+        return graph_def_flops(self.graph_def)
 
 
 def load_inspectable(path: Path, *, signature: str | None = None,

@@ -50,10 +50,13 @@ def rewrite_graph_def(
       function_name: a name for the report (e.g. the tf.function's name).
 
     Tensor shapes are read from ``_output_shapes`` attributes (write them with
-    ``graph.as_graph_def(add_shapes=True)``). With them, open choices go to the
-    option that moves fewer bytes and the report carries the estimated float
-    memory traffic per step before and after; without them, choices go by Cast
-    count and the traffic is None.
+    ``graph.as_graph_def(add_shapes=True)``); where nodes lack them, TensorFlow's
+    own shape inference supplies them (``shape_inference``: it imports the
+    graph, which costs time on large graphs). With shapes, open choices go to
+    the option that moves fewer bytes and the report carries the estimated
+    float memory traffic per step before and after; where sizes stay unknown
+    (a graph TensorFlow cannot import, unknown rank), choices go by Cast count
+    and the traffic is None.
 
     Returns:
       (the rewritten GraphDef, a RewriteReport).

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tfamp.rewrite import shape_inference
 from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef
 
 # Ops whose output 0 has the shape of input 0 (element-wise, or same layout).
@@ -169,7 +170,16 @@ def tensor_shapes(graph_def, view: GraphView,
       view: its GraphView.
       fallback: shapes of another version of the same graph (e.g. before a
         rewrite), used by (body, node name, output index) where a node has no
-        ``_output_shapes`` attribute of its own.
+        ``_output_shapes`` attribute of its own, and by (body, argument name)
+        where an argument has none.
+
+    Without `fallback`, a graph stored without ``_output_shapes`` (a node of
+    the top graph, or every node of a function, carries none) gets the shapes
+    TensorFlow's shape functions give (``shape_inference``) where its nodes
+    have none, if TensorFlow can import it. A traced graph is not imported:
+    its top graph carries shapes everywhere, and the few function nodes added
+    after the trace recorded them (an RNN's forward function) are filled in
+    by propagation as before.
 
     Returns:
       TensorShapes; a shape is None where it is not known.
@@ -185,14 +195,31 @@ def tensor_shapes(graph_def, view: GraphView,
         arg_shapes[fdef.signature.name] = per_arg
     result = {}
     parsed: dict[bytes, tuple[Shape | None, ...]] = {}
+    # bodies with nodes that carry no shapes: (name, whether none of them does)
+    lacking: list[tuple[str, bool]] = []
     for body in view.bodies:
         old = fallback.shapes.get(body.name) if fallback is not None else None
-        result[body.name] = _body_shapes(body, arg_shapes.get(body.name, {}), old, parsed)
+        args = arg_shapes.get(body.name, {})
+        if old is not None and None in args.values():  # (arguments by name, as nodes)
+            args = {name: shape if shape is not None else old.get(TensorRef(name, 0, True))
+                    for name, shape in args.items()}
+        result[body.name] = _body_shapes(body, args, old, parsed, lacking)
+    if fallback is None and any(name == "" or none for name, none in lacking):
+        inferred = shape_inference.inferred_shapes(graph_def, view, result)
+        if inferred is not None:
+            lacking_names = {name for name, _ in lacking}
+            for body in view.bodies:
+                old = inferred.get(body.name)
+                args = arg_shapes.get(body.name, {})
+                if old is None or (body.name not in lacking_names
+                                   and all(s is not None for s in args.values())):
+                    continue
+                args = {name: shape if shape is not None else
+                        old.get(TensorRef(name, 0, is_arg=True))
+                        for name, shape in args.items()}
+                result[body.name] = _body_shapes(body, args, old, parsed)
     _args_from_callers(view, result)
     return TensorShapes(result)
-
-
-_FIRST_INPUT_IS_NOT_AN_ARG = frozenset({"If", "StatelessIf", "Case", "StatelessCase"})
 
 
 def _args_from_callers(view: GraphView, result) -> None:
@@ -209,7 +236,7 @@ def _args_from_callers(view: GraphView, result) -> None:
         for node in body.nodes.values():
             if not node.called_functions:
                 continue
-            skip = 1 if node.op in _FIRST_INPUT_IS_NOT_AN_ARG else 0
+            skip = 1 if node.op in shape_inference.FIRST_INPUT_IS_NOT_AN_ARG else 0
             for callee in node.called_functions:
                 target = bodies.get(callee)
                 if target is None:
@@ -236,10 +263,13 @@ def _shape_proto(proto) -> Shape | None:
 def _body_shapes(body: Body, args: dict[str, Shape | None],
                  old: dict[TensorRef, Shape | None] | None,
                  parsed: dict[bytes, tuple[Shape | None, ...]] | None = None,
+                 lacking: list[tuple[str, bool]] | None = None,
                  ) -> dict[TensorRef, Shape | None]:
     """`parsed`: _output_shapes attributes read so far, by their serialized
     bytes (a step has thousands of tensors but few distinct shape lists, and
-    reading a shape proto dim by dim is slow)."""
+    reading a shape proto dim by dim is slow). `lacking`: (the body's name,
+    whether no node carries shapes) is appended if some node with outputs
+    carries none."""
     if parsed is None:
         parsed = {}
     shapes: dict[TensorRef, Shape | None] = {
@@ -265,6 +295,9 @@ def _body_shapes(body: Body, args: dict[str, Shape | None],
                 listed[index] if index < len(listed) else None)
     if not missing:
         return shapes
+    if lacking is not None:
+        lacking.append((body.name, len(missing) == sum(1 for n in body.nodes.values()
+                                                        if n.outputs)))
     # Some nodes carry no shapes: fill them in producer-first order.
     missing_set = set(missing)
     order = body.topological_order() if len(missing) > 1 else missing
@@ -311,3 +344,24 @@ def _broadcast(a: Shape, b: Shape) -> Shape | None:
         else:  # an unknown dim against a known one other than 1: not simple
             return None
     return tuple(dims)
+
+
+def without_recorded_shapes(graph_def):
+    """A copy of `graph_def` with every recorded shape removed.
+
+    Drops ``_output_shapes`` from the nodes of the top graph and of every
+    library function, and ``_output_shapes`` / ``_input_shapes`` from function
+    arguments: the graph as a file written without ``add_shapes`` stores it.
+    For benchmarks and tests of the shape inference; `graph_def` is unchanged.
+    """
+    copy = type(graph_def)()
+    copy.CopyFrom(graph_def)
+    for node in copy.node:
+        node.attr.pop("_output_shapes", None)
+    for fdef in copy.library.function:
+        for node in fdef.node_def:
+            node.attr.pop("_output_shapes", None)
+        for arg_attr in fdef.arg_attr.values():
+            arg_attr.attr.pop("_output_shapes", None)
+        fdef.attr.pop("_input_shapes", None)
+    return copy
