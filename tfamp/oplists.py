@@ -217,6 +217,17 @@ DEFAULT_OP_LISTS: Mapping[str, OpLists] = {
                         deny=_BFLOAT16_DENY, clear=_BFLOAT16_CLEAR),
 }
 
+# Reductions that accumulate: their output is a statistic (a mean, a sum, a
+# norm) of their first input, which is much larger. On the deny list they
+# compute in float32 as any deny op does, but when their output is a small
+# statistic, float32 spreads from it only through ops whose results are as
+# small (see coloring._BodyColoring._propagate_deny): the big element-wise ops
+# that read a statistic (normalise, scale, shift) are decided on their own and
+# cast the small statistic, not the big activation.
+STATISTIC_REDUCTIONS = frozenset({
+    "Mean", "Sum", "Prod", "EuclideanNorm", "L2Loss",
+})
+
 # Ops whose dtype is bound to their data: the type attribute describes a value
 # that already exists elsewhere (a typed constant, a feed, a stored tensor, what a
 # Python callable returns), so retyping the node would misread that value. They

@@ -37,7 +37,7 @@ from typing import NamedTuple
 from tensorflow.core.framework import types_pb2
 
 from tfamp.config import AmpConfig
-from tfamp.oplists import DATA_BOUND_OPS
+from tfamp.oplists import DATA_BOUND_OPS, STATISTIC_REDUCTIONS
 from tfamp.rewrite import boundaries, kernels
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, Body, GraphView, TensorRef, dtype_name
@@ -80,6 +80,10 @@ METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
 _MAX_ROUNDS = 4
 # Largest chain of infer/clear ops after a 16-bit op judged as one region.
 _MAX_REGION = 32
+# A reduction's output is a statistic when its input has at least this many
+# times its elements (a BatchNorm's mean over N x H x W, a LayerNorm's over
+# the features; a loss's Mean over a batch of 8).
+_STATISTIC_RATIO = 8
 
 
 class Decision(NamedTuple):
@@ -552,6 +556,7 @@ class _BodyColoring:
         for _ in range(_MAX_ROUNDS):
             before = len(self.allow)
             self._add_infer_after_allow()
+            self._add_infer_before_allow()
             self._propagate_through_clear()
             if len(self.allow) == before:
                 break
@@ -562,6 +567,19 @@ class _BodyColoring:
         return slot not in self.blocked
 
     def _propagate_deny(self) -> None:
+        """Deny ops stay float32, and so do the infer/clear ops downstream of them.
+
+        Except after a statistic: a reduction (oplists.STATISTIC_REDUCTIONS)
+        whose output is at least _STATISTIC_RATIO times smaller than its input
+        accumulates in float32 (its input is cast to float32), and float32
+        spreads from its output only through ops whose results are that small
+        too (the mean's Reshape, var + eps, a moving-average update). An op
+        that reads the statistic and writes a big tensor (x - mean,
+        x * rsqrt(var + eps) * gamma, + beta, then ReLU and the residual Add)
+        is left to the later rules, which cast the small statistic instead of
+        the big activation. Why that is safe in 16-bit: BUILD_NOTES.md,
+        "Session 7".
+        """
         lists = self.slot_list
         roots = [s for s, ls in enumerate(lists) if ls in ("deny", "infer")]
         leads_to_deny_or_infer = set(_dfs(
@@ -572,12 +590,45 @@ class _BodyColoring:
             self.deny.setdefault(root, (
                 f"deny: numerically risky in {self.target_name}", "", rk.KIND_DENY_LIST))
             cause = f"{root_node.op} {root_node.name!r}"
+            reduced = self._statistic_input(root_node)
+            if reduced is None:
+                for slot in _dfs([root], self.fanout, lambda s: (
+                        s not in self.deny and s in leads_to_deny_or_infer
+                        and lists[s] in ("infer", "clear"))):
+                    if slot != root:
+                        self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
+                                           rk.KIND_DOWNSTREAM_OF_DENY)
+                continue
+            self.deny[root] = (
+                f"deny: accumulates in float32; its output is a statistic of its "
+                f"{format_elements(reduced)}-element input, so only ops as small "
+                f"as it stay float32 after it", "", rk.KIND_DENY_LIST)
             for slot in _dfs([root], self.fanout, lambda s: (
                     s not in self.deny and s in leads_to_deny_or_infer
-                    and lists[s] in ("infer", "clear"))):
+                    and lists[s] in ("infer", "clear") and self._small_next_to(s, reduced))):
                 if slot != root:
-                    self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
-                                       rk.KIND_DOWNSTREAM_OF_DENY)
+                    self.deny[slot] = (
+                        f"float32 statistic: computed from {cause}, a float32 reduction; "
+                        f"small, so it is cast where a {self.target_name} op reads it",
+                        root_node.name, rk.KIND_STATISTIC)
+
+    def _statistic_input(self, node) -> tuple[int, int] | None:
+        """The elements of `node`'s input if it reduces it to a small statistic, else None."""
+        if node.op not in STATISTIC_REDUCTIONS or not node.data_inputs:
+            return None
+        reduced = self.counts.get(node.data_inputs[0][0])
+        result = self.counts.get(TensorRef(node.name, 0))
+        if reduced is None or result is None or not _smaller(result, reduced):
+            return None
+        return reduced
+
+    def _small_next_to(self, slot: int, reduced: tuple[int, int]) -> bool:
+        """Are all of `slot`'s outputs known and _STATISTIC_RATIO times smaller
+        than a reduction's input of `reduced` elements?"""
+        outputs = self._slot_refs(slot)[1]
+        counts = self.counts
+        return bool(outputs) and all(
+            counts.get(ref) is not None and _smaller(counts[ref], reduced) for ref in outputs)
 
     def _is_free(self, slot: int, lists: tuple[str, ...]) -> bool:
         # (_candidate written out: this runs for every neighbour looked at)
@@ -639,6 +690,42 @@ class _BodyColoring:
                 self.kept[slot] = (
                     f"infer: stays float32 after {self.target_name} op {cause!r}: "
                     f"{detail}", cause, rk.KIND_FEWER_BYTES)
+
+    def _add_infer_before_allow(self) -> None:
+        """An infer slot that feeds a 16-bit slot goes 16-bit where that moves
+        fewer bytes (needs shapes): the Cast then moves onto its smaller input.
+
+        The mirror of _add_infer_after_allow, walked consumers first, so a
+        chain (a mean's gradient: Tile, RealDiv by N, Mul by 2, before the
+        16-bit Mul by x - mean) goes 16-bit op by op back to the small tensor
+        it starts from. Slots held float32 by a deny op are not free, and the
+        rules that stop the forward walk (a run-time scale, a variable read in
+        float16) stop this one too.
+        """
+        if not self.counts:
+            return
+        if self._order is None:
+            self._order = self._slot_order()
+        if self._infer_slots is None:
+            self._infer_slots = sorted(
+                (s for s, name in enumerate(self.slot_list) if name == "infer"),
+                key=self._order.__getitem__)
+        blocked, deny, allow, fanouts = self.blocked, self.deny, self.allow, self.fanout
+        for slot in reversed(self._infer_slots):
+            if slot in blocked or slot in deny or slot in allow:
+                continue
+            sixteen = [s for s in fanouts[slot] if s in allow]
+            if not sixteen or self._run_time_scale(slot) is not None \
+                    or self._region_stops_at(slot):
+                continue
+            verdict = self._cheaper_in_16bit(slot)
+            if verdict is None or not verdict[0]:
+                continue
+            cause = self.slot_node[sixteen[0]]
+            self.kept.pop(slot, None)
+            self.allow[slot] = (
+                f"infer: feeds {self.target_name} op {cause!r}; converted: {verdict[1]}",
+                cause, rk.KIND_BEFORE_16BIT)
 
     # -- regions: a chain after a 16-bit op, judged as a whole -----------------
 
@@ -1114,6 +1201,15 @@ class _BodyColoring:
             return (f"clear: stays float32, no {self.target_name} neighbour", "",
                     rk.KIND_NO_NEIGHBOUR)
         return "unlisted: stays float32", "", rk.KIND_UNLISTED
+
+
+def _smaller(elements: tuple[int, int], than: tuple[int, int]) -> bool:
+    """Is a tensor of `elements` at least _STATISTIC_RATIO times smaller than one
+    of `than`? Element counts are (unknown dimensions, known product); fewer
+    unknown dimensions is smaller for a large unknown size."""
+    if elements[0] != than[0]:
+        return elements[0] < than[0]
+    return elements[1] * _STATISTIC_RATIO <= than[1]
 
 
 def _format_bytes(value: Bytes) -> str:
