@@ -228,6 +228,14 @@ STATISTIC_REDUCTIONS = frozenset({
     "Mean", "Sum", "Prod", "EuclideanNorm", "L2Loss",
 })
 
+# Statistic reductions whose GPU kernel accumulates a float16 input in float32
+# and whose result lies within the range of its input, so they may read a
+# float16 input as it is (TensorFlow's GPU Mean kernel for half sums in float
+# and divides in float; XLA accumulates every 16-bit reduction in float32).
+# Sum is not here: TensorFlow's GPU Sum kernel for half accumulates in half,
+# and a sum can leave float16's range where its terms do not.
+FLOAT32_ACCUMULATING_ON_GPU = frozenset({"Mean"})
+
 # Ops whose dtype is bound to their data: the type attribute describes a value
 # that already exists elsewhere (a typed constant, a feed, a stored tensor, what a
 # Python callable returns), so retyping the node would misread that value. They

@@ -37,10 +37,10 @@ from typing import NamedTuple
 from tensorflow.core.framework import types_pb2
 
 from tfamp.config import AmpConfig
-from tfamp.oplists import DATA_BOUND_OPS, STATISTIC_REDUCTIONS
+from tfamp.oplists import DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU, STATISTIC_REDUCTIONS
 from tfamp.rewrite import boundaries, kernels
 from tfamp.rewrite import reasons as rk
-from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, Body, GraphView, TensorRef, dtype_name
+from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name
 from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
 
 # Type attributes that do not change on their own, whatever list the op is on.
@@ -295,6 +295,7 @@ class _BodyColoring:
             self._connect(skeleton.edges)
         self.allow: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.deny: dict[int, tuple[str, str, str]] = {}
+        self._statistics: list[int] = []  # deny reductions with a small output
 
     # -- building -------------------------------------------------------------
 
@@ -423,6 +424,15 @@ class _BodyColoring:
         if node.op in DATA_BOUND_OPS and self.lists.list_of(node.op) != "unlisted":
             return (f"kept as it is: {node.op}'s dtype is bound to its data "
                     f"({DATA_BOUND_OPS[node.op]})", rk.KIND_DATA_BOUND)
+        device = node.node_def.device
+        if device and self.device_type == "GPU" and node.float_type_attrs:
+            # grappler leaves nodes off the target device alone too: a node
+            # pinned to the CPU in a GPU graph would need a CPU 16-bit kernel,
+            # slow where there is one at all.
+            placed = kernels.node_device_type(device, "GPU")
+            if placed != "GPU":
+                return (f"placed on {device!r} ({placed}), off the target GPU: left "
+                        f"as it is", rk.KIND_OFF_DEVICE)
         return "", ""
 
     @staticmethod
@@ -560,6 +570,7 @@ class _BodyColoring:
             self._propagate_through_clear()
             if len(self.allow) == before:
                 break
+        self._read_16bit_statistics()
         self._retarget_casts()
         return self._decisions()
 
@@ -599,6 +610,7 @@ class _BodyColoring:
                         self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
                                            rk.KIND_DOWNSTREAM_OF_DENY)
                 continue
+            self._statistics.append(root)
             self.deny[root] = (
                 f"deny: accumulates in float32; its output is a statistic of its "
                 f"{format_elements(reduced)}-element input, so only ops as small "
@@ -611,6 +623,32 @@ class _BodyColoring:
                         f"float32 statistic: computed from {cause}, a float32 reduction; "
                         f"small, so it is cast where a {self.target_name} op reads it",
                         root_node.name, rk.KIND_STATISTIC)
+
+    def _read_16bit_statistics(self) -> None:
+        """A statistic reduction whose kernel accumulates in float32 anyway reads
+        its 16-bit input as it is (oplists.FLOAT32_ACCUMULATING_ON_GPU: a GPU
+        Mean), instead of through a Cast of that input to float32.
+
+        Only in float16 on a GPU: the result, a mean, lies within its input's
+        range, so it cannot overflow, and it is rounded to float16 once. Its
+        small consumers (the statistics) stay float32 and cast it.
+        """
+        if self.target != DT_HALF:
+            return
+        for slot in self._statistics:
+            node = self.body.nodes[self.slot_node[slot]]
+            if node.op not in FLOAT32_ACCUMULATING_ON_GPU or slot in self.blocked:
+                continue
+            if kernels.node_device_type(node.node_def.device, self.device_type) != "GPU":
+                continue
+            source = node.data_inputs[0][0]
+            if not self._ref_is_16bit(source):
+                continue
+            self.deny.pop(slot, None)
+            self.allow[slot] = (
+                f"{node.op}: reads the {self.target_name} value of {source.node!r} as it is; "
+                f"its GPU kernel accumulates in float32 and a mean stays within its "
+                f"input's range", source.node, rk.KIND_ACCUMULATES_FP32)
 
     def _statistic_input(self, node) -> tuple[int, int] | None:
         """The elements of `node`'s input if it reduces it to a small statistic, else None."""

@@ -16,6 +16,7 @@ KIND_AFTER_16BIT = "after a 16-bit op"  # infer op right after one, saving casts
 KIND_BEFORE_16BIT = "before a 16-bit op"  # infer op feeding one, moving fewer bytes
 KIND_NEXT_TO_16BIT = "next to a 16-bit op"  # clear op following a neighbour
 KIND_CAST_RETARGETED = "Cast retargeted"  # an existing Cast meets 16-bit directly
+KIND_ACCUMULATES_FP32 = "accumulates in float32"  # a GPU Mean reading its 16-bit input
 KIND_BOUNDARY = "boundary group"  # a loop/call/TensorList value 16-bit on every side
 
 # -- kept float32 -------------------------------------------------------------
@@ -43,5 +44,5 @@ KIND_OTHER = "other"  # only from reports written before kinds were recorded
 
 CONVERTED_KINDS = frozenset({
     KIND_ALLOW, KIND_BETWEEN, KIND_AFTER_16BIT, KIND_BEFORE_16BIT, KIND_NEXT_TO_16BIT, KIND_CAST_RETARGETED,
-    KIND_BOUNDARY,
+    KIND_BOUNDARY, KIND_ACCUMULATES_FP32,
 })
