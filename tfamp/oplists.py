@@ -228,6 +228,23 @@ STATISTIC_REDUCTIONS = frozenset({
     "Mean", "Sum", "Prod", "EuclideanNorm", "L2Loss",
 })
 
+# Ops whose result can outgrow their input's range: a Mean of their output
+# (a variance) is no more bounded than a Sum is.
+GROWING_OPS = frozenset({"Square", "SquaredDifference", "Pow", "Exp", "Expm1"})
+
+# Ops that only copy or rearrange values (a statistic broadcast to a big
+# tensor keeps its range through them).
+BROADCAST_OPS = frozenset({
+    "Tile", "BroadcastTo", "Reshape", "ExpandDims", "Squeeze", "Identity",
+})
+
+# Ops that centre a tensor on a statistic (x - mean). Where one operand is a
+# float32 statistic and the result is big, they stay float32: in 16-bit the
+# statistic would be rounded once and every element of the result would carry
+# the same error, which sums that should cancel (the variance gradient's
+# sum of x - mean, then a weight gradient) add up N times instead of sqrt(N).
+CENTRING_OPS = frozenset({"Sub", "SquaredDifference"})
+
 # Statistic reductions whose GPU kernel accumulates a float16 input in float32
 # and whose result lies within the range of its input, so they may read a
 # float16 input as it is (TensorFlow's GPU Mean kernel for half sums in float

@@ -37,10 +37,13 @@ from typing import NamedTuple
 from tensorflow.core.framework import types_pb2
 
 from tfamp.config import AmpConfig
-from tfamp.oplists import DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU, STATISTIC_REDUCTIONS
+from tfamp.oplists import (
+    BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU, GROWING_OPS,
+    STATISTIC_REDUCTIONS)
 from tfamp.rewrite import boundaries, kernels
 from tfamp.rewrite import reasons as rk
-from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name
+from tfamp.rewrite.graph import (
+    DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name)
 from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
 
 # Type attributes that do not change on their own, whatever list the op is on.
@@ -81,9 +84,11 @@ _MAX_ROUNDS = 4
 # Largest chain of infer/clear ops after a 16-bit op judged as one region.
 _MAX_REGION = 32
 # A reduction's output is a statistic when its input has at least this many
-# times its elements (a BatchNorm's mean over N x H x W, a LayerNorm's over
-# the features; a loss's Mean over a batch of 8).
-_STATISTIC_RATIO = 8
+# times its elements (a BatchNorm's mean over N x H x W; a GroupNorm's
+# gradient summed over a batch of 2). Safety does not rest on the ratio (the
+# rules after a statistic hold what needs float32); it only tells the small
+# tensors that stay float32 with a statistic from the big ones that read it.
+_STATISTIC_RATIO = 2
 
 
 class Decision(NamedTuple):
@@ -296,6 +301,7 @@ class _BodyColoring:
         self.allow: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.deny: dict[int, tuple[str, str, str]] = {}
         self._statistics: list[int] = []  # deny reductions with a small output
+        self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
 
     # -- building -------------------------------------------------------------
 
@@ -566,7 +572,7 @@ class _BodyColoring:
         for _ in range(_MAX_ROUNDS):
             before = len(self.allow)
             self._add_infer_after_allow()
-            self._add_infer_before_allow()
+            self._add_statistic_readers()
             self._propagate_through_clear()
             if len(self.allow) == before:
                 break
@@ -615,14 +621,82 @@ class _BodyColoring:
                 f"deny: accumulates in float32; its output is a statistic of its "
                 f"{format_elements(reduced)}-element input, so only ops as small "
                 f"as it stay float32 after it", "", rk.KIND_DENY_LIST)
-            for slot in _dfs([root], self.fanout, lambda s: (
-                    s not in self.deny and s in leads_to_deny_or_infer
-                    and lists[s] in ("infer", "clear") and self._small_next_to(s, reduced))):
+            statistics = _dfs([root], self.fanout, lambda s: (
+                s not in self.deny and s in leads_to_deny_or_infer
+                and lists[s] in ("infer", "clear") and self._small_next_to(s, reduced)))
+            for slot in statistics:
                 if slot != root:
                     self.deny[slot] = (
                         f"float32 statistic: computed from {cause}, a float32 reduction; "
                         f"small, so it is cast where a {self.target_name} op reads it",
                         root_node.name, rk.KIND_STATISTIC)
+            self._hold_centring(statistics, reduced, root_node.name)
+            if not self._bounded_statistic(root_node):
+                self._hold_broadcast_sums(statistics, reduced, root_node.name)
+
+    def _bounded_statistic(self, node) -> bool:
+        """Does a statistic reduction's result lie within its input's range?
+
+        A mean does, unless what it averages can outgrow the input (a mean of
+        squares: a variance). A sum, a product or a norm does not: a sum of
+        100,000 float16 gradients may be far past 65504 where no term is.
+        """
+        if node.op != "Mean":
+            return False
+        source = self.body.nodes.get(node.data_inputs[0][0].node)
+        return source is None or source.op not in GROWING_OPS
+
+    def _hold_broadcast_sums(self, statistics: list[int], reduced: tuple[int, int],
+                             root: str) -> None:
+        """Big ops that read an unbounded statistic (a sum: see _bounded_statistic)
+        stay float32: through copies (Tile, Reshape: oplists.BROADCAST_OPS) up to and
+        including the first op that computes with it (a RealDiv by N brings a
+        sum back to a mean's range). Casting the sum itself to float16 could
+        overflow; the result of that op is as safe to cast as the values it
+        came from."""
+        nodes, slot_node, deny, lists = self.body.nodes, self.slot_node, self.deny, self.slot_list
+        stack = list(statistics)
+        while stack:
+            current = stack.pop()
+            for slot in self.fanout[current]:
+                if (slot in deny or slot in self.blocked
+                        or lists[slot] not in ("infer", "clear")
+                        or self._small_next_to(slot, reduced)):
+                    continue
+                deny[slot] = (
+                    f"reads a float32 sum from {root!r} (a sum may exceed "
+                    f"{self.target_name}'s range where its terms do not): float32 until "
+                    f"it is scaled back", root, rk.KIND_STATISTIC)
+                if nodes[slot_node[slot]].op in BROADCAST_OPS:
+                    stack.append(slot)
+
+    def _hold_centring(self, statistics: list[int], reduced: tuple[int, int],
+                       root: str) -> None:
+        """x - s stays float32 where s is one of `statistics` (float32) and the
+        result is big (oplists.CENTRING_OPS; why: BUILD_NOTES.md, Session 7)."""
+        nodes, slot_node, deny = self.body.nodes, self.slot_node, self.deny
+        for stat in statistics:
+            for slot in self.fanout[stat]:
+                if (slot in deny or slot in self.blocked
+                        or nodes[slot_node[slot]].op not in CENTRING_OPS
+                        or self._small_next_to(slot, reduced)):
+                    continue
+                self._centring.add(statistics[0])
+                deny[slot] = (
+                    f"centred on float32 statistic {slot_node[stat]!r}: in "
+                    f"{self.target_name} its rounding would be one error shared by every "
+                    f"element, which sums of the result add up", root, rk.KIND_CENTRED)
+                # x - mean rounded to 16-bit is no better: x lies on float16's
+                # coarse grid and the mean does not, so every element rounds
+                # alike. Once scaled (Mul, RealDiv) the roundings differ.
+                for scaled in self.fanout[slot]:
+                    if (scaled not in deny and scaled not in self.blocked
+                            and nodes[slot_node[scaled]].op in SCALING_OPS
+                            and not self._small_next_to(scaled, reduced)):
+                        deny[scaled] = (
+                            f"scales {slot_node[slot]!r}, centred on a float32 statistic: "
+                            f"computed in float32 and rounded once, after scaling",
+                            root, rk.KIND_CENTRED)
 
     def _read_16bit_statistics(self) -> None:
         """A statistic reduction whose kernel accumulates in float32 anyway reads
@@ -631,13 +705,16 @@ class _BodyColoring:
 
         Only in float16 on a GPU: the result, a mean, lies within its input's
         range, so it cannot overflow, and it is rounded to float16 once. Its
-        small consumers (the statistics) stay float32 and cast it.
+        small consumers (the statistics) stay float32 and cast it. A mean that
+        centres a tensor (x - mean) stays float32: rounded to float16 it would
+        be one error shared by every element of x - mean (see _hold_centring).
         """
         if self.target != DT_HALF:
             return
         for slot in self._statistics:
             node = self.body.nodes[self.slot_node[slot]]
-            if node.op not in FLOAT32_ACCUMULATING_ON_GPU or slot in self.blocked:
+            if (node.op not in FLOAT32_ACCUMULATING_ON_GPU or slot in self.blocked
+                    or slot in self._centring):
                 continue
             if kernels.node_device_type(node.node_def.device, self.device_type) != "GPU":
                 continue
@@ -729,41 +806,89 @@ class _BodyColoring:
                     f"infer: stays float32 after {self.target_name} op {cause!r}: "
                     f"{detail}", cause, rk.KIND_FEWER_BYTES)
 
-    def _add_infer_before_allow(self) -> None:
-        """An infer slot that feeds a 16-bit slot goes 16-bit where that moves
-        fewer bytes (needs shapes): the Cast then moves onto its smaller input.
+    def _add_statistic_readers(self) -> None:
+        """Ops that combine statistics into big tensors for a 16-bit op go 16-bit
+        where that moves fewer bytes (needs shapes).
 
-        The mirror of _add_infer_after_allow, walked consumers first, so a
-        chain (a mean's gradient: Tile, RealDiv by N, Mul by 2, before the
-        16-bit Mul by x - mean) goes 16-bit op by op back to the small tensor
-        it starts from. Slots held float32 by a deny op are not free, and the
-        rules that stop the forward walk (a run-time scale, a variable read in
-        float16) stop this one too.
+        A LayerNorm broadcasts its per-row statistics against its per-feature
+        gamma and beta into full-size scale and shift tensors (gamma *
+        rsqrt(var + eps), beta - mean * that) before the 16-bit x * scale +
+        shift. Judged as one region with the free infer/clear ops before it,
+        the region goes 16-bit if every float32 value it reads is a bounded
+        statistic (kind "float32 statistic"), computed from one (an Rsqrt of
+        var + eps), or a weight: values within float16's range. Anything else
+        (a loss's gradient, a run-time scale) keeps the region float32.
         """
         if not self.counts:
             return
-        if self._order is None:
-            self._order = self._slot_order()
-        if self._infer_slots is None:
-            self._infer_slots = sorted(
-                (s for s, name in enumerate(self.slot_list) if name == "infer"),
-                key=self._order.__getitem__)
         blocked, deny, allow, fanouts = self.blocked, self.deny, self.allow, self.fanout
-        for slot in reversed(self._infer_slots):
-            if slot in blocked or slot in deny or slot in allow:
+        for slot, list_name in enumerate(self.slot_list):
+            if (list_name != "infer" or slot in blocked or slot in deny or slot in allow):
                 continue
             sixteen = [s for s in fanouts[slot] if s in allow]
-            if not sixteen or self._run_time_scale(slot) is not None \
-                    or self._region_stops_at(slot):
+            if sixteen:
+                self._convert_statistic_region(slot, self.slot_node[sixteen[0]])
+
+    def _convert_statistic_region(self, slot: int, cause: str) -> bool:
+        if self._run_time_scale(slot) is not None or self._region_stops_at(slot):
+            return False
+        region, stack, seen = [], [slot], {slot}
+        fanin, is_free = self.fanin, self._is_free
+        while stack and len(region) < _MAX_REGION:
+            current = stack.pop()
+            region.append(current)
+            for prev in fanin[current]:
+                if (prev not in seen and is_free(prev, ("infer", "clear"))
+                        and self._run_time_scale(prev) is None
+                        and not self._region_stops_at(prev)):
+                    seen.add(prev)
+                    stack.append(prev)
+        members = set(region)
+        outside = {prev for member in region for prev in fanin[member]} - members
+        found = False
+        for prev in outside:
+            if prev in self.allow:
                 continue
-            verdict = self._cheaper_in_16bit(slot)
-            if verdict is None or not verdict[0]:
-                continue
-            cause = self.slot_node[sixteen[0]]
-            self.kept.pop(slot, None)
-            self.allow[slot] = (
-                f"infer: feeds {self.target_name} op {cause!r}; converted: {verdict[1]}",
-                cause, rk.KIND_BEFORE_16BIT)
+            kind = self._statistic_kind(prev)
+            if kind is None:
+                return False
+            found = found or kind
+        if not found:
+            return False
+        costs = self._costs(region)
+        if costs is None:
+            return False
+        (as16, _), (as32, _) = costs
+        if not as16 < as32:
+            return False
+        why = (f"combines float32 statistics for {self.target_name} op {cause!r}"
+               + (f" with {len(region) - 1} op(s) before it" if len(region) > 1 else "")
+               + f": {_format_bytes(as16)} instead of {_format_bytes(as32)}")
+        for member in region:
+            self.kept.pop(member, None)
+            self.allow[member] = (f"{self.slot_list[member]}: {why}", cause,
+                                  rk.KIND_COMBINES_STATISTICS)
+        return True
+
+    def _statistic_kind(self, slot: int, depth: int = 4) -> bool | None:
+        """True if `slot` holds a bounded statistic or a value computed from
+        statistics and weights only, False for a weight (a variable read, through
+        Reshape/Identity) or a constant, None for anything else."""
+        reason = self.deny.get(slot)
+        if reason is not None:
+            return True if (reason[2] == rk.KIND_STATISTIC
+                            and reason[0].startswith("float32 statistic")) else None
+        node = self.body.nodes.get(self.slot_node[slot])
+        if node is None:
+            return None
+        if node.op in VARIABLE_OPS or node.op == "Const":
+            return False
+        if depth == 0 or self.slot_list[slot] not in ("unlisted", "clear", "infer"):
+            return None
+        inputs = [self._statistic_kind(prev, depth - 1) for prev in self.fanin[slot]]
+        if not inputs or any(kind is None for kind in inputs):
+            return None
+        return any(inputs)
 
     # -- regions: a chain after a 16-bit op, judged as a whole -----------------
 
