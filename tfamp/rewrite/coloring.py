@@ -7,14 +7,22 @@ grappler's AMP pass:
 
 1. allow-list slots go 16-bit;
 2. deny spreads forward from deny ops through infer ops and through clear ops
-   that lead to a deny or infer op;
+   that lead to a deny or infer op, except after a statistic (a deny
+   reduction whose output is much smaller than its input): there float32
+   spreads only through ops as small as the statistic, and holds the few big
+   ops whose numerics need it (x - mean up to its scaling; a broadcast sum up
+   to its division); the other big ops that read a statistic are left to the
+   rules below (see _propagate_deny);
 3. infer and clear slots on a path between two 16-bit slots go 16-bit;
 4. an infer slot fed by a 16-bit slot goes 16-bit where that moves fewer bytes
    (with tensor shapes; else where it needs fewer casts);
 5. clear slots next to 16-bit slots follow them, unless (with shapes) that
-   moves more bytes, e.g. a Cast moved onto a larger tensor; 4 and 5 repeat
-   until nothing changes (a few rounds at most);
-6. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
+   moves more bytes, e.g. a Cast moved onto a larger tensor; a chain that
+   combines statistics and weights into a big tensor for a 16-bit op
+   (LayerNorm's scale and shift) goes 16-bit where that moves fewer bytes;
+   these repeat until nothing changes (a few rounds at most);
+6. a GPU Mean nothing is centred on reads its 16-bit input as it is;
+7. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
    instead, so no second Cast is needed.
 
 Each library function is coloured on its own. Call sites (While, If, Case,
