@@ -238,6 +238,10 @@ BROADCAST_OPS = frozenset({
     "Tile", "BroadcastTo", "Reshape", "ExpandDims", "Squeeze", "Identity",
 })
 
+# Ops whose result is bounded whatever statistic they read: rsqrt(var + eps)
+# is at most 1/sqrt(eps) (31.6 for Keras's eps of 1e-3).
+BOUNDING_OPS = frozenset({"Rsqrt"})
+
 # Ops that centre a tensor on a statistic (x - mean). Where one operand is a
 # float32 statistic and the result is big, they stay float32: in 16-bit the
 # statistic would be rounded once and every element of the result would carry

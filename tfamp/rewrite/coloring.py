@@ -46,8 +46,8 @@ from tensorflow.core.framework import types_pb2
 
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
-    BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU, GROWING_OPS,
-    STATISTIC_REDUCTIONS)
+    BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
+    GROWING_OPS, STATISTIC_REDUCTIONS)
 from tfamp.rewrite import boundaries, kernels
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import (
@@ -310,6 +310,7 @@ class _BodyColoring:
         self.deny: dict[int, tuple[str, str, str]] = {}
         self._statistics: list[int] = []  # deny reductions with a small output
         self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
+        self._bounded: set[int] = set()  # statistics within their input's range (means)
 
     # -- building -------------------------------------------------------------
 
@@ -639,7 +640,9 @@ class _BodyColoring:
                         f"small, so it is cast where a {self.target_name} op reads it",
                         root_node.name, rk.KIND_STATISTIC)
             self._hold_centring(statistics, reduced, root_node.name)
-            if not self._bounded_statistic(root_node):
+            if self._bounded_statistic(root_node):
+                self._bounded.update(statistics)
+            else:
                 self._hold_broadcast_sums(statistics, reduced, root_node.name)
 
     def _bounded_statistic(self, node) -> bool:
@@ -879,18 +882,21 @@ class _BodyColoring:
         return True
 
     def _statistic_kind(self, slot: int, depth: int = 4) -> bool | None:
-        """True if `slot` holds a bounded statistic or a value computed from
-        statistics and weights only, False for a weight (a variable read, through
-        Reshape/Identity) or a constant, None for anything else."""
-        reason = self.deny.get(slot)
-        if reason is not None:
-            return True if (reason[2] == rk.KIND_STATISTIC
-                            and reason[0].startswith("float32 statistic")) else None
+        """True if `slot` holds a bounded statistic (a mean: see _bounded_statistic)
+        or a value computed from bounded statistics and weights only, False for
+        a weight (a variable read, through Reshape/Identity) or a constant, None
+        for anything else (a sum, a variance as it is, a loss's gradient)."""
+        if slot in self.deny:
+            return True if slot in self._bounded else None
         node = self.body.nodes.get(self.slot_node[slot])
         if node is None:
             return None
         if node.op in VARIABLE_OPS or node.op == "Const":
             return False
+        if node.op in BOUNDING_OPS and self.fanin[slot] and all(
+                self.deny.get(prev, ("", "", ""))[2] == rk.KIND_STATISTIC
+                for prev in self.fanin[slot]):
+            return True  # (rsqrt(var + eps) <= 1/sqrt(eps) whatever var is)
         if depth == 0 or self.slot_list[slot] not in ("unlisted", "clear", "infer"):
             return None
         inputs = [self._statistic_kind(prev, depth - 1) for prev in self.fanin[slot]]
