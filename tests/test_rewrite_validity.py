@@ -88,6 +88,20 @@ def pinned_pool(device: str) -> Callable[[], Built]:
     return lambda: _tf1_graph(build)
 
 
+def pinned_relu(device: str) -> Callable[[], Built]:
+    """Conv3D -> Relu pinned to `device` -> Conv3D (Relu has a float16 CPU kernel)."""
+    def build():
+        x, xv = _placeholder("x", [1, 4, 4, 4, 2])
+        f = tf.constant(RNG.normal(size=(2, 2, 2, 2, 2)).astype("float32"), name="f")
+        conv = tf.nn.conv3d(x, f, [1] * 5, "SAME", name="conv")
+        relu = tf.nn.relu(conv, name="relu")
+        relu.op._set_device(device)  # (the string as written, not normalised by tf.device)
+        conv2 = tf.nn.conv3d(relu, f, [1] * 5, "SAME", name="conv2")
+        tf.identity(conv2, name="out")
+        return {"x": xv}, ["out:0"], []
+    return lambda: _tf1_graph(build)
+
+
 def ref_variable() -> Built:
     """A TF1 reference variable (VariableV2 + its `read` Identity) feeding MatMul.
 
@@ -214,12 +228,28 @@ class Case:
 CASES = [
     Case("cpu_pinned_node_in_gpu_graph", pinned_pool(CPU),
          dtypes={"conv": "float16", "pool": "float32"},
-         kinds={"pool": rk.KIND_NO_KERNEL},
+         kinds={"pool": rk.KIND_OFF_DEVICE},
          reason_has={"pool": CPU}, config={"device_type": "GPU"}),
     Case("cpu_pinned_node_full_device_name", pinned_pool(CPU_FULL),
          dtypes={"conv": "float16", "pool": "float32"},
-         kinds={"pool": rk.KIND_NO_KERNEL},
-         reason_has={"pool": "CPU kernel"}, config={"device_type": "GPU"}),
+         kinds={"pool": rk.KIND_OFF_DEVICE},
+         reason_has={"pool": CPU_FULL}, config={"device_type": "GPU"}),
+    # A node pinned to the CPU in a GPU graph stays as it is even where the CPU
+    # has a 16-bit kernel (Relu), as grappler leaves nodes off its device alone;
+    # every way of writing the CPU is read as the CPU.
+    *(Case(f"cpu_pinned_relu_{label}_in_gpu_graph", pinned_relu(device),
+           dtypes={"conv": "float16", "relu": "float32", "conv2": "float16"},
+           kinds={"relu": rk.KIND_OFF_DEVICE}, reason_has={"relu": device},
+           config={"device_type": "GPU"})
+      for label, device in (("device", CPU), ("full_name", CPU_FULL),
+                            ("short", "/cpu:0"), ("bare", "CPU:0"))),
+    # Controls: pinned to a GPU, or in a CPU graph, the Relu is decided as before.
+    Case("gpu_pinned_relu_in_gpu_graph", pinned_relu("/device:GPU:0"),
+         dtypes={"conv": "float16", "relu": "float16", "conv2": "float16"},
+         config={"device_type": "GPU"}, runs=False),
+    Case("cpu_pinned_relu_in_cpu_graph", pinned_relu(CPU),
+         dtypes={"conv": "float16", "relu": "float16", "conv2": "float16"},
+         config={"device_type": "CPU"}),
     # Control: the same node unpinned is judged by the GPU's kernels and converts.
     Case("unpinned_node_in_gpu_graph", pinned_pool(""),
          dtypes={"conv": "float16", "pool": "float16"}, config={"device_type": "GPU"},

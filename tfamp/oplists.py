@@ -217,6 +217,46 @@ DEFAULT_OP_LISTS: Mapping[str, OpLists] = {
                         deny=_BFLOAT16_DENY, clear=_BFLOAT16_CLEAR),
 }
 
+# Reductions that accumulate: their output is a statistic (a mean, a sum, a
+# norm) of their first input, which is much larger. On the deny list they
+# compute in float32 as any deny op does, but when their output is a small
+# statistic, float32 spreads from it only through ops whose results are as
+# small (see coloring._BodyColoring._propagate_deny): the big element-wise ops
+# that read a statistic (normalise, scale, shift) are decided on their own and
+# cast the small statistic, not the big activation.
+STATISTIC_REDUCTIONS = frozenset({
+    "Mean", "Sum", "Prod", "EuclideanNorm", "L2Loss",
+})
+
+# Ops whose result can outgrow their input's range: a Mean of their output
+# (a variance) is no more bounded than a Sum is.
+GROWING_OPS = frozenset({"Square", "SquaredDifference", "Pow", "Exp", "Expm1"})
+
+# Ops that only copy or rearrange values (a statistic broadcast to a big
+# tensor keeps its range through them).
+BROADCAST_OPS = frozenset({
+    "Tile", "BroadcastTo", "Reshape", "ExpandDims", "Squeeze", "Identity",
+})
+
+# Ops whose result is bounded whatever statistic they read: rsqrt(var + eps)
+# is at most 1/sqrt(eps) (31.6 for Keras's eps of 1e-3).
+BOUNDING_OPS = frozenset({"Rsqrt"})
+
+# Ops that centre a tensor on a statistic (x - mean). Where one operand is a
+# float32 statistic and the result is big, they stay float32: in 16-bit the
+# statistic would be rounded once and every element of the result would carry
+# the same error, which sums that should cancel (the variance gradient's
+# sum of x - mean, then a weight gradient) add up N times instead of sqrt(N).
+CENTRING_OPS = frozenset({"Sub", "SquaredDifference"})
+
+# Statistic reductions whose GPU kernel accumulates a float16 input in float32
+# and whose result lies within the range of its input, so they may read a
+# float16 input as it is (TensorFlow's GPU Mean kernel for half sums in float
+# and divides in float; XLA accumulates every 16-bit reduction in float32).
+# Sum is not here: TensorFlow's GPU Sum kernel for half accumulates in half,
+# and a sum can leave float16's range where its terms do not.
+FLOAT32_ACCUMULATING_ON_GPU = frozenset({"Mean"})
+
 # Ops whose dtype is bound to their data: the type attribute describes a value
 # that already exists elsewhere (a typed constant, a feed, a stored tensor, what a
 # Python callable returns), so retyping the node would misread that value. They

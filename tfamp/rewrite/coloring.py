@@ -7,14 +7,22 @@ grappler's AMP pass:
 
 1. allow-list slots go 16-bit;
 2. deny spreads forward from deny ops through infer ops and through clear ops
-   that lead to a deny or infer op;
+   that lead to a deny or infer op, except after a statistic (a deny
+   reduction whose output is much smaller than its input): there float32
+   spreads only through ops as small as the statistic, and holds the few big
+   ops whose numerics need it (x - mean up to its scaling; a broadcast sum up
+   to its division); the other big ops that read a statistic are left to the
+   rules below (see _propagate_deny);
 3. infer and clear slots on a path between two 16-bit slots go 16-bit;
 4. an infer slot fed by a 16-bit slot goes 16-bit where that moves fewer bytes
    (with tensor shapes; else where it needs fewer casts);
 5. clear slots next to 16-bit slots follow them, unless (with shapes) that
-   moves more bytes, e.g. a Cast moved onto a larger tensor; 4 and 5 repeat
-   until nothing changes (a few rounds at most);
-6. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
+   moves more bytes, e.g. a Cast moved onto a larger tensor; a chain that
+   combines statistics and weights into a big tensor for a 16-bit op
+   (LayerNorm's scale and shift) goes 16-bit where that moves fewer bytes;
+   these repeat until nothing changes (a few rounds at most);
+6. a GPU Mean nothing is centred on reads its 16-bit input as it is;
+7. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
    instead, so no second Cast is needed.
 
 Each library function is coloured on its own. Call sites (While, If, Case,
@@ -37,10 +45,13 @@ from typing import NamedTuple
 from tensorflow.core.framework import types_pb2
 
 from tfamp.config import AmpConfig
-from tfamp.oplists import DATA_BOUND_OPS
+from tfamp.oplists import (
+    BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
+    GROWING_OPS, STATISTIC_REDUCTIONS)
 from tfamp.rewrite import boundaries, kernels
 from tfamp.rewrite import reasons as rk
-from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, Body, GraphView, TensorRef, dtype_name
+from tfamp.rewrite.graph import (
+    DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name)
 from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
 
 # Type attributes that do not change on their own, whatever list the op is on.
@@ -80,6 +91,12 @@ METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
 _MAX_ROUNDS = 4
 # Largest chain of infer/clear ops after a 16-bit op judged as one region.
 _MAX_REGION = 32
+# A reduction's output is a statistic when its input has at least this many
+# times its elements (a BatchNorm's mean over N x H x W; a GroupNorm's
+# gradient summed over a batch of 2). Safety does not rest on the ratio (the
+# rules after a statistic hold what needs float32); it only tells the small
+# tensors that stay float32 with a statistic from the big ones that read it.
+_STATISTIC_RATIO = 2
 
 
 class Decision(NamedTuple):
@@ -291,6 +308,9 @@ class _BodyColoring:
             self._connect(skeleton.edges)
         self.allow: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.deny: dict[int, tuple[str, str, str]] = {}
+        self._statistics: list[int] = []  # deny reductions with a small output
+        self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
+        self._bounded: set[int] = set()  # statistics within their input's range (means)
 
     # -- building -------------------------------------------------------------
 
@@ -423,6 +443,15 @@ class _BodyColoring:
         if node.op in DATA_BOUND_OPS and self.lists.list_of(node.op) != "unlisted":
             return (f"kept as it is: {node.op}'s dtype is bound to its data "
                     f"({DATA_BOUND_OPS[node.op]})", rk.KIND_DATA_BOUND)
+        device = node.node_def.device
+        if device and self.device_type == "GPU" and node.float_type_attrs:
+            # grappler leaves nodes off the target device alone too: a node
+            # pinned to the CPU in a GPU graph would need a CPU 16-bit kernel,
+            # slow where there is one at all.
+            placed = kernels.node_device_type(device, "GPU")
+            if placed != "GPU":
+                return (f"placed on {device!r} ({placed}), off the target GPU: left "
+                        f"as it is", rk.KIND_OFF_DEVICE)
         return "", ""
 
     @staticmethod
@@ -556,9 +585,11 @@ class _BodyColoring:
         for _ in range(_MAX_ROUNDS):
             before = len(self.allow)
             self._add_infer_after_allow()
+            self._add_statistic_readers()
             self._propagate_through_clear()
             if len(self.allow) == before:
                 break
+        self._read_16bit_statistics()
         self._retarget_casts()
         return self._decisions()
 
@@ -566,6 +597,19 @@ class _BodyColoring:
         return slot not in self.blocked
 
     def _propagate_deny(self) -> None:
+        """Deny ops stay float32, and so do the infer/clear ops downstream of them.
+
+        Except after a statistic: a reduction (oplists.STATISTIC_REDUCTIONS)
+        whose output is at least _STATISTIC_RATIO times smaller than its input
+        accumulates in float32 (its input is cast to float32), and float32
+        spreads from its output only through ops whose results are that small
+        too (the mean's Reshape, var + eps, a moving-average update). An op
+        that reads the statistic and writes a big tensor (x - mean,
+        x * rsqrt(var + eps) * gamma, + beta, then ReLU and the residual Add)
+        is left to the later rules, which cast the small statistic instead of
+        the big activation. Why that is safe in 16-bit: BUILD_NOTES.md,
+        "Session 7".
+        """
         lists = self.slot_list
         roots = [s for s, ls in enumerate(lists) if ls in ("deny", "infer")]
         leads_to_deny_or_infer = set(_dfs(
@@ -576,12 +620,145 @@ class _BodyColoring:
             self.deny.setdefault(root, (
                 f"deny: numerically risky in {self.target_name}", "", rk.KIND_DENY_LIST))
             cause = f"{root_node.op} {root_node.name!r}"
-            for slot in _dfs([root], self.fanout, lambda s: (
-                    s not in self.deny and s in leads_to_deny_or_infer
-                    and lists[s] in ("infer", "clear"))):
+            reduced = self._statistic_input(root_node)
+            if reduced is None:
+                for slot in _dfs([root], self.fanout, lambda s: (
+                        s not in self.deny and s in leads_to_deny_or_infer
+                        and lists[s] in ("infer", "clear"))):
+                    if slot != root:
+                        self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
+                                           rk.KIND_DOWNSTREAM_OF_DENY)
+                continue
+            self._statistics.append(root)
+            self.deny[root] = (
+                f"deny: accumulates in float32; its output is a statistic of its "
+                f"{format_elements(reduced)}-element input, so only ops as small "
+                f"as it stay float32 after it", "", rk.KIND_DENY_LIST)
+            statistics = _dfs([root], self.fanout, lambda s: (
+                s not in self.deny and s in leads_to_deny_or_infer
+                and lists[s] in ("infer", "clear") and self._small_next_to(s, reduced)))
+            for slot in statistics:
                 if slot != root:
-                    self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
-                                       rk.KIND_DOWNSTREAM_OF_DENY)
+                    self.deny[slot] = (
+                        f"float32 statistic: computed from {cause}, a float32 reduction; "
+                        f"small, so it is cast where a {self.target_name} op reads it",
+                        root_node.name, rk.KIND_STATISTIC)
+            self._hold_centring(statistics, reduced, root_node.name)
+            if self._bounded_statistic(root_node):
+                self._bounded.update(statistics)
+            else:
+                self._hold_broadcast_sums(statistics, reduced, root_node.name)
+
+    def _bounded_statistic(self, node) -> bool:
+        """Does a statistic reduction's result lie within its input's range?
+
+        A mean does, unless what it averages can outgrow the input (a mean of
+        squares: a variance). A sum, a product or a norm does not: a sum of
+        100,000 float16 gradients may be far past 65504 where no term is.
+        """
+        if node.op != "Mean":
+            return False
+        source = self.body.nodes.get(node.data_inputs[0][0].node)
+        return source is None or source.op not in GROWING_OPS
+
+    def _hold_broadcast_sums(self, statistics: list[int], reduced: tuple[int, int],
+                             root: str) -> None:
+        """Big ops that read an unbounded statistic (a sum: see _bounded_statistic)
+        stay float32: through copies (Tile, Reshape: oplists.BROADCAST_OPS) up to and
+        including the first op that computes with it (a RealDiv by N brings a
+        sum back to a mean's range). Casting the sum itself to float16 could
+        overflow; the result of that op is as safe to cast as the values it
+        came from."""
+        nodes, slot_node, deny, lists = self.body.nodes, self.slot_node, self.deny, self.slot_list
+        stack = list(statistics)
+        while stack:
+            current = stack.pop()
+            for slot in self.fanout[current]:
+                if (slot in deny or slot in self.blocked
+                        or lists[slot] not in ("infer", "clear")
+                        or self._small_next_to(slot, reduced)):
+                    continue
+                deny[slot] = (
+                    f"reads a float32 sum from {root!r} (a sum may exceed "
+                    f"{self.target_name}'s range where its terms do not): float32 until "
+                    f"it is scaled back", root, rk.KIND_STATISTIC)
+                if nodes[slot_node[slot]].op in BROADCAST_OPS:
+                    stack.append(slot)
+
+    def _hold_centring(self, statistics: list[int], reduced: tuple[int, int],
+                       root: str) -> None:
+        """x - s stays float32 where s is one of `statistics` (float32) and the
+        result is big (oplists.CENTRING_OPS; why: BUILD_NOTES.md, Session 7)."""
+        nodes, slot_node, deny = self.body.nodes, self.slot_node, self.deny
+        for stat in statistics:
+            for slot in self.fanout[stat]:
+                if (slot in deny or slot in self.blocked
+                        or nodes[slot_node[slot]].op not in CENTRING_OPS
+                        or self._small_next_to(slot, reduced)):
+                    continue
+                self._centring.add(statistics[0])
+                deny[slot] = (
+                    f"centred on float32 statistic {slot_node[stat]!r}: in "
+                    f"{self.target_name} its rounding would be one error shared by every "
+                    f"element, which sums of the result add up", root, rk.KIND_CENTRED)
+                # x - mean rounded to 16-bit is no better: x lies on float16's
+                # coarse grid and the mean does not, so every element rounds
+                # alike. Once scaled (Mul, RealDiv) the roundings differ.
+                for scaled in self.fanout[slot]:
+                    if (scaled not in deny and scaled not in self.blocked
+                            and nodes[slot_node[scaled]].op in SCALING_OPS
+                            and not self._small_next_to(scaled, reduced)):
+                        deny[scaled] = (
+                            f"scales {slot_node[slot]!r}, centred on a float32 statistic: "
+                            f"computed in float32 and rounded once, after scaling",
+                            root, rk.KIND_CENTRED)
+
+    def _read_16bit_statistics(self) -> None:
+        """A statistic reduction whose kernel accumulates in float32 anyway reads
+        its 16-bit input as it is (oplists.FLOAT32_ACCUMULATING_ON_GPU: a GPU
+        Mean), instead of through a Cast of that input to float32.
+
+        Only in float16 on a GPU: the result, a mean, lies within its input's
+        range, so it cannot overflow, and it is rounded to float16 once. Its
+        small consumers (the statistics) stay float32 and cast it. A mean that
+        centres a tensor (x - mean) stays float32: rounded to float16 it would
+        be one error shared by every element of x - mean (see _hold_centring).
+        """
+        if self.target != DT_HALF:
+            return
+        for slot in self._statistics:
+            node = self.body.nodes[self.slot_node[slot]]
+            if (node.op not in FLOAT32_ACCUMULATING_ON_GPU or slot in self.blocked
+                    or slot in self._centring):
+                continue
+            if kernels.node_device_type(node.node_def.device, self.device_type) != "GPU":
+                continue
+            source = node.data_inputs[0][0]
+            if not self._ref_is_16bit(source):
+                continue
+            self.deny.pop(slot, None)
+            self.allow[slot] = (
+                f"{node.op}: reads the {self.target_name} value of {source.node!r} as it is; "
+                f"its GPU kernel accumulates in float32 and a mean stays within its "
+                f"input's range", source.node, rk.KIND_ACCUMULATES_FP32)
+
+    def _statistic_input(self, node) -> tuple[int, int] | None:
+        """The elements of `node`'s input if it reduces it to a small statistic, else None."""
+        if node.op not in STATISTIC_REDUCTIONS or not node.data_inputs:
+            return None
+        reduced = self.counts.get(node.data_inputs[0][0])
+        result = self.counts.get(TensorRef(node.name, 0))
+        if reduced is None or result is None or not _smaller(result, reduced):
+            return None
+        return reduced
+
+    def _small_next_to(self, slot: int, reduced: tuple[int, int]) -> bool:
+        """Are all of `slot`'s outputs known and _STATISTIC_RATIO times smaller
+        than a reduction's input of `reduced` elements?"""
+        outputs = self._slot_refs(slot)[1]
+        counts = self.counts
+        return bool(outputs) and all(
+            counts.get(ref) is not None and _smaller(counts[ref], reduced) for ref in outputs)
 
     def _is_free(self, slot: int, lists: tuple[str, ...]) -> bool:
         # (_candidate written out: this runs for every neighbour looked at)
@@ -643,6 +820,93 @@ class _BodyColoring:
                 self.kept[slot] = (
                     f"infer: stays float32 after {self.target_name} op {cause!r}: "
                     f"{detail}", cause, rk.KIND_FEWER_BYTES)
+
+    def _add_statistic_readers(self) -> None:
+        """Ops that combine statistics into big tensors for a 16-bit op go 16-bit
+        where that moves fewer bytes (needs shapes).
+
+        A LayerNorm broadcasts its per-row statistics against its per-feature
+        gamma and beta into full-size scale and shift tensors (gamma *
+        rsqrt(var + eps), beta - mean * that) before the 16-bit x * scale +
+        shift. Judged as one region with the free infer/clear ops before it,
+        the region goes 16-bit if every float32 value it reads is a bounded
+        statistic (kind "float32 statistic"), computed from one (an Rsqrt of
+        var + eps), or a weight: values within float16's range. Anything else
+        (a loss's gradient, a run-time scale) keeps the region float32.
+        """
+        if not self.counts:
+            return
+        blocked, deny, allow, fanouts = self.blocked, self.deny, self.allow, self.fanout
+        for slot, list_name in enumerate(self.slot_list):
+            if (list_name != "infer" or slot in blocked or slot in deny or slot in allow):
+                continue
+            sixteen = [s for s in fanouts[slot] if s in allow]
+            if sixteen:
+                self._convert_statistic_region(slot, self.slot_node[sixteen[0]])
+
+    def _convert_statistic_region(self, slot: int, cause: str) -> bool:
+        if self._run_time_scale(slot) is not None or self._region_stops_at(slot):
+            return False
+        region, stack, seen = [], [slot], {slot}
+        fanin, is_free = self.fanin, self._is_free
+        while stack and len(region) < _MAX_REGION:
+            current = stack.pop()
+            region.append(current)
+            for prev in fanin[current]:
+                if (prev not in seen and is_free(prev, ("infer", "clear"))
+                        and self._run_time_scale(prev) is None
+                        and not self._region_stops_at(prev)):
+                    seen.add(prev)
+                    stack.append(prev)
+        members = set(region)
+        outside = {prev for member in region for prev in fanin[member]} - members
+        found = False
+        for prev in outside:
+            if prev in self.allow:
+                continue
+            kind = self._statistic_kind(prev)
+            if kind is None:
+                return False
+            found = found or kind
+        if not found:
+            return False
+        costs = self._costs(region)
+        if costs is None:
+            return False
+        (as16, _), (as32, _) = costs
+        if not as16 < as32:
+            return False
+        why = (f"combines float32 statistics for {self.target_name} op {cause!r}"
+               + (f" with {len(region) - 1} op(s) before it" if len(region) > 1 else "")
+               + f": {_format_bytes(as16)} instead of {_format_bytes(as32)}")
+        for member in region:
+            self.kept.pop(member, None)
+            self.allow[member] = (f"{self.slot_list[member]}: {why}", cause,
+                                  rk.KIND_COMBINES_STATISTICS)
+        return True
+
+    def _statistic_kind(self, slot: int, depth: int = 4) -> bool | None:
+        """True if `slot` holds a bounded statistic (a mean: see _bounded_statistic)
+        or a value computed from bounded statistics and weights only, False for
+        a weight (a variable read, through Reshape/Identity) or a constant, None
+        for anything else (a sum, a variance as it is, a loss's gradient)."""
+        if slot in self.deny:
+            return True if slot in self._bounded else None
+        node = self.body.nodes.get(self.slot_node[slot])
+        if node is None:
+            return None
+        if node.op in VARIABLE_OPS or node.op == "Const":
+            return False
+        if node.op in BOUNDING_OPS and self.fanin[slot] and all(
+                self.deny.get(prev, ("", "", ""))[2] == rk.KIND_STATISTIC
+                for prev in self.fanin[slot]):
+            return True  # (rsqrt(var + eps) <= 1/sqrt(eps) whatever var is)
+        if depth == 0 or self.slot_list[slot] not in ("unlisted", "clear", "infer"):
+            return None
+        inputs = [self._statistic_kind(prev, depth - 1) for prev in self.fanin[slot]]
+        if not inputs or any(kind is None for kind in inputs):
+            return None
+        return any(inputs)
 
     # -- regions: a chain after a 16-bit op, judged as a whole -----------------
 
@@ -1118,6 +1382,15 @@ class _BodyColoring:
             return (f"clear: stays float32, no {self.target_name} neighbour", "",
                     rk.KIND_NO_NEIGHBOUR)
         return "unlisted: stays float32", "", rk.KIND_UNLISTED
+
+
+def _smaller(elements: tuple[int, int], than: tuple[int, int]) -> bool:
+    """Is a tensor of `elements` at least _STATISTIC_RATIO times smaller than one
+    of `than`? Element counts are (unknown dimensions, known product); fewer
+    unknown dimensions is smaller for a large unknown size."""
+    if elements[0] != than[0]:
+        return elements[0] < than[0]
+    return elements[1] * _STATISTIC_RATIO <= than[1]
 
 
 def _format_bytes(value: Bytes) -> str:

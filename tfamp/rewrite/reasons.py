@@ -19,11 +19,16 @@ KIND_BETWEEN = "between 16-bit ops"  # infer/clear on a path between 16-bit ops
 KIND_AFTER_16BIT = "after a 16-bit op"  # infer op right after one, saving casts
 KIND_NEXT_TO_16BIT = "next to a 16-bit op"  # clear op following a neighbour
 KIND_CAST_RETARGETED = "Cast retargeted"  # an existing Cast meets 16-bit directly
+KIND_COMBINES_STATISTICS = "combines statistics"  # LayerNorm's full-size scale/shift
+KIND_ACCUMULATES_FP32 = "accumulates in float32"  # a GPU Mean reading its 16-bit input
 KIND_BOUNDARY = "boundary group"  # a loop/call/TensorList value 16-bit on every side
 
 # -- kept float32 -------------------------------------------------------------
 KIND_DENY_LIST = "deny list"  # on the deny list
 KIND_DOWNSTREAM_OF_DENY = "downstream of a deny op"  # deny spread to it
+KIND_STATISTIC = "float32 statistic"  # a small tensor computed from a float32 reduction
+KIND_CENTRED = "centred on a float32 statistic"  # x - mean, kept with the mean
+KIND_OFF_DEVICE = "placed off the target device"  # pinned to another device type (CPU)
 KIND_NO_KERNEL = "no 16-bit kernel"  # OpDef or (its device's) kernels refuse 16-bit
 KIND_USER_OVERRIDE = "user override"  # name matches AmpConfig.keep_fp32
 KIND_LOSS_SCALE = "loss-scale machinery"  # seed, unscaling, finiteness check, scale update
@@ -45,5 +50,5 @@ KIND_OTHER = "other"  # only from reports written before kinds were recorded
 
 CONVERTED_KINDS = frozenset({
     KIND_ALLOW, KIND_BETWEEN, KIND_AFTER_16BIT, KIND_NEXT_TO_16BIT, KIND_CAST_RETARGETED,
-    KIND_BOUNDARY,
+    KIND_BOUNDARY, KIND_ACCUMULATES_FP32, KIND_COMBINES_STATISTICS,
 })

@@ -1,0 +1,316 @@
+"""Normalisation in 16-bit: statistics stay float32, the activation path does not.
+
+A reduction on the deny list (Mean, Sum) whose output is a small statistic of
+its input accumulates in float32, and only ops as small as its output (the
+statistics) stay float32 after it; the big normalise / scale / shift / ReLU /
+residual Add chain and its gradient are decided by the usual rules, and the
+small statistics are what gets cast. The ops that compute the values a
+variance reduces (SquaredDifference, Square) stay float32 with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tfamp
+from tests.graphs import run_graph_def
+from tfamp.rewrite import reasons as rk
+
+REDUCTIONS = {"Mean", "Sum"}
+CENTRING = {"Sub", "SquaredDifference"}  # x - mean: float32 with the mean
+# Element-wise ops of the normalise chain (and its gradient) that a big tensor flows through.
+CHAIN_OPS = {"Mul", "AddV2", "Sub", "Relu", "ReluGrad", "RealDiv"}
+B, H, W, C = 4, 6, 6, 8
+ACTIVATION = B * H * W * C
+RNG = np.random.default_rng(0)
+
+
+def _rewrite(fn, specs, device_type="GPU"):
+    """(original GraphDef, rewritten GraphDef, report) of `fn` traced with shapes."""
+    concrete = tf.function(fn, autograph=False).get_concrete_function(*specs)
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    outputs = [t.name for t in concrete.graph.outputs]
+    new_graph_def, report = tfamp.rewrite_graph_def(
+        graph_def, tfamp.AmpConfig(dtype="float16", device_type=device_type),
+        outputs=outputs)
+    assert tfamp.check_graph_def(new_graph_def) == []
+    return graph_def, new_graph_def, report
+
+
+def _elements(graph_def):
+    """node name -> elements of its output 0 (None where unknown)."""
+    sizes = {}
+    for node in graph_def.node:
+        shapes = node.attr["_output_shapes"].list.shape if "_output_shapes" in node.attr else []
+        if not shapes or shapes[0].unknown_rank or any(d.size < 0 for d in shapes[0].dim):
+            sizes[node.name] = None
+        else:
+            sizes[node.name] = math.prod(d.size for d in shapes[0].dim)
+    return sizes
+
+
+def _consumers(graph_def):
+    found = {}
+    for node in graph_def.node:
+        for name in node.input:
+            found.setdefault(name.lstrip("^").split(":")[0], []).append(node)
+    return found
+
+
+def _input_dtype(graph_def, node_name, index=0):
+    """The dtype a node's input `index` arrives in, in a rewritten graph."""
+    nodes = {n.name: n for n in graph_def.node}
+    source = nodes[nodes[node_name].input[index].split(":")[0]]
+    if source.op == "Cast":
+        return tf.as_dtype(source.attr["DstT"].type).name
+    return tf.as_dtype(source.attr["T"].type).name
+
+
+def _check_statistics_are_cast(graph_def, new_graph_def, report, forward_scope):
+    """What every normalisation test asserts (see the module docstring)."""
+    sizes = _elements(graph_def)
+    nodes = {n.name: n for n in graph_def.node}
+    by_name = {n.name: n for n in report.nodes if not n.function}
+    # 1. The big element-wise ops of the forward normalise chain are 16-bit.
+    chain = [n for n in by_name.values()
+             if n.op in CHAIN_OPS and forward_scope in n.name and "gradient" not in n.name
+             and sizes.get(n.name) == ACTIVATION]
+    assert len(chain) >= 2, [n.name for n in chain]  # (at least the normalise Mul and Add)
+    for n in chain:
+        assert n.converted, (n.name, n.reason)
+    # 2. Nothing is held float32 as "downstream of a deny op" (the statistics
+    #    that are float32 say so with their own kind).
+    assert not [n.name for n in by_name.values() if n.kind == rk.KIND_DOWNSTREAM_OF_DENY]
+    assert any(n.kind == rk.KIND_STATISTIC for n in by_name.values())
+    # 3. The variance: SquaredDifference and the Mean of it stay float32.
+    squared = [n for n in by_name.values() if n.op == "SquaredDifference"]
+    assert squared
+    for n in squared:
+        assert not n.converted, n.name
+        for consumer in _consumers(graph_def)[n.name]:
+            if consumer.op == "Mean":
+                assert not by_name[consumer.name].converted
+                assert _input_dtype(new_graph_def, consumer.name) == "float32"
+    # 4. Gradient Sums of big tensors (beta and gamma gradients) read float32.
+    sums = [n for n in by_name.values() if n.op == "Sum" and sizes.get(
+        nodes[n.name].input[0].split(":")[0]) == ACTIVATION]
+    for n in sums:
+        assert not n.converted and _input_dtype(new_graph_def, n.name) == "float32", n.name
+    # 5. Casts to float16 are of small tensors (statistics, weights), never of
+    #    an activation (the step's own input aside); Casts of an activation to
+    #    float32 feed only reductions (directly, or through the op computing
+    #    what is reduced) and the ops that centre it on a float32 mean.
+    new_consumers = _consumers(new_graph_def)
+    for cast in (n for n in new_graph_def.node if "tfamp_cast" in n.name):
+        source = cast.input[0].split(":")[0]
+        if nodes[source].op == "Placeholder" or forward_scope not in source:
+            continue  # (the step's input; the loss's gradient)
+        if cast.attr["DstT"].type == tf.float16.as_datatype_enum:
+            # (or a big value computed in float32 on purpose and rounded once:
+            # a centred value after its scaling, a sum after its division by N)
+            assert (sizes.get(source) or 0) < ACTIVATION or by_name[source].kind in (
+                rk.KIND_CENTRED, rk.KIND_STATISTIC), (cast.name, by_name[source].kind)
+        elif sizes.get(source) == ACTIVATION:
+            for consumer in new_consumers[cast.name]:
+                assert consumer.op in REDUCTIONS | CENTRING or all(
+                    c.op in REDUCTIONS for c in new_consumers[consumer.name]), (
+                        cast.name, consumer.name)
+
+
+def _residual_step(flavour, fused=None):
+    """A conv + BatchNorm(training=True) + ReLU + conv + BatchNorm + residual Add
+    + ReLU step with its gradients, on `flavour`'s layers (Keras 3 or tf_keras)."""
+    layers = flavour.layers
+    kwargs = {} if fused is None else {"fused": fused}
+    conv1 = layers.Conv2D(C, 3, padding="same", name="conv1")
+    bn1 = layers.BatchNormalization(name="bn1", **kwargs)
+    conv2 = layers.Conv2D(C, 3, padding="same", name="conv2")
+    bn2 = layers.BatchNormalization(name="bn2", **kwargs)
+    x0 = tf.zeros([B, H, W, C])
+    bn2(conv2(bn1(conv1(x0))))  # (builds the weights outside the traced step)
+    weights = [v for layer in (conv1, bn1, conv2, bn2) for v in layer.trainable_weights]
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = tf.nn.relu(bn1(conv1(x), training=True), name="relu1")
+            h = bn2(conv2(h), training=True)
+            y = tf.nn.relu(tf.add(h, x, name="residual"), name="relu2")
+            loss = tf.reduce_mean(tf.square(y))
+        return [loss] + tape.gradient(loss, weights)
+    return step
+
+
+@pytest.mark.parametrize("flavour", [keras, tf_keras], ids=["keras3", "tf_keras"])
+def test_batchnorm_chain_is_16bit_and_statistics_are_cast(flavour):
+    fused = None if flavour is keras else False  # (tf_keras's fused op: next test)
+    step = _residual_step(flavour, fused=fused)
+    graph_def, new_graph_def, report = _rewrite(step, [tf.TensorSpec([B, H, W, C])])
+    _check_statistics_are_cast(graph_def, new_graph_def, report, "bn")
+    by_name = {n.name: n for n in report.nodes if not n.function}
+    for name in ("relu1", "residual", "relu2"):
+        assert by_name[name].converted, by_name[name].reason
+
+
+@pytest.mark.parametrize("device_type, converted, kind", [
+    ("GPU", True, rk.KIND_ACCUMULATES_FP32), ("CPU", False, rk.KIND_DENY_LIST)])
+def test_a_mean_reads_16bit_only_where_its_kernel_accumulates_in_float32(
+        device_type, converted, kind):
+    """A global average pool (a Mean nothing is centred on) reads float16 on a GPU;
+    the BatchNorm means, which centre their input, stay float32 everywhere."""
+    conv = keras.layers.Conv2D(C, 3, padding="same", name="conv")
+    bn = keras.layers.BatchNormalization(name="bn")
+    dense = keras.layers.Dense(3, name="head")
+    x0 = tf.zeros([B, H, W, C])
+    dense(tf.reduce_mean(bn(conv(x0)), axis=[1, 2]))
+    weights = [v for layer in (conv, bn, dense) for v in layer.trainable_weights]
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            pooled = tf.reduce_mean(tf.nn.relu(bn(conv(x), training=True)), axis=[1, 2],
+                                    name="pool")
+            loss = tf.reduce_mean(tf.square(dense(pooled)))
+        return [loss] + tape.gradient(loss, weights)
+
+    _, new_graph_def, report = _rewrite(step, [tf.TensorSpec([B, H, W, C])], device_type)
+    pool = next(n for n in report.nodes if n.name == "pool")
+    assert (pool.converted, pool.kind) == (converted, kind), pool.reason
+    assert _input_dtype(new_graph_def, "pool") == ("float16" if converted else "float32")
+    bn_mean = next(n for n in report.nodes if n.name.endswith("moments/mean"))
+    assert not bn_mean.converted and bn_mean.kind == rk.KIND_DENY_LIST, bn_mean.reason
+    assert _input_dtype(new_graph_def, bn_mean.name) == "float32"
+
+
+def test_tf_keras_fused_batchnorm_still_computes_in_16bit():
+    step = _residual_step(tf_keras, fused=True)
+    _, _, report = _rewrite(step, [tf.TensorSpec([B, H, W, C])])
+    fused = [n for n in report.nodes if n.op.startswith("FusedBatchNorm")]
+    assert fused and all(n.converted for n in fused)
+
+
+@pytest.mark.parametrize("norm", ["layer", "group"])
+def test_layer_and_group_norm_chain_is_16bit(norm):
+    dense = keras.layers.Dense(C, name="dense")
+    layer = (keras.layers.LayerNormalization(name="norm") if norm == "layer"
+             else keras.layers.GroupNormalization(groups=2, name="norm"))
+    out = keras.layers.Dense(C, name="out")
+    x0 = tf.zeros([B, H * W, C])
+    out(layer(dense(x0)))
+    weights = [v for lay in (dense, layer, out) for v in lay.trainable_weights]
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(out(layer(dense(x)))))
+        return [loss] + tape.gradient(loss, weights)
+
+    graph_def, new_graph_def, report = _rewrite(step, [tf.TensorSpec([B, H * W, C])])
+    _check_statistics_are_cast(graph_def, new_graph_def, report, "norm")
+    if norm == "layer":
+        # The full-size scale and shift (per-row statistics times per-feature
+        # gamma and beta) are built in 16-bit from the cast statistics.
+        combined = [n for n in report.nodes if n.kind == rk.KIND_COMBINES_STATISTICS]
+        assert {n.op for n in combined} >= {"Mul", "AddV2"}, combined
+
+
+def test_a_reduction_that_keeps_its_size_is_no_statistic():
+    """A Mean over an axis of one element is not a statistic: deny spreads after it."""
+    def fn(x, w):
+        y = tf.matmul(x, w, name="mm")
+        m = tf.reduce_mean(tf.reshape(y, [4, 4, 1]), axis=2, name="same_size")  # 16 -> 16
+        return tf.matmul(tf.add(m, 1.0, name="after"), w, name="mm2")
+
+    spec = tf.TensorSpec([4, 4])
+    _, _, report = _rewrite(fn, [spec, spec])
+    after = next(n for n in report.nodes if n.name == "after")
+    assert not after.converted and after.kind == rk.KIND_DOWNSTREAM_OF_DENY
+
+
+def test_a_sum_is_not_cast_to_16bit_before_it_is_scaled_back():
+    """A broadcast sum (a mean's gradient: Tile of a Sum, then RealDiv by N) stays
+    float32 up to the division; a broadcast mean may be cast as it is."""
+    def fn(x, w):
+        y = tf.matmul(x, w, name="mm")
+        total = tf.reduce_sum(y, axis=0, keepdims=True, name="total")
+        spread = tf.tile(total, [64, 1], name="spread")
+        scaled = tf.math.divide(spread, 64.0, name="scaled")
+        mean = tf.reduce_mean(y, axis=0, keepdims=True, name="mean")
+        shifted = tf.add(tf.multiply(y, 2.0, name="twice"), tf.tile(mean, [64, 1], name="m64"),
+                         name="shifted")
+        return tf.matmul(tf.add(scaled, shifted, name="both"), w, name="mm2")
+
+    spec = tf.TensorSpec([64, 16])
+    _, _, report = _rewrite(fn, [spec, tf.TensorSpec([16, 16])])
+    by_name = {n.name: n for n in report.nodes}
+    for name in ("spread", "scaled"):
+        assert not by_name[name].converted and by_name[name].kind == rk.KIND_STATISTIC, name
+    for name in ("m64", "shifted", "both", "mm2"):
+        assert by_name[name].converted, (name, by_name[name].reason)
+
+
+def test_variance_path_and_centring_stay_float32():
+    """Square / SquaredDifference feeding a Mean stay float32 with the reduction, and
+    so does x - mean up to its scaling; the normalised value goes on in 16-bit."""
+    def fn(x, w):
+        y = tf.matmul(x, w, name="mm")
+        m = tf.reduce_mean(y, axis=0, keepdims=True, name="mean")
+        v1 = tf.reduce_mean(tf.math.squared_difference(y, m, name="sqdiff"), axis=0, name="var1")
+        v2 = tf.reduce_mean(tf.square(tf.subtract(y, m, name="centred"), name="sq"), axis=0,
+                            name="var2")
+        z = tf.multiply(tf.subtract(y, m, name="sub"), tf.math.rsqrt(v1 + v2 + 1e-3),
+                        name="normalised")
+        return tf.matmul(tf.nn.relu(z, name="relu"), w, name="mm2")
+
+    spec = tf.TensorSpec([64, 16])
+    _, new_graph_def, report = _rewrite(fn, [spec, tf.TensorSpec([16, 16])])
+    by_name = {n.name: n for n in report.nodes}
+    for name in ("sqdiff", "sq", "var1", "var2", "centred", "sub", "normalised"):
+        assert not by_name[name].converted, (name, by_name[name].reason)
+    for name in ("var1", "var2"):
+        assert _input_dtype(new_graph_def, name) == "float32"
+    for name in ("sqdiff", "sub", "normalised"):
+        assert by_name[name].kind == rk.KIND_CENTRED, (name, by_name[name].kind)
+    assert by_name["mm"].converted and by_name["mm2"].converted
+    assert by_name["relu"].converted and _input_dtype(new_graph_def, "relu") == "float16"
+
+
+def _bn_step(x, w, gamma, beta):
+    """conv -> batch norm (moments, as Keras 3 computes it) -> ReLU -> conv, and gradients."""
+    with tf.GradientTape() as tape:
+        tape.watch([w, gamma, beta])
+        h = tf.nn.conv2d(x, w, 1, "SAME", name="conv")
+        mean, var = tf.nn.moments(h, [0, 1, 2], keepdims=True)
+        y = tf.nn.relu(tf.nn.batch_normalization(h, mean, var, beta, gamma, 1e-3))
+        out = tf.nn.conv2d(y, w, 1, "SAME", name="conv_out")
+        loss = tf.reduce_mean(tf.square(out))
+    return [out] + tape.gradient(loss, [w, gamma, beta])
+
+
+def test_batchnorm_step_matches_float32_where_squares_overflow_float16():
+    # Activations of magnitude 100-200 with a few at +-400: (x - mean)^2 goes past
+    # 65504 (a float16 variance would be inf), and so does x^2.
+    x = RNG.uniform(100, 200, size=(B, H, W, C)).astype("float32")
+    x[0, 0, 0, :] = 400.0
+    x[1, 1, 1, :] = -400.0
+    w = np.eye(C, dtype="float32")[None, None] + RNG.normal(
+        scale=0.01, size=(1, 1, C, C)).astype("float32")
+    gamma = RNG.uniform(0.5, 1.5, size=C).astype("float32")
+    beta = RNG.normal(size=C).astype("float32")
+    centred = x - x.mean(axis=(0, 1, 2))
+    assert (centred ** 2).max() > 65504  # (the case this test is about)
+    specs = [tf.TensorSpec(v.shape) for v in (x, w, gamma, beta)]
+    graph_def, new_graph_def, report = _rewrite(_bn_step, specs, device_type="CPU")
+    assert any(n.converted and n.op in ("Mul", "AddV2") and "batchnorm" in n.name
+               for n in report.nodes)  # (the normalise chain did go 16-bit)
+    inputs = dict(zip(["x", "w", "gamma", "beta"], (x, w, gamma, beta), strict=True))
+    outputs = [f"Identity{'_' + str(i) if i else ''}:0" for i in range(4)]
+    want = run_graph_def(graph_def, inputs, outputs)
+    got = run_graph_def(new_graph_def, inputs, outputs)
+    for name, a, b in zip(["out", "d_w", "d_gamma", "d_beta"], got, want, strict=True):
+        assert np.isfinite(a).all(), name
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max(), err_msg=name)
+    assert not np.array_equal(got[0], want[0])  # (16-bit math did run)
