@@ -38,6 +38,10 @@ CATEGORIES: tuple[tuple[str, str, str, str], ...] = (
     ("variable", "float32: variable op", "#d8bb8a", "#1d1d1d"),
     ("call", "float32: function call", "#4f74a6", "#ffffff"),
     ("tensorlist", "float32: TensorList element type", "#b5b43a", "#1d1d1d"),
+    ("statistic", "float32: a statistic of a float32 reduction (or centred on one)",
+     "#c9a27e", "#1d1d1d"),
+    ("lossscale", "float32: loss-scale machinery", "#5c5c5c", "#ffffff"),
+    ("device", "float32: placed off the target device", "#8f8f52", "#ffffff"),
     ("other", "float32: other reason", "#f0d565", "#1d1d1d"),
     ("nofloat", "no float math (not a float op)", "#e4e4e4", "#3a3a3a"),
     ("unknown", "not in the report", "#ffffff", "#3a3a3a"),
@@ -58,6 +62,10 @@ _KIND_CATEGORY = {
     "TensorList element type": "tensorlist",
     "no 16-bit neighbour": "neighbour",
     "fewer bytes in float32": "bytes",
+    "float32 statistic": "statistic",
+    "centred on a float32 statistic": "statistic",
+    "loss-scale machinery": "lossscale",
+    "placed off the target device": "device",
 }
 
 # A name scope with fewer items than this is drawn as its items, not as a box.
