@@ -106,36 +106,29 @@ class _Module(tf.Module):
                 "serve": {"y": y}, "serving_default": {"y": y}}[name]
 
 
-class _KerasNet(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.dense = keras.layers.Dense(4, kernel_initializer=keras.initializers.GlorotUniform(0))
+def _net_class(keras_module):
+    """A one-Dense model with a @tfamp.function serving method, for either Keras."""
 
-    def call(self, x):
-        return self.dense(x)
+    class Net(keras_module.Model):
+        def __init__(self):
+            super().__init__(name="net")  # (Keras 3: a name from the class is no valid scope)
+            self.dense = keras_module.layers.Dense(
+                4, kernel_initializer=keras_module.initializers.GlorotUniform(0))
 
-    @tfamp.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
-    def serve(self, x):
-        return self(x)
+        def call(self, x):
+            return self.dense(x)
 
-    def reference(self, name, x):
-        return self(x)
+        @tfamp.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+        def serve(self, x):
+            return self(x)
+
+        def reference(self, name, x):
+            return self(x)
+
+    return Net
 
 
-class _Keras3Net(keras3.Model):
-    def __init__(self):
-        super().__init__(name="net")  # a name from "_Keras3Net" is no valid scope
-        self.dense = keras3.layers.Dense(4, kernel_initializer=keras3.initializers.GlorotUniform(0))
-
-    def call(self, x):
-        return self.dense(x)
-
-    @tfamp.function(input_signature=[tf.TensorSpec([None, 4], tf.float32)])
-    def serve(self, x):
-        return self(x)
-
-    def reference(self, name, x):
-        return self(x)
+_KerasNet, _Keras3Net = _net_class(keras), _net_class(keras3)
 
 
 X = tf.random.stateless_normal([3, 4], seed=[7, 7])

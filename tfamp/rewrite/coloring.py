@@ -870,12 +870,10 @@ class _BodyColoring:
             found = found or kind
         if not found:
             return False
-        costs = self._costs(region)
-        if costs is None:
+        pays = self._region_pays(region)
+        if pays is None:
             return False
-        (as16, _), (as32, _) = costs
-        if not as16 < as32:
-            return False
+        as16, as32 = pays
         why = (f"combines float32 statistics for {self.target_name} op {cause!r}"
                + (f" with {len(region) - 1} op(s) before it" if len(region) > 1 else "")
                + f": {_format_bytes(as16)} instead of {_format_bytes(as32)}")
@@ -884,6 +882,14 @@ class _BodyColoring:
             self.allow[member] = (f"{self.slot_list[member]}: {why}", cause,
                                   rk.KIND_COMBINES_STATISTICS)
         return True
+
+    def _region_pays(self, region: list[int]) -> tuple[Bytes, Bytes] | None:
+        """(bytes all 16-bit, bytes all float32) if converting `region` moves fewer bytes."""
+        costs = self._costs(region)
+        if costs is None:
+            return None
+        (as16, _), (as32, _) = costs
+        return (as16, as32) if as16 < as32 else None
 
     def _statistic_kind(self, slot: int, depth: int = 4) -> bool | None:
         """True if `slot` holds a bounded statistic (a mean: see _bounded_statistic)
@@ -919,12 +925,10 @@ class _BodyColoring:
         region = self._free_region(slot)
         if len(region) < 2:
             return False
-        costs = self._costs(region)
-        if costs is None:
+        pays = self._region_pays(region)
+        if pays is None:
             return False
-        (as16, _), (as32, _) = costs
-        if not as16 < as32:
-            return False
+        as16, as32 = pays
         why = (f"follows {self.target_name} op {cause!r} with {len(region) - 1} more "
                f"op(s) after it: together {_format_bytes(as16)} instead of "
                f"{_format_bytes(as32)}")
