@@ -309,11 +309,13 @@ def note_update(owner, scaled: bool | None = None) -> None:
 
 
 def scale_values(owner) -> tuple[tf.Tensor, tf.Tensor]:
-    """(current scale as float32, skipped steps as int64) of any scale owner."""
-    skipped = owner.skipped_steps
-    if not hasattr(owner, "_update_state"):  # tf_keras optimizer or a state
-        skipped = getattr(owner, "_loss_scale", owner).skipped_steps
-    return current_scale(owner), tf.cast(tf.convert_to_tensor(skipped), tf.int64)
+    """(current scale as float32, skipped steps as int64) of any scale owner.
+
+    Every owner has ``skipped_steps``: both optimizers (a property on tf_keras's)
+    and a bare scale state.
+    """
+    skipped = tf.convert_to_tensor(owner.skipped_steps)
+    return current_scale(owner), tf.cast(skipped, tf.int64)
 
 
 def unscaled_message(model) -> str:
