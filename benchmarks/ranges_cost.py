@@ -28,7 +28,7 @@ import tf_keras as keras
 from tfamp import demo
 from tfamp.config import AmpConfig
 from tfamp.keras.loss_scale import LossScaleOptimizer
-from tfamp.keras.range_monitor import KerasRangeProbe
+from tfamp.numerics.keras_probe import KerasRangeProbe
 from tfamp.runtime.runner import function as amp_function
 
 

@@ -11,8 +11,8 @@ import tf_keras as keras
 
 import tfamp
 from tfamp.config import AmpConfig
-from tfamp.inspect import nonfinite
-from tfamp.inspect.nonfinite import locate_keras_nonfinite
+from tfamp.numerics import nonfinite
+from tfamp.numerics.nonfinite import locate_keras_nonfinite
 
 
 def overflow_model(batch_norm: bool = False):

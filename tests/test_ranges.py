@@ -16,9 +16,11 @@ import tf_keras as keras
 import tfamp
 from tfamp import cli
 from tfamp.env import EnvError, settings_from_env
-from tfamp.inspect import ranges, ranges_plot
-from tfamp.inspect.ranges import E_MIN, NUM_BINS, RangeReport, TensorRange, bucket_counts
-from tfamp.keras.range_monitor import RangeMonitor, collect_keras_ranges
+from tfamp.numerics import ranges
+from tfamp.numerics import plot as ranges_plot
+from tfamp.numerics.ranges import E_MIN, NUM_BINS, RangeReport, TensorRange, bucket_counts
+from tfamp.numerics.keras_probe import collect_keras_ranges
+from tfamp.numerics.monitor import RangeMonitor
 
 # ------------------------------------------------------------- bucketing
 

@@ -19,7 +19,7 @@ _EXPORTS = {
     "DEFAULT_OP_LISTS": "tfamp.oplists",
     "GraphCheckError": "tfamp.rewrite.check",
     "OpLists": "tfamp.oplists",
-    "RangeMonitor": "tfamp.keras.range_monitor",
+    "RangeMonitor": "tfamp.numerics.monitor",
     "RewriteReport": "tfamp.rewrite.report",
     "LossScaleOptimizer": "tfamp.keras.loss_scale",
     "check_graph_def": "tfamp.rewrite.check",
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from tfamp.rewrite.check import GraphCheckError, check_graph_def
     from tfamp.config import AmpConfig
     from tfamp.keras.loss_scale import LossScaleOptimizer
-    from tfamp.keras.range_monitor import RangeMonitor
+    from tfamp.numerics.monitor import RangeMonitor
     from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
     from tfamp.rewrite.report import RewriteReport
     from tfamp.rewrite.pipeline import rewrite_graph_def

@@ -230,8 +230,8 @@ def _import_modules(names: list[str]) -> None:
 
 
 def _inspect_ranges(args, config) -> int:
-    from tfamp.inspect.ranges import collect_file_ranges
-    from tfamp.keras.range_monitor import DEFAULT_OUTPUT_DIR, write_outputs
+    from tfamp.numerics.graph_probe import collect_file_ranges
+    from tfamp.numerics.monitor import DEFAULT_OUTPUT_DIR, write_outputs
 
     try:
         report = collect_file_ranges(Path(args.path), steps=args.batches,

@@ -127,7 +127,8 @@ def _megabytes(count: int) -> str:
 
 def show_ranges(result: TrainResult, seed: int, out, folder: str = RANGES_DIR) -> None:
     """Where the trained float16 model's gradients sit against float16's limits."""
-    from tfamp.keras.range_monitor import collect_keras_ranges, write_outputs
+    from tfamp.numerics.keras_probe import collect_keras_ranges
+    from tfamp.numerics.monitor import write_outputs
 
     model = result.model
     model.compile(optimizer=result.optimizer,

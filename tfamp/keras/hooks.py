@@ -32,7 +32,7 @@ def fit_hook(model, cls, state):
     RangeMonitor when ranges were asked for."""
 
     def fit(*args, **kwargs):
-        from tfamp.keras.range_monitor import prepare_fit
+        from tfamp.numerics.monitor import prepare_fit
 
         args, kwargs = prepare_fit(model, state.ranges, args, kwargs)
         return cls.fit(model, *args, **kwargs)
@@ -139,7 +139,7 @@ def after_train_hook(model, state):
 
 
 def _diagnose(model):
-    from tfamp.inspect.nonfinite import diagnose_keras_model
+    from tfamp.numerics.nonfinite import diagnose_keras_model
 
     return diagnose_keras_model(model)
 

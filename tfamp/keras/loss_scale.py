@@ -214,7 +214,7 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
 
         Args:
           diagnose: called once, when warning, to name the first op that made
-            an inf/nan (``tfamp.inspect.nonfinite``); its answer goes into the
+            an inf/nan (``tfamp.numerics.nonfinite``); its answer goes into the
             warning. It must not change any state.
         """
         if self._warned_stuck or int(self._loss_scale.floor_skips.numpy()) < STUCK_PATIENCE:
@@ -236,7 +236,7 @@ def warn_stuck(min_scale: float, skipped: int, names: list[str],
       min_scale: the floor; skipped: steps skipped so far.
       names: the variables whose gradients were first non-finite.
       diagnose: called once to name the first op that made an inf/nan
-        (``tfamp.inspect.nonfinite``); its answer is appended. It must not
+        (``tfamp.numerics.nonfinite``); its answer is appended. It must not
         change any state; if it fails, the warning says so and still goes out.
 
     Returns:

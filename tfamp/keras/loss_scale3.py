@@ -268,7 +268,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
         Args:
           diagnose: called once, when warning, to name the first op that made
-            an inf/nan (``tfamp.inspect.nonfinite``); its answer goes into the
+            an inf/nan (``tfamp.numerics.nonfinite``); its answer goes into the
             warning. It must not change any state.
 
         Returns:

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from tfamp.inspect.html_report import script_json
-from tfamp.inspect.ranges import (
+from tfamp.numerics.ranges import (
     E_MAX,
     E_MIN,
     FP16_NORMAL_EXP,

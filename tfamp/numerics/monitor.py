@@ -1,261 +1,32 @@
-"""Collecting a Keras model's value ranges: ``KerasRangeProbe`` and ``tfamp.RangeMonitor``.
+"""``tfamp.RangeMonitor``: the range probe during ``fit``, and its files.
 
-The probe runs, for one batch, a separate tf.function that computes the
-model's loss in float32 and back-propagates it, and buckets on the device (see
-``tfamp.inspect.ranges.bucket_counts``) every layer's forward output, the
-gradient of the loss with respect to that output (the activation gradient
-backprop hands to the layer below) and every weight gradient. For Sequential
-and Functional models the layer outputs come from a functional sub-model that
-returns every layer's output, so the gradients are taken on the same tensors
-that feed the next layer. Subclassed models have no such graph of layers:
-only weight gradients are collected (the report says so).
-
-The probe changes nothing: it applies no gradients, and restores the model's
-non-trainable variables (BatchNorm statistics) and metric variables it touched.
-
-``RangeMonitor`` is a Keras callback that runs the probe on the first `steps`
-training batches and then writes the text summary (log), JSON, HTML page and
-PNG to `output_dir`, and log2 histograms to TensorBoard when a log directory
-is known. ``tfamp.enable(model, ranges=...)`` and ``TFAMP_RANGES`` add it to
-``fit`` with batches taken from ``fit``'s own data.
-
-tf_keras and Keras 3 models (TensorFlow backend) are handled alike; what
-differs between them (layer graph, variable names, loss check) is asked of
-``tfamp.keras.flavour``. ``RangeMonitor`` subclasses both Keras's ``Callback``
-classes, so the same object goes into either ``fit``.
+``RangeMonitor`` is a Keras callback that runs the probe
+(``tfamp.numerics.keras_probe``) on the first `steps` training batches and then
+writes the text summary (log), JSON, HTML page and PNG to `output_dir`, and
+log2 histograms to TensorBoard when a log directory is known.
+``tfamp.enable(model, ranges=...)`` and ``TFAMP_RANGES`` add it to ``fit`` with
+batches taken from ``fit``'s own data. ``RangeMonitor`` subclasses both Keras's
+``Callback`` classes, so the same object goes into either ``fit``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from tfamp.inspect import ranges as ranges_lib
-from tfamp.keras import custom_loop
-from tfamp.inspect.ranges import RangeReport, TensorRange
-from tfamp.keras.flavour import all_flavours, flavour_of, keras3_module
+from tfamp.keras.flavour import all_flavours, keras3_module
+from tfamp.numerics import ranges as ranges_lib
+from tfamp.numerics.keras_probe import (DEFAULT_OUTPUT_DIR, DEFAULT_STEPS, KerasRangeProbe,
+                                        current_loss_scale, dynamic_settings, unpack_batch)
+from tfamp.numerics.ranges import RangeReport, TensorRange
 
 log = logging.getLogger("tfamp")
-
-DEFAULT_STEPS = 3
-DEFAULT_OUTPUT_DIR = "tfamp_ranges"
-SUBCLASSED_NOTE = ("subclassed model: no graph of layers to take outputs from, so only "
-                   "weight gradients were collected (build it as a Sequential or "
-                   "Functional model to see activation gradients)")
-FLOAT32_NOTE = ("magnitudes are float32 reference values (the probe runs unconverted); "
-                "shares say what float16 would do to them at each scale")
-
-
-class KerasRangeProbe:
-    """Buckets a Keras model's activations and gradients for one batch at a time.
-
-    Args:
-      model: a built tf_keras or Keras 3 (TensorFlow backend) model compiled
-        with a loss.
-
-    Example:
-      >>> probe = KerasRangeProbe(model)
-      >>> entries = probe.collect(x_batch, y_batch)   # list[TensorRange]
-    """
-
-    def __init__(self, model):
-        self.flavour = flavour_of(model)
-        if not self.flavour.has_loss(model):
-            raise ValueError(
-                f"model {model.name!r} has no loss: compile it first "
-                f"(model.compile(optimizer=..., loss=...)); the ranges of gradients need "
-                f"the loss the model trains on")
-        self.model = model
-        self.notes = [FLOAT32_NOTE]
-        self._labels, self._sub, self._pred_index = _intermediate_outputs(model, self.flavour)
-        if self._sub is None:
-            self.notes.insert(0, SUBCLASSED_NOTE)
-        self._fn = plain_function(self._step)
-        self._ready = False
-
-    def _step(self, x, y, sample_weight):
-        model = self.model
-        variables = model.trainable_variables
-        # Restored in the same graph at the end (automatic control dependencies
-        # keep reads first and these assigns last): BatchNorm statistics and
-        # metric variables must not remember this pass.
-        state = state_variables(model)
-        saved = [tf.identity(v.read_value() if hasattr(v, "read_value") else v.value)
-                 for v in state]
-        with tf.GradientTape() as tape, custom_loop.plain_calls():  # float32 on purpose
-            if self._sub is not None:
-                outputs = tf.nest.flatten(self._sub(x, training=True))
-                tape.watch(outputs)
-                y_pred = tf.nest.pack_sequence_as(
-                    model.outputs if len(model.outputs) > 1 else model.outputs[0],
-                    [outputs[i] for i in self._pred_index])
-            else:
-                outputs = []
-                y_pred = model(x, training=True)
-            loss = model.compute_loss(x, y, y_pred, sample_weight)
-        grads = tape.gradient(loss, list(outputs) + list(variables))
-        act_grads, weight_grads = grads[:len(outputs)], grads[len(outputs):]
-        tensors = []
-        for label, out, grad in zip(self._labels, outputs, act_grads, strict=True):
-            if out.dtype.is_floating:
-                tensors.append(("activation", label, out))
-                if grad is not None:
-                    tensors.append(("activation_gradient", label, grad))
-        for var, grad in zip(variables, weight_grads, strict=True):
-            if grad is None:
-                continue
-            if isinstance(grad, tf.IndexedSlices):
-                grad = grad.values
-            tensors.append(("weight_gradient", self.flavour.variable_label(var), grad))
-        counts, maxes = ranges_lib.bucket_counts_many([t for _, _, t in tensors])
-        self._kinds = [(kind, label) for kind, label, _ in tensors]  # set while tracing
-        known = {id(v) for v in state}
-        restores = [v.assign(value) for v, value in zip(state, saved, strict=True)]
-        # Metric variables compute_loss created while tracing start from zeros.
-        restores += [v.assign(tf.zeros_like(v)) for v in state_variables(model)
-                     if id(v) not in known]
-        with tf.control_dependencies(restores):
-            return tf.identity(counts), tf.identity(maxes)
-
-    def collect(self, x, y=None, sample_weight=None) -> list[TensorRange]:
-        """Runs the probe on one batch; returns one TensorRange per tensor."""
-        if not self._ready:
-            # compute_loss may create the loss metrics while tracing. The graph
-            # must list them among the variables it restores, so trace again.
-            before = len(state_variables(self.model))
-            self._fn.get_concrete_function(x, y, sample_weight)
-            if len(state_variables(self.model)) != before:
-                self._fn = plain_function(self._step)
-            self._ready = True
-        counts, maxes = self._fn(x, y, sample_weight)
-        counts, maxes = counts.numpy(), maxes.numpy()
-        return [TensorRange.from_vector(label, _layer_of(kind, label), kind, row, top)
-                for (kind, label), row, top in zip(self._kinds, counts, maxes, strict=True)]
-
-
-def plain_function(python_function):
-    """A tf.function tfamp does not rewrite (under TFAMP_ENABLE tf.function is tfamp's):
-    the probe measures float32 reference values."""
-    return getattr(tf.function, "_tfamp_original", tf.function)(python_function)
-
-
-def state_variables(model) -> list:
-    """Variables a forward pass in training mode or compute_loss may update
-    (non-trainable weights such as BatchNorm statistics, metric variables)."""
-    seen, result = set(), []
-    for variable in [*model.non_trainable_variables,
-                     *(v for m in model.metrics for v in m.variables)]:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            result.append(variable)
-    return result
-
-
-def _intermediate_outputs(model, flavour):
-    """(labels, sub-model returning every layer's outputs, index of each model output).
-
-    (labels=[], None, None) for models without a graph of layers.
-    """
-    if not flavour.is_graph_network(model):
-        return [], None, None
-    labels, tensors = [], []
-    for layer in model.layers:
-        if flavour.is_input_layer(layer):
-            continue
-        try:
-            output = layer.output
-        except (AttributeError, RuntimeError, ValueError):
-            continue  # a layer used at several places has no single output
-        flat = tf.nest.flatten(output)
-        for i, tensor in enumerate(flat):
-            labels.append(layer.name if len(flat) == 1 else f"{layer.name}:{i}")
-            tensors.append(tensor)
-    position = {id(t): i for i, t in enumerate(tensors)}
-    pred_index = []
-    for output in model.outputs:
-        if id(output) not in position:  # e.g. an output that is an input
-            return [], None, None
-        pred_index.append(position[id(output)])
-    sub = flavour.keras.Model(model.inputs, tensors, name=f"{model.name}_tfamp_ranges")
-    return labels, sub, pred_index
-
-
-def _layer_of(kind: str, label: str) -> str:
-    if kind == "weight_gradient":
-        return label.rsplit("/", 1)[0] if "/" in label else label
-    return label.split(":")[0]
-
-
-def current_loss_scale(model) -> float | None:
-    """The loss scale of the model's optimizer now, None if it does not scale."""
-    optimizer = getattr(model, "optimizer", None)
-    scale = getattr(optimizer, "loss_scale", None) if optimizer is not None else None
-    if scale is None:
-        scale = getattr(optimizer, "dynamic_scale", None)  # Keras 3's LossScaleOptimizer
-    if scale is None and isinstance(getattr(optimizer, "initial_scale", None), (int, float)):
-        scale = optimizer.initial_scale  # Keras 3's, not built yet
-    if scale is None:
-        return None
-    try:
-        return float(scale.numpy() if hasattr(scale, "numpy") else scale)
-    except (TypeError, ValueError):
-        return None
-
-
-def collect_keras_ranges(model, batches: Iterable, *, steps: int = DEFAULT_STEPS,
-                         loss_scale: float | None = None) -> RangeReport:
-    """Collects ranges for up to `steps` batches (weights are not changed).
-
-    Args:
-      model: a compiled tf_keras or Keras 3 model.
-      batches: an iterable of (x, y) or (x, y, sample_weight) tuples, e.g. a
-        batched tf.data.Dataset.
-      steps: how many batches to use.
-      loss_scale: the scale to report as current; the optimizer's if None.
-
-    Returns:
-      The RangeReport.
-
-    Example:
-      >>> report = collect_keras_ranges(model, [(x[:32], y[:32])], steps=1)
-      >>> print(report.summary_text())
-    """
-    probe = KerasRangeProbe(model)
-    tensors: list[TensorRange] = []
-    done = 0
-    for batch in batches:
-        if done >= steps:
-            break
-        x, y, sample_weight = unpack_batch(batch)
-        ranges_lib.accumulate(tensors, probe.collect(x, y, sample_weight))
-        done += 1
-    if not done:
-        raise ValueError("collect_keras_ranges received no batches; pass at least one "
-                         "(x, y) batch")
-    scale = loss_scale if loss_scale is not None else current_loss_scale(model)
-    return RangeReport(model=model.name, steps=done, loss_scale=scale, tensors=tensors,
-                       notes=list(probe.notes), **_dynamic_settings(model))
-
-
-def _dynamic_settings(model) -> dict[str, Any]:
-    optimizer = getattr(model, "optimizer", None)
-    growth = getattr(optimizer, "dynamic_growth_steps", None)
-    settings = {}
-    if isinstance(growth, (int, np.integer)):
-        settings["growth_interval"] = int(growth)
-    return settings
-
-
-def unpack_batch(batch) -> tuple[Any, Any, Any]:
-    """(x, y, sample_weight) from a batch tuple, as Keras unpacks it."""
-    return keras.utils.unpack_x_y_sample_weight(batch)
 
 
 def write_outputs(report: RangeReport, output_dir: str | os.PathLike, *,
@@ -265,7 +36,7 @@ def write_outputs(report: RangeReport, output_dir: str | os.PathLike, *,
     Returns:
       kind ("text", "json", "html", "png") -> path written.
     """
-    from tfamp.inspect import ranges_plot
+    from tfamp.numerics import plot as ranges_plot
 
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -393,7 +164,7 @@ class RangeMonitor(*_callback_bases()):
         self.report = RangeReport(
             model=self.model.name, steps=self._done, loss_scale=self._scale,
             tensors=self._tensors, notes=list(self._probe.notes),
-            **_dynamic_settings(self.model))
+            **dynamic_settings(self.model))
         log.info("%s", self.report.summary_text())
         if self.output_dir is not None:
             self.written = write_outputs(self.report, self.output_dir, png=self.png)

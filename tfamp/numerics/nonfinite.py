@@ -38,6 +38,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 from tfamp.config import AmpConfig
 from tfamp.rewrite import rewrite_graph_def
 from tfamp.rewrite.graph import FLOAT_TYPES, TensorRef, build_view, dtype_name
+from tfamp.numerics.run_graph import run_imported
 
 log = logging.getLogger("tfamp")
 
@@ -197,7 +198,7 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
       loss_scale: the loss scale to run the step at.
     """
     from tfamp.keras import custom_loop
-    from tfamp.keras.range_monitor import plain_function, state_variables
+    from tfamp.numerics.keras_probe import plain_function, state_variables
 
     if config is None:
         state = getattr(model, "_tfamp_state", None)
@@ -269,62 +270,6 @@ def _instrument(graph_def: graph_pb2.GraphDef, body) -> tuple[graph_pb2.GraphDef
     return new, checked
 
 
-def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
-                 flat_args: list, post=None, inner=None) -> list[np.ndarray]:
-    """Runs `graph_def` (concrete's graph or a rewrite of it) on its live captures.
-
-    Args:
-      concrete: the ConcreteFunction whose captures (variables) to bind.
-      graph_def: its graph, possibly rewritten or instrumented.
-      fetches: tensor names to return.
-      flat_args: the tensor arguments, flattened.
-      post: optional; maps the fetched tensors to other tensors inside the
-        same graph (e.g. on-device histograms), so only its results leave.
-      inner: optional (call NodeDef, callee GraphDef, callee argument tensor
-        names): `fetches` name tensors of the callee, which is imported with
-        its arguments bound to the call's inputs (a SavedModel signature is a
-        single call of the model's function).
-    """
-    from tfamp.runtime.runner import _register_renamed_library
-
-    graph_def_copy = graph_pb2.GraphDef()
-    graph_def_copy.CopyFrom(graph_def)
-    _register_renamed_library(graph_def_copy, f"_tfamp_nf{next(_counter)}")
-    old = concrete.graph
-    internal_ids = {id(internal) for _, internal in old.captures}
-    arguments = [t for t in old.inputs if id(t) not in internal_ids]
-    captures = [(internal.name, external) for external, internal in old.captures]
-    if len(arguments) != len(flat_args):
-        raise ValueError(f"the step takes {len(arguments)} tensor arguments, received "
-                         f"{len(flat_args)}")
-
-    def run(*values):
-        graph = tf.compat.v1.get_default_graph()
-        input_map = {ph.name: value
-                     for ph, value in zip(arguments, values, strict=True)}
-        for name, external in captures:
-            input_map[name] = graph.capture(external)
-        if inner is None:
-            results = tf.graph_util.import_graph_def(
-                graph_def_copy, input_map=input_map, return_elements=fetches, name="")
-        else:
-            call, callee, arg_names = inner
-            sources = [i if ":" in i else f"{i}:0" for i in call.input if not i.startswith("^")]
-            unbound = [s for s in sources if s not in input_map]
-            if unbound:
-                raise ValueError(f"call {call.name!r} takes inputs that are not arguments or "
-                                 f"captures ({unbound[:3]}); cannot run its body alone")
-            callee_map = {arg: input_map[src]
-                          for arg, src in zip(arg_names, sources, strict=True)}
-            results = tf.graph_util.import_graph_def(
-                callee, input_map=callee_map, return_elements=fetches, name="")
-        results = [tf.identity(r) for r in results]
-        return list(post(results)) if post is not None else results
-
-    outputs = tf.function(run, autograph=False)(*flat_args)
-    return [o.numpy() for o in outputs]
-
-
 def _magnitude(name: str, value: np.ndarray) -> InputMagnitude:
     array = np.asarray(value)
     dtype = str(array.dtype)
@@ -381,7 +326,7 @@ def diagnose_keras_model(model) -> str | None:
     and the optimizer's current loss scale. Returns a sentence, or None when no
     batch is known.
     """
-    from tfamp.keras.range_monitor import current_loss_scale, unpack_batch
+    from tfamp.numerics.keras_probe import current_loss_scale, unpack_batch
 
     source = getattr(model, "_tfamp_fit_batch", None)
     batch = source() if source is not None else None
