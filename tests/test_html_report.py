@@ -142,6 +142,19 @@ def test_page_is_one_self_contained_ascii_file(small, pages):
     assert "<title>tfamp: graph -&gt; float16</title>" in html
 
 
+def test_page_inlines_its_own_files_once(pages):
+    """The page's style and script are package files (page/graph.css, graph.js),
+    inlined whole; no slot of the skeleton is left behind."""
+    from importlib import resources
+
+    html = pages["small"].read_text(encoding="ascii")
+    folder = resources.files("tfamp.inspect.page")
+    for name in ("graph.css", "graph.js"):
+        text = folder.joinpath(name).read_text(encoding="ascii")
+        assert len(text) > 1000 and html.count(text) == 1, name
+    assert not re.search(r"%%(TITLE|STYLE|DATA|SCRIPT)%%", html)
+
+
 def test_page_data_matches_report(small, pages):
     graph_def, report = small
     data = page_data(pages["small"].read_text(encoding="ascii"))
