@@ -199,6 +199,29 @@ def test_page_data_matches_report(small, pages):
     assert {0, 2, 3} <= kinds
 
 
+def test_page_opens_on_an_overview_by_layer(small, pages):
+    """The page's summary: traffic and FLOP lines, op types, reasons, and per Keras
+    layer the 16-bit and float32 op counts, which add up to the report's."""
+    graph_def, report = small
+    data = page_data(pages["small"].read_text(encoding="ascii"))["overview"]
+    assert data["traffic"] == report.traffic_line()
+    assert re.match(r"\d+\.\d% of matrix/convolution FLOPs in float16", data["flops"])
+    assert dict(data["converted"]) == report.converted
+    assert dict(data["kept"]) == report.kept_fp32
+    layers = {row[0]: row for row in data["layers"]}
+    dense = [n.name for n in report.nodes if n.op == "MatMul" and n.converted
+             and not n.function and not n.name.startswith("gradient_tape/")]
+    # "<model>/<layer>/MatMul": the layer, not the model, is the group.
+    for name in dense:
+        assert name.split("/")[-2] in layers, (name, sorted(layers))
+    assert sum(row[1] for row in data["layers"]) == sum(report.converted.values())
+    assert sum(row[4] for row in data["layers"]) == len(report.casts)
+    # Layers keeping float32 ops come first, the loss's deny ops among them.
+    assert data["layers"][0][2] > 0
+    kinds = set().union(*(row[3] for row in data["layers"]))
+    assert "deny list" in kinds or any("deny" in k for k in kinds), kinds
+
+
 def test_node_names_cannot_break_out_of_the_page():
     graph_def = _evil_graph()
     _, report = tfamp.rewrite_graph_def(graph_def)
@@ -337,6 +360,10 @@ def test_browser_small_graph(small, pages, tmp_path):
     assert 'class="e h16"' in dom  # 16-bit edges
     assert dom.count('class="legend"') == 1 and "float32: deny list" in dom
     assert screenshot.stat().st_size > 30_000, "the screenshot looks blank"
+    overview = re.search(r'<section id="overview">(.*?)</section>', dom, re.S).group(1)
+    assert "What changed, and why" in overview and "Estimated float traffic" in overview
+    assert overview.count('<tr class="layer"') == len(page_data(
+        pages["small"].read_text(encoding="ascii"))["overview"]["layers"])
     print(f"\nscreenshot: {screenshot}")
 
 

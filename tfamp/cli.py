@@ -204,7 +204,8 @@ def _inspect(args) -> int:
         from tfamp.inspect.html_report import render_html
 
         Path(args.output).write_text(render_html(report, loaded.graph_def,
-                                                 full_names=args.full_names))
+                                                 full_names=args.full_names,
+                                                 flops=loaded.flops))
         print(f"wrote {args.output} ({report.nodes_before} nodes); open it in a browser")
         return 0
     text = render_summary(report, loaded)

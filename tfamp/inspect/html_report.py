@@ -22,6 +22,7 @@ from typing import Any
 
 from tfamp.inspect import page
 from tfamp.inspect.names import short_function_names
+from tfamp.inspect.overview import overview
 from tfamp.rewrite.reasons import KIND_NO_FLOAT, KIND_OTHER, KIND_UNKNOWN_OP, KIND_UNLISTED
 from tfamp.rewrite.report import RewriteReport
 
@@ -97,7 +98,8 @@ def node_category(node) -> str:
     return _KIND_CATEGORY.get(kind, "other")
 
 
-def render_html(report: RewriteReport, graph_def=None, *, full_names: bool = False) -> str:
+def render_html(report: RewriteReport, graph_def=None, *, full_names: bool = False,
+                flops=None) -> str:
     """A complete, self-contained HTML page showing what `report`'s rewrite did.
 
     Args:
@@ -108,6 +110,8 @@ def render_html(report: RewriteReport, graph_def=None, *, full_names: bool = Fal
       full_names: label functions with their full graph names instead of the
         short ones (``__inference__wrapped_model_1428`` -> ``_wrapped_model``;
         see tfamp/inspect/names.py).
+      flops: ``tfamp.inspect.flops.graph_def_flops(graph_def)`` if the caller
+        has it (computed from `graph_def` otherwise), for the FLOP share.
 
     Returns:
       The page as a string (ASCII only): inline CSS, JavaScript and data, no
@@ -116,6 +120,7 @@ def render_html(report: RewriteReport, graph_def=None, *, full_names: bool = Fal
     if isinstance(report, dict):
         report = RewriteReport.from_dict(report)
     data = _page_data(report, graph_def, full_names=full_names)
+    data["overview"] = overview(report, graph_def, flops)
     title = f"tfamp: {report.function or 'graph'} -> {report.dtype}"
     return page.assemble("graph", title=title, data_json=script_json(data))
 

@@ -1000,6 +1000,82 @@ function hashOptions() {
   return opts;
 }
 
+/* -------------------------------------------------------------- overview */
+
+var OVERVIEW_ROWS = 25;
+
+function layerTable(rows) {
+  var table = el('table');
+  var head = el('tr');
+  ['Layer', '16-bit ops', 'float32 ops', 'why float32', 'Casts'].forEach(function (h) {
+    head.appendChild(el('th', null, h));
+  });
+  table.appendChild(head);
+  rows.forEach(function (r) {
+    var tr = el('tr', 'layer');
+    tr.title = 'Find the ops of ' + r[0] + ' in the graph below';
+    var why = Object.keys(r[3]).map(function (k) { return k + ' \u00d7' + r[3][k]; });
+    tr.appendChild(el('td', null, r[0]));
+    tr.appendChild(el('td', 'num', String(r[1])));
+    tr.appendChild(el('td', 'num', String(r[2])));
+    tr.appendChild(el('td', null, why.join(', ') || '\u2014'));
+    tr.appendChild(el('td', 'num', String(r[4])));
+    tr.addEventListener('click', function () {
+      var search = $('search');
+      search.value = r[0] === '(top level)' ? '' : r[0] + '/';
+      runSearch();
+      if (matchList.length) { matchPos = -1; nextMatch(1); }
+    });
+    table.appendChild(tr);
+  });
+  return table;
+}
+
+function folded(label, content) {
+  var d = el('details');
+  d.appendChild(el('summary', null, label));
+  d.appendChild(content);
+  return d;
+}
+
+function buildOverview() {
+  var O = D.overview, box = $('overview');
+  if (!O) { box.hidden = true; return; }
+  box.appendChild(el('h2', null, 'What changed, and why'));
+  if (D.verdict) box.appendChild(el('p', 'verdict', D.verdict));
+  var facts = el('ul', 'facts');
+  function fact(label, text) {
+    if (text === null || text === undefined || text === '') return;
+    var li = el('li');
+    li.appendChild(el('b', null, label + ': '));
+    li.appendChild(document.createTextNode(text));
+    facts.appendChild(li);
+  }
+  var pairs = function (list) {
+    return list.map(function (p) { return p[0] + ' \u00d7' + p[1]; }).join(', ');
+  };
+  fact('Estimated float traffic per step', O.traffic);
+  fact('Matrix FLOPs', O.flops);
+  fact('Converted to ' + D.dtype, pairs(O.converted) || 'nothing');
+  fact('Listed ops kept float32, by reason', pairs(O.kept) || 'none');
+  box.appendChild(facts);
+  var mixed = O.layers.filter(function (r) { return r[2] > 0; });
+  var all16 = O.layers.filter(function (r) { return r[2] === 0; });
+  box.appendChild(el('p', null, O.layersAll16 + ' of ' + O.layers.length +
+    ' layers run every float op in ' + D.dtype + '; ' + mixed.length +
+    ' keep some float32 (largest first; click a row to find it in the graph):'));
+  if (mixed.length) {
+    box.appendChild(layerTable(mixed.slice(0, OVERVIEW_ROWS)));
+    if (mixed.length > OVERVIEW_ROWS) {
+      box.appendChild(folded((mixed.length - OVERVIEW_ROWS) + ' more layers with float32 ops',
+                             layerTable(mixed.slice(OVERVIEW_ROWS))));
+    }
+  }
+  if (all16.length) {
+    box.appendChild(folded(all16.length + ' groups with no float32 op', layerTable(all16)));
+  }
+}
+
 function main() {
   var t0 = Date.now();
   D = JSON.parse($('tfamp-data').textContent);
@@ -1017,6 +1093,7 @@ function main() {
     summary.appendChild(document.createTextNode(p[1]));
   });
   summary.title = D.summary;
+  buildOverview();
   bodies = D.bodies.map(function (raw, i) { return new Body(raw, i); });
   bodies.forEach(function (b) { bodyByName[b.name] = b; });
   bodies.forEach(function (b) {
