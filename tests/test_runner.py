@@ -299,6 +299,26 @@ def test_new_input_signature_retraces_and_adds_a_report():
     assert all(r.converted.get("MatMul") == 1 for r in fn.reports)
 
 
+def test_repeated_calls_take_the_fast_path_and_run_the_rewritten_graph(monkeypatch):
+    """After a signature's first call, a call canonicalises its arguments once and
+    runs the rewritten trace directly (no get_concrete_function, no structured
+    re-binding); the result is still the 16-bit one, and a new signature still
+    takes the full path (trace, rewrite, report)."""
+    fn = tfamp.function(lambda x: tf.matmul(x, x))
+    x = tf.fill([2, 2], 1.0 + 2.0 ** -12)  # float16 rounds it to 1.0
+    assert float(fn(x)[0, 0]) == 2.0  # float32 would give 2.00098
+    full_path = []
+    original = tfamp.runtime.runner.RewrittenFunction.get_concrete_function
+    monkeypatch.setattr(tfamp.runtime.runner.RewrittenFunction, "get_concrete_function",
+                        lambda self, *a, **k: full_path.append(1) or original(self, *a, **k))
+    for _ in range(3):
+        assert float(fn(x)[0, 0]) == 2.0
+    assert float(fn(x=tf.fill([2, 2], 3.0))[1, 1]) == 18.0  # by keyword
+    assert not full_path and len(fn.reports) == 1
+    out = fn(tf.fill([3, 3], 1.0 + 2.0 ** -12))
+    assert float(out[0, 0]) == 3.0 and len(full_path) == 1 and len(fn.reports) == 2
+
+
 def test_new_input_dtype_retraces_and_adds_a_report():
     fn = tfamp.function(lambda x: tf.matmul(x, x), check=True)
     assert fn(tf.ones([3, 3])).dtype == tf.float32

@@ -54,19 +54,32 @@ class _Watch:
 _watch = _Watch()
 
 
-@contextlib.contextmanager
-def phase(what):
-    """Marks a call of `what` (a function) as running; the outermost one is announced.
+def enter(what) -> bool:
+    """Marks a call of `what` (a function) as running; True if it is the outermost.
 
-    Only a call still running after ``NOTICE_AFTER_S`` is announced, so in
-    practice a first call (trace, rewrite, compile), once.
+    Pass the answer to ``leave``. Only a call still running after
+    ``NOTICE_AFTER_S`` is announced, so in practice a first call (trace,
+    rewrite, compile), once.
     """
     if _watch.what is not None:  # nested (a rewritten step traced inside a loop)
-        yield
-        return
-    _watch.start()
+        return False
+    if _watch._thread is None:
+        _watch.start()
     _watch.since, _watch.announced, _watch.what = time.monotonic(), False, what
+    return True
+
+
+def leave(entered: bool) -> None:
+    """Ends what ``enter`` marked (nothing if that was a nested call)."""
+    if entered:
+        _watch.what = None
+
+
+@contextlib.contextmanager
+def phase(what):
+    """``enter`` / ``leave`` around a block."""
+    entered = enter(what)
     try:
         yield
     finally:
-        _watch.what = None
+        leave(entered)

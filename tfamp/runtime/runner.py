@@ -21,7 +21,6 @@ runs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -35,6 +34,8 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.function.polymorphism import function_type as function_type_lib
 from tensorflow.python.eager.polymorphic_function import atomic_function, polymorphic_function
 from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
+from tensorflow.python.eager.polymorphic_function import (function_type_utils,
+                                                           tracing_compilation)
 from tensorflow.python.framework import func_graph as func_graph_lib
 from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
@@ -53,6 +54,7 @@ _FUNC_NAME_STRING_ATTRS = frozenset({
     "_forward_function_name", "_backward_function_name",
 })
 _rename_counter = itertools.count()
+_NOT_TRACED = object()  # RewrittenFunction._call_traced: take the full path
 # Every renamed library function registered so far (see _register_renamed_library).
 _kept_library: list = []
 # Names of the FunctionDefs tfamp has already handled in this process: the ones it
@@ -74,14 +76,14 @@ def is_tracing_for_tfamp() -> bool:
     return _tracing_depth > 0
 
 
-@contextlib.contextmanager
-def _tracing_for_tfamp():
-    global _tracing_depth
-    with _tracing_lock:
-        _tracing_depth += 1
-    try:
-        yield
-    finally:
+class _tracing_for_tfamp:  # noqa: N801  (a context manager; a class: every call enters it)
+    def __enter__(self):
+        global _tracing_depth
+        with _tracing_lock:
+            _tracing_depth += 1
+
+    def __exit__(self, *exc):
+        global _tracing_depth
         with _tracing_lock:
             _tracing_depth -= 1
 
@@ -458,11 +460,47 @@ class RewrittenFunction(polymorphic_function.Function):
     def __call__(self, *args, **kwargs):
         # A first call traces, rewrites and (under XLA) compiles: said in one line
         # when it takes long (runtime/progress.py).
-        with progress.phase(self):
-            outputs = self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
+        entered = progress.enter(self)
+        try:
+            outputs = self._call_traced(args, kwargs)
+            if outputs is _NOT_TRACED:
+                outputs = self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
+        finally:
+            progress.leave(entered)
         if self._after_call is not None:
             self._after_call(outputs)
         return outputs
+
+    def _call_traced(self, args, kwargs):
+        """The call of an already rewritten trace, as cheap as a tf.function's own.
+
+        What ``tf.function`` does on a call, with the rewritten ConcreteFunction in
+        place of the traced one: the arguments are canonicalised once, the trace is
+        looked up in the original's cache, and the flat call skips the structured
+        re-binding a ConcreteFunction call does. Returns ``_NOT_TRACED`` (and runs
+        nothing) when the original was never called, a new trace would be needed,
+        or the trace has no rewrite yet: the full path below handles those.
+        """
+        original = self._tf_function
+        config = (original._no_variable_creation_config if original._created_variables
+                  else original._variable_creation_config)
+        if config is None:
+            return _NOT_TRACED
+        bound = function_type_utils.canonicalize_function_inputs(
+            args, kwargs, original._function_type, original._default_values,
+            original._is_pure)
+        traces = original.experimental_get_tracing_count()
+        with _tracing_for_tfamp():
+            concrete = tracing_compilation.trace_function(bound.args, bound.kwargs, config)
+        entry = self._rewritten.get(id(concrete))
+        if entry is None or entry[0] is not concrete:
+            if original.experimental_get_tracing_count() != traces:
+                log.debug("tfamp: %s traced a new signature", _display_name(concrete.graph.name))
+            return _NOT_TRACED
+        rewritten = entry[1]
+        flat = rewritten.function_type.unpack_inputs(
+            rewritten.function_type.bind(*bound.args, **bound.kwargs))
+        return rewritten._call_flat(flat, captured_inputs=rewritten.captured_inputs)
 
     def __get__(self, instance, owner):
         # As a method decorator: bind like a tf.function does, one per instance.
