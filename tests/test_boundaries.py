@@ -386,3 +386,57 @@ def test_a_loop_named_in_keep_fp32_keeps_its_types_on_every_side():
     body = _fdef(new_graph_def, loop.attr["body"].func.name)
     assert _sig(body, "in") == _sig(_fdef(graph_def, loop.attr["body"].func.name), "in")
     assert report.node("while/body_mm", body.signature.name).converted  # the body still is
+
+
+def _many_values_through_a_cond(n: int, inside: str):
+    """`n` float32 values, each from a MatMul, passed through one tf.cond whose
+    branch uses each with a MatMul (16-bit on both sides) or an Exp (float32
+    inside), as a loss-scaled step passes every gradient into apply-or-skip."""
+
+    def fn(x, flag):
+        values = [tf.matmul(x * float(k + 1), x) for k in range(n)]
+
+        def use():
+            op = tf.matmul if inside == "matmul" else (lambda a, b: tf.exp(a) + b)
+            return tf.add_n([op(v, x) for v in values])
+
+        return tf.cond(flag, use, lambda: tf.add_n(values))
+
+    return fn
+
+
+@pytest.mark.parametrize("inside", ["matmul", "exp"])
+def test_many_boundary_groups_are_pruned_by_estimate_not_one_colouring_each(
+        inside, monkeypatch):
+    """Beyond boundaries._EXACT_GROUPS groups the plan is pruned by the local
+    estimate, one colouring per round, instead of re-colouring every body once
+    per group: the values take the same side as when every group is weighed
+    exactly, with at most one Cast more (the greedy order differs), at a fraction
+    of the colourings."""
+    n = boundaries._EXACT_GROUPS + 8
+    fn = _many_values_through_a_cond(n, inside)
+    specs = (tf.TensorSpec([4, 4]), tf.TensorSpec([], tf.bool))
+    colourings = []
+    solve = boundaries.solve
+
+    def counting_solve(view, config, pinned, color_body):
+        return solve(view, config, pinned,
+                     lambda body, overrides: colourings.append(1) or color_body(body, overrides))
+
+    monkeypatch.setattr(boundaries, "solve", counting_solve)
+    graph_def, new_graph_def, report = rewrite(fn, *specs)
+    pruned = len(colourings)
+    colourings.clear()
+    monkeypatch.setattr(boundaries, "_EXACT_GROUPS", 10 ** 6)
+    _, exact_graph_def, exact = rewrite(fn, *specs)
+    assert colourings and pruned < len(colourings) / 4, (pruned, len(colourings))
+
+    def crossing(graph_def):  # the dtypes of the cond's inputs
+        (_, call), = _calls(graph_def, ("If", "StatelessIf"))
+        return _types(call.attr["Tin"])
+
+    if inside == "matmul":  # MatMul on both sides: every value crosses in float16
+        assert sum(t == "float16" for t in crossing(new_graph_def)) >= n
+    pairs = zip(crossing(new_graph_def), crossing(exact_graph_def), strict=True)
+    assert sum(a != b for a, b in pairs) <= 1
+    assert len(exact.casts) <= len(report.casts) <= len(exact.casts) + 1

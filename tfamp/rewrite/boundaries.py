@@ -63,6 +63,13 @@ DT_VARIANT = types_pb2.DT_VARIANT
 # unknown, a loop is assumed to run this many times.
 LOOP_WEIGHT = 100
 _MAX_ROUNDS = 6
+# Up to this many groups in the plan, each is weighed exactly (its bodies
+# re-coloured without it). Beyond it (Keras 3's loss-scaled step passes every
+# gradient and weight into the apply-or-skip branch: 200+ groups into a body
+# of 8,000 nodes), re-colouring once per group costs minutes; the local
+# estimate (``_Solver.cost``) prunes the plan first, with one colouring per
+# round, until at most this many groups are left to weigh exactly.
+_EXACT_GROUPS = 16
 
 # Call ops and the attributes naming the functions they call, and how their
 # type attributes map onto the functions' signatures.
@@ -918,6 +925,15 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
         plan |= grow
         for _ in range(_MAX_ROUNDS):
             decisions = solver.color_all(plan)
+            if len(plan) > _EXACT_GROUPS:
+                costs = {i: solver.cost(i, plan) for i in plan}
+                drop = {i for i, (c16, c32) in costs.items() if c16 >= c32}
+                if drop:
+                    plan -= drop
+                    rejected |= drop
+                    continue
+                if len(plan) > _EXACT_GROUPS:
+                    break  # every group pays off by the estimate: keep them
             drop = {i for i in plan if not solver.pays_off(i, plan)}
             if not drop:
                 break
