@@ -35,7 +35,10 @@ MIN_COSINE = {"float16": 0.9, "bfloat16": 0.8}
 # or 2^6 (tf_keras, other initial weights) of its 12 steps; the WGAN-GP critic's
 # last kernel gradient is 2.13 at the first step (x 2^15 = 69,800 > 65,504).
 # None with the tiny loss.
-EXPECTED_SKIPS = {"sum_loss": range(1, 11), "wgan_gp": range(0, 2)}
+# Session 8: the start scale comes from the first batch's gradients
+# (initial_scale="auto"), so no pattern skips a step (sum_loss skipped 5-9 of 12
+# and WGAN-GP its first critic step when every run started at 2**15).
+EXPECTED_SKIPS: dict[str, range] = {}
 
 
 @functools.cache

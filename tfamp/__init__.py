@@ -22,6 +22,7 @@ _EXPORTS = {
     "RangeMonitor": "tfamp.numerics.monitor",
     "RewriteReport": "tfamp.rewrite.report",
     "LossScaleOptimizer": "tfamp.keras.loss_scale",
+    "calibrate_loss_scale": "tfamp.keras.start_scale",
     "check_graph_def": "tfamp.rewrite.check",
     "disable": "tfamp.keras.activation",
     "enable": "tfamp.keras.activation",
@@ -39,6 +40,7 @@ __all__ = [
     "OpLists",
     "RangeMonitor",
     "RewriteReport",
+    "calibrate_loss_scale",
     "check_graph_def",
     "disable",
     "enable",
@@ -50,6 +52,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from tfamp.keras.activation import disable, enable
+    from tfamp.keras.start_scale import calibrate_loss_scale
     from tfamp.rewrite.check import GraphCheckError, check_graph_def
     from tfamp.config import AmpConfig
     from tfamp.keras.loss_scale import LossScaleOptimizer

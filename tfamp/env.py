@@ -9,6 +9,8 @@ Variables:
   TFAMP_DTYPE         float16 | bfloat16                      (float16)
   TFAMP_LOSS_SCALE    dynamic | a positive number | none      (dynamic for float16,
                                                                none for bfloat16)
+  TFAMP_INITIAL_SCALE auto | a positive number: where a dynamic scale starts; auto
+                      sets it from the first batch's gradients at the first fit (auto)
   TFAMP_{ALLOW,INFER,DENY,CLEAR}LIST_{ADD,REMOVE}   comma-separated op names
   TFAMP_KEEP_FP32     comma-separated regular expressions on node names
   TFAMP_REPORT_DIR    write each rewritten function's JSON report there
@@ -31,7 +33,7 @@ LIST_VARIABLES = {
     for name in ("allow", "infer", "deny", "clear") for verb in ("add", "remove")
 }
 KNOWN_VARIABLES = frozenset({
-    "TFAMP_ENABLE", "TFAMP_DTYPE", "TFAMP_LOSS_SCALE", "TFAMP_KEEP_FP32",
+    "TFAMP_ENABLE", "TFAMP_DTYPE", "TFAMP_LOSS_SCALE", "TFAMP_INITIAL_SCALE", "TFAMP_KEEP_FP32",
     "TFAMP_REPORT_DIR", "TFAMP_VERBOSITY", "TFAMP_RANGES", *LIST_VARIABLES,
 })
 
@@ -47,16 +49,19 @@ class EnvSettings:
     process with a TFAMP_* variable, and ``dataclasses`` costs milliseconds to import.
     """
 
-    __slots__ = ("enabled", "config", "loss_scale", "report_dir", "verbosity", "ranges_dir")
+    __slots__ = ("enabled", "config", "loss_scale", "report_dir", "verbosity", "ranges_dir",
+                 "initial_scale")
 
     def __init__(self, *, enabled: bool, config, loss_scale, report_dir: str | None,
-                 verbosity: int, ranges_dir: str | None = None):
+                 verbosity: int, ranges_dir: str | None = None, initial_scale="auto"):
         values = dict(enabled=enabled, config=config, loss_scale=loss_scale,
-                      report_dir=report_dir, verbosity=verbosity, ranges_dir=ranges_dir)
+                      report_dir=report_dir, verbosity=verbosity, ranges_dir=ranges_dir,
+                      initial_scale=initial_scale)
         for name, value in values.items():
             object.__setattr__(self, name, value)
         # config: tfamp.AmpConfig (imports TensorFlow), or None when not built;
-        # loss_scale: "dynamic", a float, or None; ranges_dir: None = off.
+        # loss_scale: "dynamic", a float, or None; ranges_dir: None = off;
+        # initial_scale: "auto" or a float.
 
     def __setattr__(self, name, value):
         raise AttributeError("EnvSettings is read-only")
@@ -97,6 +102,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None, *,
         raise EnvError(f"TFAMP_DTYPE={environ['TFAMP_DTYPE']!r} is not valid; "
                        f"accepted values: float16, bfloat16")
     loss_scale = _parse_loss_scale(environ.get("TFAMP_LOSS_SCALE", ""), dtype)
+    initial_scale = _parse_initial_scale(environ.get("TFAMP_INITIAL_SCALE", ""))
     changes = {field: _parse_op_names(variable, environ.get(variable, ""))
                for variable, field in LIST_VARIABLES.items()}
     keep = _parse_patterns(environ.get("TFAMP_KEEP_FP32", ""))
@@ -121,7 +127,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None, *,
             raise EnvError(_env_message(str(err))) from err
     return EnvSettings(enabled=enabled, config=config, loss_scale=loss_scale,
                        report_dir=report_dir, verbosity=VERBOSITY_WORDS[verbosity_text],
-                       ranges_dir=ranges_dir)
+                       ranges_dir=ranges_dir, initial_scale=initial_scale)
 
 
 def _parse_enable(text: str) -> bool:
@@ -165,6 +171,20 @@ def _parse_loss_scale(text: str, dtype: str):
     if not (value > 0 and value != float("inf")):
         raise EnvError(f"TFAMP_LOSS_SCALE={text!r} is not valid; accepted values: dynamic, "
                        f"a positive number (fixed scale, e.g. 1024), none")
+    return value
+
+
+def _parse_initial_scale(text: str):
+    word = text.strip().lower()
+    if word in ("", "auto"):
+        return "auto"
+    try:
+        value = float(word)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value != float("inf")):
+        raise EnvError(f"TFAMP_INITIAL_SCALE={text!r} is not valid; accepted values: auto "
+                       f"(from the first batch's gradients), a positive number (e.g. 32768)")
     return value
 
 

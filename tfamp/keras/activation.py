@@ -47,7 +47,7 @@ class _EnabledState(EnabledState):
 
 
 def enable(model, *, dtype: str = "float16", loss_scale="default",
-           initial_scale: float = DEFAULT_INITIAL_SCALE,
+           initial_scale: float | str = "auto",
            growth_interval: int = DEFAULT_GROWTH_INTERVAL,
            min_scale: float = DEFAULT_MIN_SCALE,
            config: AmpConfig | None = None, check: bool = False,
@@ -65,8 +65,13 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
       dtype: "float16" or "bfloat16" (ignored when `config` is given).
       loss_scale: "dynamic", a positive number (fixed scale) or None. The
         default is "dynamic" for float16 and None for bfloat16.
-      initial_scale, growth_interval, min_scale: dynamic loss-scale settings
-        (2**15, 2000 good steps, floor 1).
+      initial_scale: the dynamic scale's start: "auto" (default) sets it from the
+        first batch's gradients at the first ``fit`` (one float32 forward and
+        backward, nothing applied: ``tfamp.keras.start_scale``), so the first
+        steps neither overflow nor flush; a number starts there (2**15 was
+        the default before).
+      growth_interval, min_scale: dynamic loss-scale settings (2000 good
+        steps, floor 1).
       config: a full AmpConfig (op-list changes, keep_fp32, ...).
       check: validate every rewritten graph (slower; for debugging).
       verbose: print one line per rewritten function (the ``tfamp`` logger at
@@ -93,19 +98,28 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
     config = config or AmpConfig(dtype=dtype)
     if loss_scale == "default":
         loss_scale = "dynamic" if config.dtype == "float16" else None
+    if isinstance(initial_scale, str) and initial_scale != "auto":
+        raise ValueError(
+            f"initial_scale must be 'auto' (from the first batch's gradients) or a "
+            f"positive number, received {initial_scale!r}; e.g. initial_scale='auto' or "
+            f"initial_scale=2**15.")
+    auto_start = initial_scale == "auto"
+    if auto_start:
+        initial_scale = DEFAULT_INITIAL_SCALE  # until the probe sets it
+        auto_start = loss_scale == "dynamic"
     if loss_scale is not None:  # fail now, not at the first fit
         validate_settings(loss_scale, initial_scale, growth_interval, min_scale)
     ranges = _check_ranges(ranges)
     if keras3 is not None:
         keras3.enable(model, keras3.Keras3State(
             config, loss_scale, initial_scale, growth_interval, min_scale, check,
-            ranges=ranges))
+            ranges=ranges, auto_start=auto_start))
         log.info("tfamp: enabled %s on Keras 3 model %r (loss scale: %s)", config.dtype,
                  model.name, loss_scale)
         return model
     _check_no_other_mixed_precision(model)
     state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check,
-                          ranges=ranges)
+                          ranges=ranges, auto_start=auto_start)
     if getattr(model, "_tfamp_state", None) is not None:
         disable(model)
     _install_hooks(model, state)

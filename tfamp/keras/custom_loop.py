@@ -47,7 +47,7 @@ import tensorflow as tf
 from tensorflow.python.eager import record
 from tensorflow.python.util import nest
 
-from tfamp.keras import scale_update
+from tfamp.keras import scale_update, start_scale
 from tfamp.runtime.runner import RewrittenFunction, is_tracing_for_tfamp
 
 log = logging.getLogger("tfamp")
@@ -454,6 +454,9 @@ def _patch_tape() -> None:
 
     @functools.wraps(original)
     def gradient(self, target, sources, output_gradients=None, **kwargs):
+        probe = start_scale.current_probe()
+        if probe is not None:  # the start-scale probe: unscaled, recorded
+            return probe.gradient(original, self, target, sources, output_gradients, kwargs)
         if output_gradients is None:
             scope = current_step()
             owner = (scope.owner_for_tape(target) if scope is not None
@@ -488,6 +491,8 @@ def _patch_tf_keras_optimizer() -> None:
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if start_scale.current_probe() is not None:
+            return self.iterations  # the start-scale probe applies nothing
         if _is_tfamp_optimizer(self):
             return original(self, grads_and_vars, *args, **kwargs)
         owner = take_pending()
@@ -513,6 +518,8 @@ def _patch_keras3_optimizer() -> None:
 
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
+        if start_scale.current_probe() is not None:
+            return None  # the start-scale probe applies nothing
         if _is_tfamp_optimizer(self):
             return original(self, grads, trainable_variables)
         owner = take_pending()

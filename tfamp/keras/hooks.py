@@ -28,13 +28,16 @@ FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
 
 
 def fit_hook(model, cls, state):
-    """``fit`` that keeps one batch for the stuck-at-floor diagnosis and adds the
-    RangeMonitor when ranges were asked for."""
+    """``fit`` that keeps one batch for the stuck-at-floor diagnosis, adds the
+    RangeMonitor when ranges were asked for, and first sets the start loss scale
+    from the gradients of the first batch (``initial_scale="auto"``)."""
 
     def fit(*args, **kwargs):
+        from tfamp.keras.start_scale import before_fit
         from tfamp.numerics.monitor import prepare_fit
 
         args, kwargs = prepare_fit(model, state.ranges, args, kwargs)
+        before_fit(model, state, args, kwargs)
         return cls.fit(model, *args, **kwargs)
 
     return fit

@@ -42,6 +42,7 @@ from tfamp.keras.scale_update import (
     mark_scaled,
     update_scale,
 )
+from tfamp.keras.start_scale import current_probe
 
 log = logging.getLogger("tfamp")
 
@@ -180,6 +181,8 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
     def get_scaled_loss(self, loss):
         from tfamp.keras import custom_loop
 
+        if current_probe() is not None:  # the start-scale probe measures true sizes
+            return loss
         with loss_scale_ops():
             scaled = super().get_scaled_loss(loss)
         mark_scaled(scaled)  # scaled by hand: tfamp's custom-loop tape hook leaves it alone
@@ -187,12 +190,16 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         return scaled
 
     def get_unscaled_gradients(self, grads):
+        if current_probe() is not None:
+            return grads
         with loss_scale_ops():
             return super().get_unscaled_gradients(grads)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         from tfamp.keras import custom_loop
 
+        if current_probe() is not None:
+            return self.iterations  # the start-scale probe applies nothing
         pending = custom_loop.take_pending()
         if pending is not None:
             # tfamp's tape hook scaled and unscaled (a custom loop); this optimizer

@@ -77,6 +77,7 @@ from tfamp.keras.scale_update import (
     unscale,
     update_scale,
 )
+from tfamp.keras.start_scale import current_probe
 
 
 INNER_MARK = "_tfamp_inner_of_loss_scale_optimizer"
@@ -219,6 +220,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.dynamic_scale if self.built else tf.constant(self.initial_scale)
 
     def scale_loss(self, loss):
+        if current_probe() is not None:  # the start-scale probe measures true sizes
+            return loss
         with loss_scale_ops():
             scaled = super().scale_loss(loss)
         mark_scaled_loss(self, scaled)
@@ -229,6 +232,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def apply(self, grads, trainable_variables=None):
         from tfamp.keras import custom_loop
 
+        if current_probe() is not None:
+            return  # the start-scale probe applies nothing
         # A tape tfamp scaled (custom loop or train step): this optimizer checks it itself.
         pending = custom_loop.take_pending()
         grads = list(grads)

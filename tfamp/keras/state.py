@@ -25,6 +25,8 @@ class EnabledState:
     ranges: object = None  # None, True, or an output directory for RangeMonitor
     loop: object = None  # custom_loop.ModelLoop, set when the hooks are installed
     warned_unscaled: bool = False  # the step applied gradients tfamp could not scale
+    auto_start: bool = False  # initial_scale="auto": the first fit probes the gradients
+    start_scale: object = None  # start_scale.StartScale once probed; False: not probed
 
     tfamp_optimizer = None  # set by each flavour
     keras_loss_scale_optimizer = None

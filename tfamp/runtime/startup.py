@@ -185,7 +185,8 @@ def _patch_tf_keras(active: _Activation) -> None:
         if not activation.is_enabled(self):
             activation.enable(self, config=active.settings.config,
                               loss_scale=active.settings.loss_scale,
-                              ranges=active.settings.ranges_dir)
+                              ranges=active.settings.ranges_dir,
+                              initial_scale=active.settings.initial_scale)
         return result
 
     model_class.compile = compile
@@ -257,7 +258,8 @@ def _patch_keras3(active: _Activation) -> None:
             else:
                 activation.enable(self, config=active.settings.config,
                                   loss_scale=active.settings.loss_scale,
-                                  ranges=active.settings.ranges_dir)
+                                  ranges=active.settings.ranges_dir,
+                                  initial_scale=active.settings.initial_scale)
         return result
 
     base_trainer.Trainer.compile = compile
@@ -413,6 +415,10 @@ def _scaled_elsewhere(active: _Activation) -> bool:
     if getattr(active.no_tape_scaling, "on", False):
         return True
     from tfamp.keras import custom_loop
+    from tfamp.keras.start_scale import current_probe
+
+    if current_probe() is not None:  # the start-scale probe: custom_loop's patches record
+        return True
 
     return custom_loop.current_step() is not None
 
@@ -495,10 +501,22 @@ def _scale_state(active: _Activation):
 
 def _make_scale_state(active: _Activation):
     if active.scale_state is None:
-        from tfamp.keras.loss_scale import _ScaleState
+        from tfamp.keras.loss_scale import DEFAULT_INITIAL_SCALE, _ScaleState
 
-        active.scale_state = _ScaleState.for_setting(active.settings.loss_scale)
+        initial = active.settings.initial_scale
+        # "auto": a custom loop calls tfamp.calibrate_loss_scale (it has no first fit)
+        active.scale_state = _ScaleState.for_setting(
+            active.settings.loss_scale,
+            DEFAULT_INITIAL_SCALE if initial == "auto" else initial)
     return active.scale_state
+
+
+def process_scale_state():
+    """TFAMP_ENABLE's custom-loop scale state (None when tfamp is not active or does
+    not scale)."""
+    if _active is None or _active.settings.loss_scale is None:
+        return None
+    return _scale_state(_active)
 
 
 # -- telling the user -------------------------------------------------------------

@@ -1,0 +1,188 @@
+"""The start loss scale from the first batch's gradients (``initial_scale="auto"``).
+
+Models that overflow float16 at the old start 2**15 (the sum-reduced loss and
+WGAN-GP of ``tests/patterns.py``) must lose no step with the probe, keep the
+scale it chose (in the logs and History), and still skip steps when started at
+2**15 (so the tests can fail). The probe applies nothing and restores what the
+step writes; a fixed scale, a numeric start and a scale that has taken steps
+are left alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import tfamp
+from tests import patterns
+from tfamp.env import EnvError, settings_from_env
+from tfamp.keras import custom_loop, start_scale
+
+FLAVOURS = ["keras3", "tf_keras"]
+
+
+def _enable(**kwargs):
+    found = {}
+
+    def before_fit(model):
+        tfamp.enable(model, verbose=False, **kwargs)
+        found["model"] = model
+
+    return before_fit, found
+
+
+@pytest.mark.parametrize("pattern", ["sum_loss", "wgan_gp"])
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_auto_start_skips_no_step_where_2_15_does(flavour, pattern):
+    keras = patterns.keras_module(flavour)
+    old_hook, _ = _enable(initial_scale=2.0**15)
+    old = patterns.train(keras, pattern, before_fit=old_hook)
+    assert old["history"]["skipped_steps"] >= 1  # the model does overflow at 2**15
+
+    hook, found = _enable()  # initial_scale="auto" is the default
+    run = patterns.train(keras, pattern, before_fit=hook)
+    chosen = found["model"]._tfamp_state.start_scale
+    assert run["history"]["skipped_steps"] == 0
+    assert run["history"]["loss_scale"] == chosen.scale  # no growth in 6 steps
+    # The largest power of two keeping the measured max below 2**(16 - headroom).
+    limit = 2.0 ** (16 - start_scale.START_HEADROOM_BITS)
+    assert chosen.max_abs * chosen.scale < limit <= chosen.max_abs * chosen.scale * 2
+    assert chosen.max_abs >= chosen.weight_max > 0
+    assert chosen.seconds > 0
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_tiny_loss_gets_a_large_scale_and_trains_like_float32(flavour):
+    keras = patterns.keras_module(flavour)
+    hook, found = _enable()
+    normal = patterns.train(keras, "vae", before_fit=hook)
+    normal_scale = found["model"]._tfamp_state.start_scale.scale
+    tiny = patterns.train(keras, "vae", tiny=True, before_fit=hook)
+    tiny_scale = found["model"]._tfamp_state.start_scale.scale
+    # loss x1e-6 (about 2**-20): the scale rises by as much, up to the 2**24 cap.
+    assert tiny_scale == 2.0**24 or tiny_scale >= normal_scale * 2.0**18
+    assert tiny_scale > 2.0**15
+    reference = patterns.train(keras, "vae", tiny=True)
+    cosine, _ = patterns.compare(reference["delta"], tiny["delta"])
+    assert cosine > 0.99
+    assert tiny["history"]["skipped_steps"] == 0
+    del normal
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("settings, expected", [
+    ({"loss_scale": 1024}, 1024.0),
+    ({"initial_scale": 2.0**15}, 2.0**15),
+])
+def test_a_number_keeps_todays_behaviour(flavour, settings, expected):
+    keras = patterns.keras_module(flavour)
+    hook, found = _enable(**settings)
+    run = patterns.train(keras, "multi_io", before_fit=hook)
+    assert found["model"]._tfamp_state.start_scale is None  # no probe
+    assert run["history"]["loss_scale"] == expected
+
+
+def _bn_model(keras):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16)(inputs)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Dropout(0.5)(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(h))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_probe_changes_nothing_but_the_scale(flavour):
+    keras = patterns.keras_module(flavour)
+    model = _bn_model(keras)
+    tfamp.enable(model, verbose=False)
+    x = np.random.default_rng(1).normal(5.0, 3.0, size=(32, 8)).astype("float32")
+    y = 100.0 * x[:, :1]
+    model(x[:2])  # built
+    before = [np.array(v.numpy(), copy=True) for v in model.weights]
+    state = model._tfamp_state
+    found = start_scale.before_fit(model, state, (x, y), {"batch_size": 16})
+    assert found is not None and found.batch_size == 16
+    after = [np.array(v.numpy(), copy=True) for v in model.weights]
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a, b)  # BatchNorm statistics restored too
+    owner = state.loop.scale_owner()
+    assert int(owner.iterations.numpy()) == 0
+    assert float(custom_loop.current_scale(owner).numpy()) == found.scale
+    # Called again (a second fit): no second probe.
+    assert start_scale.before_fit(model, state, (x, y), {"batch_size": 16}) is None
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_scale_that_has_taken_steps_is_kept(flavour):
+    keras = patterns.keras_module(flavour)
+    model = _bn_model(keras)
+    tfamp.enable(model, verbose=False)
+    x = np.ones((16, 8), "float32")
+    model(x[:2])
+    owner = model._tfamp_state.loop.scale_owner()
+    custom_loop._build_if_needed(owner, model)
+    owner.iterations.assign(7)  # as a restored checkpoint of a run that trained
+    start_scale.set_scale(owner, 512.0)
+    assert start_scale.has_stepped(owner)
+    assert start_scale.before_fit(model, model._tfamp_state, (x, x[:, :1]), {}) is None
+    assert float(custom_loop.current_scale(owner).numpy()) == 512.0
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_custom_loop_calibration(flavour):
+    import tensorflow as tf
+
+    keras = patterns.keras_module(flavour)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(1e-6)
+    tfamp.enable(model, verbose=False)
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype("float32")
+    y = 30.0 * x.sum(axis=1, keepdims=True)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(xb) - yb))  # sum: overflows at 2**15
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    found = tfamp.calibrate_loss_scale(step, x[:32], y[:32], model=model)
+    owner = model._tfamp_state.loop.scale_owner()
+    assert math.log2(found.scale) < 15
+    before = [np.array(v.numpy(), copy=True) for v in model.trainable_variables]
+    step(x[:32], y[:32])
+    step(x[32:], y[32:])
+    assert int(owner.skipped_steps.numpy()) == 0
+    assert any(not np.array_equal(a, v.numpy())
+               for a, v in zip(before, model.trainable_variables, strict=True))
+
+
+def test_settings():
+    assert settings_from_env({}, with_config=False).initial_scale == "auto"
+    assert settings_from_env({"TFAMP_INITIAL_SCALE": "AUTO"},
+                             with_config=False).initial_scale == "auto"
+    assert settings_from_env({"TFAMP_INITIAL_SCALE": "4096"},
+                             with_config=False).initial_scale == 4096.0
+    with pytest.raises(EnvError, match=r"TFAMP_INITIAL_SCALE='automatic' is not valid; "
+                                       r"accepted values: auto"):
+        settings_from_env({"TFAMP_INITIAL_SCALE": "automatic"}, with_config=False)
+    keras = patterns.keras_module("keras3")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(ValueError, match="initial_scale must be 'auto'.*received 'automatic'"):
+        tfamp.enable(model, initial_scale="automatic")
+
+
+def test_choose_scale():
+    assert start_scale.choose_scale(2.13) == 2.0**12  # 2.13 * 4096 = 8724 < 2**14
+    assert start_scale.choose_scale(97.8) == 2.0**7
+    assert start_scale.choose_scale(0.0) == 2.0**24
+    assert start_scale.choose_scale(1e-12) == 2.0**24
+    assert start_scale.choose_scale(1e6, min_scale=1.0) == 1.0
