@@ -144,8 +144,8 @@ def _add_model_arguments(command, *, reports: bool = True) -> None:
                                       f"{'to' if verb == 'add' else 'from'} the "
                                       f"{list_name} list")
     command.add_argument("--batch-size", type=_positive_int, metavar="N",
-                         help="trace a Keras file (default 8) or a SavedModel whose batch "
-                              "dimension is open at batch N")
+                         help="trace a Keras file at batch N (default 8); also the batch "
+                              "of --ranges' synthetic inputs")
 
 
 def _version() -> str:
@@ -286,6 +286,9 @@ def _rewrite(args) -> int:
             raise UserError(f"{path}: expected a GraphDef file name ending in .pb (binary) "
                             f"or .pbtxt (text), received {Path(path).suffix or 'no suffix'!r}")
     _import_modules(args.imports)
+    if Path(args.path).suffix.lower() == ".json":
+        raise UserError(f"{args.path} is a tfamp report, which holds no graph; expected a "
+                        f"SavedModel directory, a Keras file or a GraphDef to rewrite")
     loaded, new_graph_def, report = _load_and_rewrite(args, config)
     _write_graph_def(new_graph_def, Path(args.output))
     written = [args.output]
