@@ -414,7 +414,7 @@ def test_html_page_renders_in_chromium(underflow_report, tmp_path):
     for t in underflow_report.of_kind("activation_gradient"):
         row = re.search(rf'<tr data-name="{re.escape(t.name)}">(.*?)</tr>', dom).group(1)
         cell = re.search(r'data-col="lost at 1">([^<]*)<', row).group(1)
-        assert cell == ranges._pct(t.underflow_share(1.0)).replace(">", "&gt;")
+        assert cell == ranges.format_pct(t.underflow_share(1.0)).replace(">", "&gt;")
     dom_k = load(page, tmp_path, fragment="#k=20")
     assert 'data-k="20"' in dom_k and "lost at 2^20" in dom_k
 
@@ -437,6 +437,16 @@ def test_cli_ranges_on_a_keras_file_and_a_saved_model(tmp_path, capsys):
                      str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out
     assert "forward pass only" in out and "tiny_loss/hidden/MatMul" in out
+    # issue 20: the answer first, the table in the file (or with --table)
+    lines = out.splitlines()
+    assert lines[1].startswith("  recommendation: ") and "per-tensor ranges" not in out
+    assert lines[-1].endswith("(the per-tensor table is in ranges.txt, or add --table)")
+    assert "per-tensor ranges" in (tmp_path / "s" / "ranges.txt").read_text()
+    assert cli.main(["inspect", str(tmp_path / "m.keras"), "--ranges", "--batches", "1",
+                     "--batch-size", "4", "--table", "-o", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    assert out.index("recommendation: ") < out.index("per-tensor ranges")
+    assert "synthetic batches of 4" in out
     saved = json.loads((tmp_path / "s" / "ranges.json").read_text())
     assert {t["kind"] for t in saved["tensors"]} == {"activation"}
 
