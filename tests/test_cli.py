@@ -231,7 +231,8 @@ def test_summary_has_a_verdict_and_a_batch_line(capsys, saved_model):
     lines = out.splitlines()
     assert lines[1].startswith("  verdict: float16 ")
     assert lines[2] == ("  batch size: open (B) in the signature: FLOPs are per B, traffic "
-                        "the share at large B; fix it with --batch-size N")
+                        "the share at large B (a signature exported at a fixed batch gives "
+                        "bytes)")
     assert "of 32 x B counted per step" in out  # 2 * 4 * 4 per row
     code, _, err = run(capsys, "inspect", str(saved_model), "--batch-size", "16")
     assert code == 2 and "keeps the shapes it was saved with, so tfamp cannot trace it at " \

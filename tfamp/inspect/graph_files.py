@@ -157,7 +157,8 @@ def read_saved_model(folder: Path, signature: str | None, *,
     open_batch = [k for k, s in specs.items() if s.shape.rank and s.shape[0] is None]
     if batch_size is None:
         note = ("open (B) in the signature: FLOPs are per B, traffic the share at large "
-                "B; fix it with --batch-size N") if open_batch else "fixed by the signature"
+                "B (a signature exported at a fixed batch gives bytes)") if open_batch else (
+            "fixed by the signature")
         fixed = {s.shape[0] for s in specs.values() if s.shape.rank}
         size = fixed.pop() if not open_batch and len(fixed) == 1 else None
         inspectable = _from_concrete(f"{folder.name}:{wanted}", concrete)
