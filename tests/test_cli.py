@@ -208,5 +208,192 @@ def test_demo_runs_and_reports_rewrite_and_losses(capsys, tmp_path, monkeypatch)
     assert "loss scaling in the float16 run: dynamic" in out
     assert "All model variables stayed float32" in out
     assert re.search(r"estimated float memory traffic per step: [\d.]+ MB -> [\d.]+ MB", out)
-    assert "recommendation: gradients of" in out
+    # issue 20: the start scale already suffices, and it says so (no "reaches 2^18
+    # after 6000 good steps" next to a 0% loss at 2^15)
+    assert "recommendation: loss scaling is needed" in out and "already suffices" in out
     assert (tmp_path / "tfamp_demo_out" / "ranges" / "ranges.png").stat().st_size > 10_000
+
+
+# ------------------------------------------------------- issue 20: answers
+
+def test_version(capsys):
+    import tfamp
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tfamp {tfamp.__version__}"
+
+
+def test_summary_has_a_verdict_and_a_batch_line(capsys, saved_model):
+    code, out, _ = run(capsys, "inspect", str(saved_model))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1].startswith("  verdict: float16 ")
+    assert lines[2] == ("  batch size: open (B) in the signature: FLOPs are per B, traffic "
+                        "the share at large B (a signature exported at a fixed batch gives "
+                        "bytes)")
+    assert "of 32 x B counted per step" in out  # 2 * 4 * 4 per row
+    code, _, err = run(capsys, "inspect", str(saved_model), "--batch-size", "16")
+    assert code == 2 and "keeps the shapes it was saved with, so tfamp cannot trace it at " \
+        "another batch (inputs x: [None, 4]); drop --batch-size" in err
+    code, out, _ = run(capsys, "inspect", str(saved_model), "--format", "json")
+    data = json.loads(out)
+    assert data["batch_size"] is None and data["matrix_flops"]["total"] == 32
+    assert set(data["verdict"]) == {"worth", "ratio", "flop_share", "suggestions", "line"}
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--batch-size", "4"], "--batch-size applies to Keras model files and SavedModels, "
+                            "which are traced here; {path} is a GraphDef whose shapes are "
+                            "fixed (trace it again at the batch you want)"),
+    (["--why", "MatMul"], "'MatMul' is an op type, not a node name; expected a node name "
+                          "such as 'mm'; list them all with --nodes --op MatMul"),
+    (["--table"], "--table shows the per-tensor table of --ranges; add --ranges"),
+    (["--batch-size", "0"], "argument --batch-size: expected a positive integer, got '0'"),
+])
+def test_issue_20_errors(capsys, graph_files, argv, expected):
+    _, binary, _ = graph_files
+    try:
+        code, out, err = run(capsys, "inspect", str(binary), *argv)
+    except SystemExit as exit_info:  # argparse's own errors
+        code, err = exit_info.code, capsys.readouterr().err
+    assert code == 2 and err.startswith("tfamp: error: ")
+    assert expected.format(path=binary) in err and err.count("\n") == 1
+
+
+def test_saved_model_with_a_fixed_batch_refuses_batch_size(capsys, tmp_path):
+    class Fixed(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([2, 4])])
+        def __call__(self, x):
+            return tf.matmul(x, x, transpose_b=True)
+
+    tf.saved_model.save(Fixed(), str(tmp_path / "fixed"))
+    code, _, err = run(capsys, "inspect", str(tmp_path / "fixed"), "--batch-size", "8")
+    assert code == 2 and "fixes its batch dimension already (inputs x: [2, 4]); drop " \
+        "--batch-size" in err
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "fixed"))
+    assert code == 0 and "  batch size: 2 (fixed by the signature)" in out
+
+
+def test_json_output_file_says_wrote_and_rerenders_with_its_flops_line(capsys, graph_files,
+                                                                        tmp_path):
+    _, binary, _ = graph_files
+    saved = tmp_path / "report.json"
+    code, out, _ = run(capsys, "inspect", str(binary), "--format", "json", "-o", str(saved))
+    assert code == 0
+    assert out == (f"wrote {saved} (the report of 6 nodes); render it again with tfamp "
+                   f"inspect {saved}\n")
+    _, direct, _ = run(capsys, "inspect", str(binary))
+    _, again, _ = run(capsys, "inspect", str(saved))
+    flops = [line for line in direct.splitlines() if line.startswith("  matrix/convolution")]
+    assert flops == [line for line in again.splitlines() if line.startswith("  matrix/convolution")]
+    assert "100.0% of 16 counted per step" in flops[0]
+
+
+def test_rewrite_writes_a_graph_that_diff_reads(capsys, graph_files, tmp_path):
+    _, binary, _ = graph_files
+    out_pb, out_txt = tmp_path / "amp.pb", tmp_path / "amp.pbtxt"
+    code, out, _ = run(capsys, "rewrite", str(binary), "-o", str(out_pb))
+    assert code == 0 and out.splitlines()[-1] == f"wrote {out_pb}"
+    assert out.startswith("tfamp: model: 2 ops -> float16")
+    code, out, _ = run(capsys, "rewrite", str(binary), "-o", str(out_txt), "--dtype",
+                       "bfloat16", "--original", str(tmp_path / "orig.pbtxt"))
+    assert code == 0 and out.splitlines()[-1].endswith(
+        f"compare: tfamp diff {tmp_path / 'orig.pbtxt'} {out_txt}")
+    code, out, _ = run(capsys, "diff", str(binary), str(out_pb), "--format", "json")
+    assert code == 0 and sorted(d["node"] for d in json.loads(out)["dtype_changes"]) == [
+        "mm", "relu"]
+    assert "DT_BFLOAT16" in out_txt.read_text()
+
+
+def test_rewrite_errors(capsys, graph_files, tmp_path):
+    _, binary, _ = graph_files
+    code, _, err = run(capsys, "rewrite", str(binary), "-o", str(tmp_path / "x.onnx"))
+    assert code == 2 and err == (
+        f"tfamp: error: {tmp_path / 'x.onnx'}: expected a GraphDef file name ending in .pb "
+        f"(binary) or .pbtxt (text), received '.onnx'\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["rewrite", str(binary)])
+    assert exit_info.value.code == 2
+    assert "the following arguments are required: -o/--output" in capsys.readouterr().err
+    report = tmp_path / "r.json"
+    run(capsys, "inspect", str(binary), "--format", "json", "-o", str(report))
+    code, _, err = run(capsys, "rewrite", str(report), "-o", str(tmp_path / "r.pb"))
+    assert code == 2 and err == (
+        f"tfamp: error: {report} is a tfamp report, which holds no graph; expected a "
+        f"SavedModel directory, a Keras file or a GraphDef to rewrite\n")
+
+
+def test_verdict_rules():
+    from tfamp.rewrite.verdict import VerdictInputs, judge
+
+    base = dict(dtype="float16", converted=10, matrix_converted=2)
+    worse = judge(VerdictInputs(**base, traffic_before=2_020_000_000,
+                                traffic_after=2_130_000_000, cast_bytes=400_000_000,
+                                flop_share=1.0, batch_size=8,
+                                top_kept=("downstream of a deny op", 34)))
+    assert worse.worth == "marginal" and worse.ratio == pytest.approx(1.054, abs=1e-3)
+    assert worse.line == (
+        "float16 moves more bytes than float32 here (2.13 GB vs 2.02 GB): only the matrix "
+        "math (100% of the matrix FLOPs) gains: try bfloat16 (--dtype bfloat16) / a larger "
+        "batch than 8 (Casts are 19% of the bytes; those of weights cost the same at any "
+        "batch) / fewer ops kept float32 (downstream of a deny op: 34 ops; see --nodes and "
+        "--why NODE)")
+    good = judge(VerdictInputs(**base, traffic_before=100, traffic_after=60, flop_share=0.98))
+    assert good.worth == "yes" and good.line.startswith(
+        "float16 is worth it here: it moves 0.60x float32's bytes (60 B vs 100 B)")
+    nothing = judge(VerdictInputs(dtype="bfloat16", converted=3, matrix_converted=0))
+    assert nothing.worth == "no" and "no matrix/convolution op was converted" in nothing.line
+    share = judge(VerdictInputs(**base, traffic_share=0.68))
+    assert share.worth == "yes" and "(68% of float32's at large sizes)" in share.line
+
+
+def test_verdict_is_in_the_log_line_and_verbosity_2_adds_the_breakdown(caplog, graph_files):
+    import logging
+
+    import tfamp
+
+    _, binary, _ = graph_files
+    graph_def = tf.compat.v1.GraphDef.FromString(binary.read_bytes())
+    with caplog.at_level(logging.DEBUG, logger="tfamp"):
+        _, report = tfamp.rewrite_graph_def(graph_def)
+    assert report.summary_line().endswith("; " + report.verdict.line)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tfamp"]
+    assert report.summary_line() not in lines  # the caller logs it, once
+    assert any("every op converted: MatMul x1, Relu x1; kept float32 by reason:" in line
+               for line in lines)
+
+
+def test_no_gpu_notice_once_per_user(monkeypatch, tmp_path, caplog):
+    import logging
+
+    from tfamp.runtime import startup
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with caplog.at_level(logging.DEBUG, logger="tfamp"):
+        startup._note_hardware()
+        startup._note_hardware()
+    notices = [r for r in caplog.records if "no GPU with fast 16-bit math" in r.getMessage()]
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU is visible: no notice to show")
+    assert [r.levelno for r in notices] == [logging.WARNING, logging.DEBUG]
+    assert "Shown once on this machine" in notices[0].getMessage()
+    assert (tmp_path / "tfamp" / "no_fast_gpu.shown").is_file()
+
+
+def test_run_dtype_sets_the_scripts_dtype(tmp_path):
+    import os
+    from pathlib import Path
+
+    script = tmp_path / "show.py"
+    script.write_text("from tfamp.runtime import startup\n"
+                      "print(startup._active.settings.config.dtype)\n")
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update(PYTHONPATH=repo, TF_CPP_MIN_LOG_LEVEL="2", XDG_CACHE_HOME=str(tmp_path))
+    result = subprocess.run([sys.executable, "-m", "tfamp", "run", "--dtype", "bfloat16",
+                             str(script)], capture_output=True, text=True, timeout=300,
+                            env=env, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "bfloat16"

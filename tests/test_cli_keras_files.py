@@ -170,3 +170,28 @@ def test_inspect_shows_the_loader_error_when_the_class_is_imported_but_does_not_
     assert "is not registered" not in err
     assert err.startswith(f"tfamp: error: {path} is not a loadable Keras model file (")
     assert "get_config" in err  # tf_keras: the config does not match the constructor
+
+
+def test_keras_file_batch_size_line_and_option(capsys, tmp_path):
+    """Issue 20: the batch a Keras file is traced at is printed, and --batch-size sets it;
+    a compiled, never-trained Keras 3 file loads without the optimizer warning."""
+    import warnings
+
+    path = tmp_path / "model.keras"
+    mlp(keras3, True).save(str(path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code, out, err = run(capsys, "inspect", str(path))
+    assert code == 0, err
+    assert "  batch size: 8 (assumed; a Keras file records none: change it with " \
+        "--batch-size N)" in out
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
+    assert "Skipping variable loading" not in err
+    eight = next(line for line in out.splitlines() if line.startswith("  matrix/convolution"))
+    code, out, _ = run(capsys, "inspect", str(path), "--batch-size", "32")
+    assert code == 0 and "  batch size: 32 (given with --batch-size)" in out
+    flops = next(line for line in out.splitlines() if line.startswith("  matrix/convolution"))
+    counted = [int(line.split(" of ")[1].split()[0].replace(",", "")) for line in (eight, flops)]
+    assert counted[1] == 4 * counted[0]
+    code, out, _ = run(capsys, "inspect", str(path), "--format", "json", "--batch-size", "32")
+    assert json.loads(out)["batch_size"] == 32

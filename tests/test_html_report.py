@@ -10,6 +10,7 @@ install it with ``apt-get install -y chromium``.
 from __future__ import annotations
 
 import dataclasses
+import html as html_lib
 import json
 import os
 import re
@@ -362,6 +363,7 @@ def test_browser_small_graph(small, pages, tmp_path):
     assert screenshot.stat().st_size > 30_000, "the screenshot looks blank"
     overview = re.search(r'<section id="overview">(.*?)</section>', dom, re.S).group(1)
     assert "What changed, and why" in overview and "Estimated float traffic" in overview
+    assert f'<p class="verdict">{html_lib.escape(small[1].verdict.line)}</p>' in overview
     assert overview.count('<tr class="layer"') == len(page_data(
         pages["small"].read_text(encoding="ascii"))["overview"]["layers"])
     print(f"\nscreenshot: {screenshot}")

@@ -88,33 +88,97 @@ def test_shares_at_a_scale(scale, under, subnormal, over):
     assert t.overflow_share(scale) == over
 
 
-def test_recommended_scale_keeps_one_bit_of_headroom_and_is_capped():
+def test_highest_safe_scale_keeps_one_bit_of_headroom_and_is_capped():
     report = RangeReport("m", 1, None, [entry({-30: 3, -10: 1}),
                                         entry({-8: 1}, "weight_gradient", "w")])
     # largest exponent -8: bins up to 2^(-8+1+k) <= 2^(16-1) -> k = 22
-    assert report.recommended_scale() == 2.0**22
+    assert report.highest_safe_scale() == 2.0**22
     assert report.tensor("w", "weight_gradient").headroom_bits(2.0**22) == 1
     assert report.tensor("t", "activation_gradient").headroom_bits(2.0**22) == 3
     tiny = RangeReport("m", 1, None, [entry({-60: 1})])
-    assert tiny.recommended_scale() == 2.0**ranges.MAX_SCALE_EXP
+    assert tiny.highest_safe_scale() == 2.0**ranges.MAX_SCALE_EXP
     huge = RangeReport("m", 1, None, [entry({17: 1})])
-    assert huge.recommended_scale() == 1.0
+    assert huge.highest_safe_scale() == 1.0
 
 
-def test_recommendation_names_the_worst_layer_and_the_numbers():
+def test_recommendation_says_the_start_scale_already_suffices():
+    """Issue 20: "reaches 2^18 after 6000 good steps; 512 would suffice" while 2^15,
+    where dynamic scaling starts, already lost nothing."""
     report = RangeReport("m", 2, None, [
         entry({-30: 31, -5: 69}, name="dense_3"),
         entry({-5: 10}, "weight_gradient", "dense_3/kernel")])
-    text = report.recommendation()
-    assert text.startswith("gradients of 'dense_3' lose 31.0% of values at scale 1 and 0% at "
-                           "2^19 (524288)")  # 16 - 1 - 1 - (-5) = 19
-    assert "dynamic scaling (from 2^15 (32768)) reaches it after 8000 good steps" in text
-    assert "a fixed scale of 64 would suffice" in text   # 2^-30 * 64 = 2^-24
-    assert report.smallest_sufficient_scale() == 64.0
+    advice = report.advice()
+    assert advice.kind == "start_suffices"
+    assert advice.scale == report.recommended_scale() == 2.0**15
+    assert advice.sufficient == report.smallest_sufficient_scale() == 64.0  # 2^-30 * 64
+    assert advice.ceiling == 2.0**19  # 16 - 1 - 1 - (-5)
+    assert report.recommendation() == (
+        "loss scaling is needed (without scaling 'dense_3' loses 31.0% of its values) and "
+        "dynamic scaling's start scale 2^15 (32768) already suffices: no gradient loses "
+        "more than 0.10% there; nothing to change (any fixed scale from 2^6 (64) to "
+        "2^19 (524288) would do too).")
     assert report.dynamic_steps_to(2.0**12) == (3, "skipped")
     assert report.dynamic_steps_to(2.0**17) == (4000, "good")
     fine = RangeReport("m", 1, None, [entry({-3: 5})])
+    assert fine.advice().kind == "no_scaling_needed" and fine.recommended_scale() == 1.0
     assert "without loss scaling" in fine.recommendation()
+
+
+def test_recommendation_when_dynamic_scaling_must_grow_or_shrink():
+    grow = RangeReport("m", 1, None, [entry({-42: 10, -5: 90}, name="deep")])
+    advice = grow.advice()  # 2^-42 needs 2^18; the start 2^15 still loses 10%
+    assert (advice.kind, advice.scale, advice.steps) == ("grow_to", 2.0**18, 6000)
+    assert advice.sentence == (
+        "loss scaling is needed (without scaling 'deep' loses 10.0% of its values); "
+        "dynamic scaling starts at 2^15 (32768), where 'deep' still loses 10.0%, and "
+        "reaches 2^18 (262144) only after 6000 good steps: start there "
+        "(initial_scale=262144) or use a fixed scale of 262144.")
+    shrink = RangeReport("m", 1, None, [entry({-30: 1, 3: 9}, name="big")])
+    advice = shrink.advice()  # ceiling 2^(16-1-1-3) = 2^11; enough from 2^6
+    assert (advice.kind, advice.scale, advice.ceiling, advice.steps) == (
+        "shrink_to", 64.0, 2.0**11, 4)
+    assert "overflows (the highest with head-room is 2^11 (2048)), so it skips 4 steps" in (
+        advice.sentence)
+
+
+def test_one_threshold_for_the_recommendation_the_summary_and_the_table():
+    """A tensor losing 0.12% is "losing" everywhere; one losing 0.1% exactly nowhere."""
+    above = entry({-60: 12, -3: 9988}, "weight_gradient", "bn/gamma")
+    above.layer = "bn"
+    at = entry({-60: 1, -3: 999}, "weight_gradient", "other/kernel")
+    report = RangeReport("m", 1, None, [above, at])
+    advice = report.advice()
+    assert advice.kind == "keep_fp32" and advice.keep_fp32 == ("(^|/)bn/",)
+    assert "'bn/gamma' loses 0.12% of its values (1 gradient(s) lose more than 0.10%)" in (
+        advice.sentence)
+    summary = report.summary_text()
+    assert "gradients losing more than 0.10% of their values to 0: 1 of 2 at scale 1, 1 at" \
+        in summary
+    row = next(line for line in report.table_text().splitlines() if "bn/gamma" in line)
+    assert "0.12%" in row
+    assert ranges.format_pct(0.001) == "0.10%" and ranges.format_pct(0.00005) == "<0.01%"
+
+
+def test_rounding_level_offsets_and_all_zero_gradients_are_not_evidence():
+    """A bias feeding a BatchNorm: its gradient is a sum of the layer's output gradient
+    that cancels exactly; float32 leaves rounding noise 2^-30 below it."""
+    out_grad = entry({-8: 100}, "activation_gradient", "conv")
+    bias = entry({-40: 4}, "weight_gradient", "conv/bias", max_abs=2.0**-40)
+    bias.layer = "conv"
+    kernel = entry({-10: 50}, "weight_gradient", "conv/kernel")
+    kernel.layer = "conv"
+    zero = entry({}, "weight_gradient", "head/beta", zeros=8)
+    report = RangeReport("m", 1, None, [out_grad, bias, kernel, zero])
+    advice = report.advice()
+    assert set(advice.ignored) == {"conv/bias", "head/beta"}
+    assert advice.ignored["head/beta"] == "all zero"
+    assert advice.ignored["conv/bias"].startswith("rounding-level: largest value 2^-40")
+    assert advice.kind == "no_scaling_needed" and report.worst_gradient().name != "conv/bias"
+    assert "not counted: 2 gradient(s) zero or at rounding level" in report.summary_text()
+    assert "conv/bias*" in report.table_text()
+    # the same bias 2^-11 below its layer's output gradient is evidence
+    bias.counts = entry({-19: 4}).counts
+    assert "conv/bias" not in report.advice().ignored
 
 
 def test_json_round_trip():
@@ -153,12 +217,12 @@ def underflow_model(seed: int = 0):
 def check_underflow_and_recommendation(report):
     """The underflow model's gradients: lost at scale 1, kept at the recommended scale."""
     recommended = report.recommended_scale()
-    assert recommended >= 2.0**20
+    assert recommended >= report.smallest_sufficient_scale() >= 2.0**5
     for t in report.gradients():
         assert t.underflow_share(1.0) > 0.9, t.name
         assert t.underflow_share(recommended) < 0.001, t.name
         assert t.overflow_share(recommended) == 0.0
-    assert report.recommendation().startswith("gradients of ")
+    assert report.recommendation().startswith("loss scaling is needed")
 
 
 def regression_data(samples=256, seed=0):
@@ -178,7 +242,7 @@ def test_underflow_model_report_shows_loss_at_scale_1_and_none_at_the_recommende
     out_grad = report.tensor("out", "activation_gradient")
     assert out_grad.nonzero == 128  # 2 batches of 64 rows, 1 output
     check_underflow_and_recommendation(report)
-    assert "lose 100.0% of values at scale 1" in report.recommendation() or \
+    assert "loses 100.0% of its values" in report.recommendation() or \
         ">99.5%" in report.recommendation()
     # the forward activations are ordinary: nothing near float16's limits
     assert all(t.underflow_share() < 0.01 and t.overflow_share() == 0
@@ -253,7 +317,9 @@ def test_enable_ranges_adds_the_monitor_and_tensorboard_histograms(tmp_path):
     board = keras.callbacks.TensorBoard(log_dir=str(tmp_path / "tb"))
     model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[board])
     written = json.loads((tmp_path / "out" / "ranges.json").read_text())
-    assert written["steps"] == 3 and written["loss_scale"] == 2.0**15
+    # The dynamic scale started where the first batch's gradients put it (start_scale.py).
+    assert written["steps"] == 3
+    assert written["loss_scale"] == model._tfamp_state.start_scale.scale > 2.0**15
     check_tensorboard_histograms(tmp_path / "tb", written)
 
 
@@ -350,7 +416,7 @@ def test_html_page_renders_in_chromium(underflow_report, tmp_path):
     for t in underflow_report.of_kind("activation_gradient"):
         row = re.search(rf'<tr data-name="{re.escape(t.name)}">(.*?)</tr>', dom).group(1)
         cell = re.search(r'data-col="lost at 1">([^<]*)<', row).group(1)
-        assert cell == ranges._pct(t.underflow_share(1.0)).replace(">", "&gt;")
+        assert cell == ranges.format_pct(t.underflow_share(1.0)).replace(">", "&gt;")
     dom_k = load(page, tmp_path, fragment="#k=20")
     assert 'data-k="20"' in dom_k and "lost at 2^20" in dom_k
 
@@ -373,6 +439,16 @@ def test_cli_ranges_on_a_keras_file_and_a_saved_model(tmp_path, capsys):
                      str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out
     assert "forward pass only" in out and "tiny_loss/hidden/MatMul" in out
+    # issue 20: the answer first, the table in the file (or with --table)
+    lines = out.splitlines()
+    assert lines[1].startswith("  recommendation: ") and "per-tensor ranges" not in out
+    assert lines[-1].endswith("(the per-tensor table is in ranges.txt, or add --table)")
+    assert "per-tensor ranges" in (tmp_path / "s" / "ranges.txt").read_text()
+    assert cli.main(["inspect", str(tmp_path / "m.keras"), "--ranges", "--batches", "1",
+                     "--batch-size", "4", "--table", "-o", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    assert out.index("recommendation: ") < out.index("per-tensor ranges")
+    assert "synthetic batches of 4" in out
     saved = json.loads((tmp_path / "s" / "ranges.json").read_text())
     assert {t["kind"] for t in saved["tensors"]} == {"activation"}
 

@@ -18,8 +18,11 @@ _EPILOG = """examples:
   tfamp inspect graph.pb              what the rewrite does to a GraphDef
   tfamp inspect graph.pbtxt --dtype bfloat16 --format json
   tfamp inspect report.json           render a saved tfamp report again
+  tfamp rewrite model.keras -o step_amp.pb   write the rewritten graph (for tfamp diff)
   tfamp run train.py --epochs 3       run a script with mixed precision on
 """
+
+_GRAPH_SUFFIXES = (".pb", ".pbtxt")
 
 
 class UserError(Exception):
@@ -37,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="tfamp", description="Automatic mixed precision for TensorFlow by graph rewrite.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tfamp {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
@@ -57,27 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                "  tfamp inspect graph.pb --format html -o graph.html\n"
                "  tfamp inspect graph.pb --dtype bfloat16 --deny-add Tanh --format json\n"
                "  tfamp inspect report.json              # a TFAMP_REPORT_DIR report\n"
+               "  tfamp inspect model.keras --batch-size 64   # trace at batch 64\n"
                "  tfamp inspect model.keras --ranges -o ranges   # gradients vs 16-bit limits",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    inspect.add_argument("path", help="a SavedModel directory, a Keras model file (.keras, "
-                                      ".h5), a GraphDef (.pb, .pbtxt) or a tfamp JSON report")
-    inspect.add_argument("--signature", help="SavedModel signature (serving_default)")
-    inspect.add_argument("--graph", choices=["train", "predict"],
-                         help="Keras file: training step (default when saved compiled) or "
-                              "forward pass")
-    inspect.add_argument("--import", dest="imports", action="append", default=[],
-                         metavar="MODULE",
-                         help="import MODULE first, e.g. the package that registers a Keras "
-                              "file's custom layers (repeatable)")
-    inspect.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
-    inspect.add_argument("--keep-fp32", action="append", default=[], metavar="REGEX",
-                         help="node names matching REGEX stay float32 (repeatable)")
-    for list_name in ("allow", "infer", "deny", "clear"):
-        for verb in ("add", "remove"):
-            inspect.add_argument(f"--{list_name}-{verb}", default="", metavar="OPS",
-                                 help=f"comma-separated op names to {verb} "
-                                      f"{'to' if verb == 'add' else 'from'} the "
-                                      f"{list_name} list")
+    _add_model_arguments(inspect)
     inspect.add_argument("--nodes", action="store_true", help="list every node")
     inspect.add_argument("--op", default="", help="with --nodes: only this op type")
     inspect.add_argument("--name", default="", help="with --nodes: names containing this")
@@ -94,8 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
                               ".json/.html/.png to -o DIR (default tfamp_ranges)")
     inspect.add_argument("--batches", type=_positive_int, default=3,
                          help="with --ranges: synthetic batches to run (3)")
+    inspect.add_argument("--table", action="store_true",
+                         help="with --ranges: also print the per-tensor table (always "
+                              "written to ranges.txt)")
     inspect.add_argument("--format", choices=["text", "json", "html"], default="text")
     inspect.add_argument("-o", "--output", help="file to write (required with --format html)")
+
+    rewrite = commands.add_parser(
+        "rewrite", help="write the rewritten graph as a GraphDef (.pb or .pbtxt)",
+        epilog="examples:\n  tfamp rewrite model.keras -o step_amp.pb\n"
+               "  tfamp rewrite saved_model_dir --dtype bfloat16 -o serve_bf16.pbtxt\n"
+               "  tfamp diff step.pb step_amp.pb        # with --original step.pb",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_arguments(rewrite, reports=False)
+    rewrite.add_argument("-o", "--output", required=True, metavar="OUT",
+                         help="the rewritten GraphDef: OUT.pb (binary) or OUT.pbtxt (text)")
+    rewrite.add_argument("--original", metavar="FILE",
+                         help="also write the graph as traced, before the rewrite (.pb or "
+                              ".pbtxt), to compare with tfamp diff")
 
     diff = commands.add_parser(
         "diff", help="compare two GraphDefs: op counts, dtype changes, casts",
@@ -111,9 +114,44 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  tfamp run train.py --epochs 3\n"
                "  TFAMP_DTYPE=bfloat16 tfamp run train.py",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--dtype", choices=["float16", "bfloat16"],
+                     help="16-bit type (sets TFAMP_DTYPE for the script; default: "
+                          "TFAMP_DTYPE, else float16)")
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
+
+
+def _add_model_arguments(command, *, reports: bool = True) -> None:
+    """The arguments of commands that read a model and rewrite it (inspect, rewrite)."""
+    kinds = "a SavedModel directory, a Keras model file (.keras, .h5), a GraphDef (.pb, .pbtxt)"
+    command.add_argument("path", help=kinds + (" or a tfamp JSON report" if reports else ""))
+    command.add_argument("--signature", help="SavedModel signature (serving_default)")
+    command.add_argument("--graph", choices=["train", "predict"],
+                         help="Keras file: training step (default when saved compiled) or "
+                              "forward pass")
+    command.add_argument("--import", dest="imports", action="append", default=[],
+                         metavar="MODULE",
+                         help="import MODULE first, e.g. the package that registers a Keras "
+                              "file's custom layers (repeatable)")
+    command.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    command.add_argument("--keep-fp32", action="append", default=[], metavar="REGEX",
+                         help="node names matching REGEX stay float32 (repeatable)")
+    for list_name in ("allow", "infer", "deny", "clear"):
+        for verb in ("add", "remove"):
+            command.add_argument(f"--{list_name}-{verb}", default="", metavar="OPS",
+                                 help=f"comma-separated op names to {verb} "
+                                      f"{'to' if verb == 'add' else 'from'} the "
+                                      f"{list_name} list")
+    command.add_argument("--batch-size", type=_positive_int, metavar="N",
+                         help="trace a Keras file at batch N (default 8); also the batch "
+                              "of --ranges' synthetic inputs")
+
+
+def _version() -> str:
+    from tfamp import __version__
+
+    return __version__
 
 
 def _positive_int(text: str) -> int:
@@ -141,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(steps=args.steps, batch=args.batch)
         if args.command == "inspect":
             return _inspect(args)
+        if args.command == "rewrite":
+            return _rewrite(args)
         if args.command == "run":
             return _run(args)
         if args.command == "diff":
@@ -169,24 +209,15 @@ def _config_from_args(args):
 
 
 def _inspect(args) -> int:
-    from tfamp.inspect.graph_files import load_inspectable
-    from tfamp.rewrite import rewrite_graph_def
-
     config = _config_from_args(args)
     _import_modules(args.imports)
     if args.ranges:
         return _inspect_ranges(args, config)
+    if args.table:
+        raise UserError("--table shows the per-tensor table of --ranges; add --ranges")
     if args.format == "html" and not args.output:
         raise UserError("--format html writes a page: give its path with -o FILE")
-    loaded = load_inspectable(Path(args.path), signature=args.signature, graph=args.graph)
-    if loaded.report is not None:
-        report = loaded.report
-    else:
-        try:
-            _, report = rewrite_graph_def(loaded.graph_def, config, outputs=loaded.outputs,
-                                          function_name=loaded.name)
-        except ValueError as err:  # a graph the pass cannot take (it says why)
-            raise UserError(f"{args.path}: {err}") from None
+    loaded, _, report = _load_and_rewrite(args, config)
     if args.why:
         from tfamp.inspect.explain import UnknownNodeError, explain
         from tfamp.rewrite.graph import build_view
@@ -199,6 +230,9 @@ def _inspect(args) -> int:
         return 0
     if args.format == "json":
         _emit(report.to_json(), args.output)
+        if args.output:
+            print(f"wrote {args.output} (the report of {report.nodes_before} nodes); render "
+                  f"it again with tfamp inspect {args.output}")
         return 0
     if args.format == "html":
         from tfamp.inspect.html_report import render_html
@@ -214,6 +248,66 @@ def _inspect(args) -> int:
                                      full_names=args.full_names)
     _emit(text, args.output)
     return 0
+
+
+def _load_and_rewrite(args, config):
+    """(Inspectable, rewritten GraphDef or None, report with FLOPs and batch size)."""
+    from tfamp.inspect.graph_files import load_inspectable
+    from tfamp.rewrite import rewrite_graph_def
+
+    loaded = load_inspectable(Path(args.path), signature=args.signature, graph=args.graph,
+                              batch_size=args.batch_size)
+    if loaded.report is not None:
+        return loaded, None, loaded.report
+    try:
+        new_graph_def, report = rewrite_graph_def(
+            loaded.graph_def, config, outputs=loaded.outputs, function_name=loaded.name)
+    except ValueError as err:  # a graph the pass cannot take (it says why)
+        raise UserError(f"{args.path}: {err}") from None
+    report.batch_size = loaded.batch_size
+    report.matrix_flops = _matrix_flops(report, loaded)
+    return loaded, new_graph_def, report
+
+
+def _matrix_flops(report, loaded) -> dict[str, int] | None:
+    """The report's matrix_flops field, from FLOPs counted on the loaded graph."""
+    if loaded.flops is None:
+        return None
+    flops, unknown, degree = loaded.flops
+    converted = {(n.function, n.name) for n in report.nodes if n.converted}
+    return {"total": sum(flops.values()),
+            "in_16bit": sum(v for key, v in flops.items() if key in converted),
+            "degree": degree, "not_counted": unknown}
+
+
+def _rewrite(args) -> int:
+    config = _config_from_args(args)
+    for path in filter(None, (args.output, args.original)):
+        if Path(path).suffix.lower() not in _GRAPH_SUFFIXES:
+            raise UserError(f"{path}: expected a GraphDef file name ending in .pb (binary) "
+                            f"or .pbtxt (text), received {Path(path).suffix or 'no suffix'!r}")
+    _import_modules(args.imports)
+    if Path(args.path).suffix.lower() == ".json":
+        raise UserError(f"{args.path} is a tfamp report, which holds no graph; expected a "
+                        f"SavedModel directory, a Keras file or a GraphDef to rewrite")
+    loaded, new_graph_def, report = _load_and_rewrite(args, config)
+    _write_graph_def(new_graph_def, Path(args.output))
+    written = [args.output]
+    if args.original:
+        _write_graph_def(loaded.graph_def, Path(args.original))
+        written.append(args.original)
+    print(report.summary_line())
+    compare = (f"; compare: tfamp diff {args.original} {args.output}" if args.original else
+               "")
+    print(f"wrote {', '.join(written)}{compare}")
+    return 0
+
+
+def _write_graph_def(graph_def, path: Path) -> None:
+    if path.suffix.lower() == ".pbtxt":
+        path.write_text(str(graph_def))
+    else:
+        path.write_bytes(graph_def.SerializeToString())
 
 
 def _import_modules(names: list[str]) -> None:
@@ -233,18 +327,30 @@ def _import_modules(names: list[str]) -> None:
 def _inspect_ranges(args, config) -> int:
     from tfamp.numerics.graph_probe import collect_file_ranges
     from tfamp.numerics.monitor import DEFAULT_OUTPUT_DIR, write_outputs
+    from tfamp.runtime import log_lines
+    from tfamp.runtime.progress import Counter
 
+    # Progress lines ("ranges: 1 of 3 done (12 s)") go to stderr through tfamp's logger.
+    logging.getLogger("tfamp").setLevel(logging.INFO)
+    log_lines.show()
+    batch = args.batch_size or 8
     try:
         report = collect_file_ranges(Path(args.path), steps=args.batches,
-                                     signature=args.signature, config=config)
+                                     signature=args.signature, config=config,
+                                     batch_size=batch,
+                                     progress=Counter("ranges", args.batches).done)
     except (ValueError, OSError) as err:
         raise UserError(str(err).splitlines()[0]) from None
     written = write_outputs(report, args.output or DEFAULT_OUTPUT_DIR)
     if args.format == "json":
         print(report.to_json())
-    else:
-        print(report.summary_text())
-        print("wrote " + ", ".join(str(p) for p in written.values()))
+        return 0
+    advice = report.advice()
+    print(report.summary_text(advice))
+    if args.table:
+        print("\n" + report.table_text(advice))
+    table = "" if args.table else " (the per-tensor table is in ranges.txt, or add --table)"
+    print("wrote " + ", ".join(str(p) for p in written.values()) + table)
     return 0
 
 
@@ -284,6 +390,8 @@ def _run(args) -> int:
     if not script.is_file():
         raise UserError(f"{script}: no such file; expected a Python script to run")
     os.environ["TFAMP_ENABLE"] = "1"
+    if args.dtype:  # the script's TensorFlow reads it through tfamp.env, as TFAMP_DTYPE
+        os.environ["TFAMP_DTYPE"] = args.dtype
     from tfamp.runtime import startup
 
     startup.activate()  # exits 2 with one line on an invalid TFAMP_* setting
@@ -294,7 +402,9 @@ def _run(args) -> int:
 
 
 def render_summary(report, loaded=None) -> str:
-    lines = [report.summary_line(),
+    lines = [report.summary_line(verdict=False),
+             f"  verdict: {report.verdict.line}",
+             f"  batch size: {_batch_text(report, loaded)}",
              f"  nodes: {report.nodes_before} before, {report.nodes_after} after",
              f"  casts inserted: {report.casts_inserted}"]
     if report.converted:
@@ -303,28 +413,34 @@ def render_summary(report, loaded=None) -> str:
     if report.kept_fp32:
         lines.append("  ops kept float32, by reason: " + ", ".join(
             f"{kind} x{n}" for kind, n in report.kept_fp32.items()))
-    lines.append("  " + _flops_line(report, loaded))
+    lines.append("  " + _flops_line(report))
     lines.append("  estimated float memory traffic per step: " + report.traffic_line())
     return "\n".join(lines)
 
 
-def _flops_line(report, loaded) -> str:
-    from tfamp.inspect.flops import share_in_16bit
+def _batch_text(report, loaded) -> str:
+    note = loaded.batch_note if loaded is not None else ""
+    if report.batch_size is not None:
+        return f"{report.batch_size}" + (f" ({note})" if note else "")
+    if note:
+        return note
+    return "as recorded in the graph's shapes (a saved report or GraphDef)"
 
-    counted = loaded.flops if loaded is not None else None
-    flops, unknown, degree = counted or ({}, 0, 0)
-    not_counted = [f"{unknown} with unknown shapes"] if unknown else []
-    converted = {(n.function, n.name) for n in report.nodes if n.converted}
-    share = share_in_16bit(flops, converted)
-    head = f"matrix/convolution FLOPs in {report.dtype}:"
-    if share is None:
-        if counted is None:
-            return f"{head} unknown (the graph carries no shapes)"
-        return f"{head} unknown; matrix ops not counted: {', '.join(not_counted) or 'none'}"
-    tail = f"; matrix ops not counted: {', '.join(not_counted)}" if not_counted else ""
+
+def _flops_line(report) -> str:
     from tfamp.rewrite.shapes import format_elements
 
-    total = format_elements((degree, sum(flops.values())))
+    counted = report.matrix_flops
+    head = f"matrix/convolution FLOPs in {report.dtype}:"
+    if counted is None:
+        return f"{head} unknown (the graph carries no shapes)"
+    unknown = counted.get("not_counted", 0)
+    not_counted = [f"{unknown} with unknown shapes"] if unknown else []
+    if not counted["total"]:
+        return f"{head} unknown; matrix ops not counted: {', '.join(not_counted) or 'none'}"
+    tail = f"; matrix ops not counted: {', '.join(not_counted)}" if not_counted else ""
+    share = counted["in_16bit"] / counted["total"]
+    total = format_elements((counted["degree"], counted["total"]))
     return f"{head} {100 * share:.1f}% of {total} counted per step{tail}"
 
 

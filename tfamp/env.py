@@ -225,6 +225,15 @@ def _env_message(config_message: str) -> str:
     return config_message
 
 
+def user_cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Where tfamp keeps per-user state (notices already shown): $XDG_CACHE_HOME/tfamp,
+    else ~/.cache/tfamp."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(
+        environ.get("HOME", "").strip() or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tfamp")
+
+
 def unknown_variable_message(environ: Mapping[str, str]) -> str | None:
     """"NAME is not a tfamp setting; did you mean ...?" for the first unknown TFAMP_*."""
     for name in sorted(environ):

@@ -33,6 +33,15 @@ def find_node(report: RewriteReport, name: str) -> NodeReport:
         raise UnknownNodeError(
             f"node name {name!r} is in several places ({where}); qualify it as "
             f"FUNCTION/NODE")
+    of_type = [n for n in report.nodes if n.op == name]
+    if of_type:  # an op type, not a node name: name a few of its nodes
+        shown = [f"{short[n.function]}/{n.name}" if n.function else n.name
+                 for n in of_type[:3]]
+        more = f" (and {len(of_type) - 3} more)" if len(of_type) > 3 else ""
+        raise UnknownNodeError(
+            f"{name!r} is an op type, not a node name; expected a node name such as "
+            f"{', '.join(repr(n) for n in shown)}{more}; list them all with --nodes --op "
+            f"{name}")
     hints = difflib.get_close_matches(name, [n.name for n in report.nodes], n=3)
     hint = f"; did you mean {', '.join(repr(h) for h in hints)}?" if hints else (
         "; list names with --nodes")

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -32,18 +33,26 @@ class GraphFileError(ValueError):
     """A path that cannot be read as a graph or report, with the reason."""
 
 
+# A Keras file has no batch size; its step is traced at this one unless told.
+DEFAULT_KERAS_BATCH = 8
+
+
 @dataclasses.dataclass
 class Inspectable:
     """A graph to rewrite (with what is known about it), or a report to render again.
 
     Attributes:
       outputs: tensor names whose dtype callers rely on (None: unconsumed ones).
+      batch_size: the batch the graph was traced at (None: open, or unknown).
+      batch_note: where that batch size came from, for the batch-size line.
     """
 
     name: str
     graph_def: graph_pb2.GraphDef | None = None
     report: RewriteReport | None = None
     outputs: list[str] | None = None
+    batch_size: int | None = None
+    batch_note: str = ""
 
     @functools.cached_property
     def flops(self) -> tuple[dict[tuple[str, str], int], int, int] | None:
@@ -65,7 +74,7 @@ class Inspectable:
 
 
 def load_inspectable(path: Path, *, signature: str | None = None,
-                     graph: str | None = None) -> Inspectable:
+                     graph: str | None = None, batch_size: int | None = None) -> Inspectable:
     """Reads `path` by its kind.
 
     Args:
@@ -74,6 +83,9 @@ def load_inspectable(path: Path, *, signature: str | None = None,
       signature: for a SavedModel, the signature to show ("serving_default").
       graph: for a Keras file, "train" or "predict" (default: train if the
         model was saved compiled).
+      batch_size: the batch to trace a Keras file at (DEFAULT_KERAS_BATCH if
+        None). A SavedModel signature keeps its own (usually open: the batch
+        line says so); GraphDefs and reports have theirs fixed already.
     """
     if not path.exists():
         raise GraphFileError(f"{path}: no such file or directory")
@@ -82,8 +94,15 @@ def load_inspectable(path: Path, *, signature: str | None = None,
     if graph is not None and path.suffix.lower() not in (".keras", ".h5"):
         raise GraphFileError(f"--graph applies to Keras model files (.keras, .h5); {path} "
                              f"is not one")
+    if batch_size is not None and not (_is_saved_model(path) or path.suffix.lower() in (
+            ".keras", ".h5")):
+        raise GraphFileError(
+            f"--batch-size applies to Keras model files and SavedModels, which are traced "
+            f"here; {path} is a {'report' if path.suffix.lower() == '.json' else 'GraphDef'} "
+            f"whose shapes are fixed (trace it again at the batch you want)")
     if _is_saved_model(path):
-        return read_saved_model(path if path.is_dir() else path.parent, signature)
+        return read_saved_model(path if path.is_dir() else path.parent, signature,
+                                batch_size=batch_size)
     if path.is_dir():
         raise GraphFileError(
             f"{path} is a directory without saved_model.pb; expected a SavedModel "
@@ -91,7 +110,7 @@ def load_inspectable(path: Path, *, signature: str | None = None,
             f"tfamp JSON report")
     suffix = path.suffix.lower()
     if suffix in (".keras", ".h5"):
-        return read_keras_model(path, graph)
+        return read_keras_model(path, graph, batch_size=batch_size)
     if suffix == ".json":
         return Inspectable(name=path.stem, report=read_report(path))
     if suffix == ".pbtxt":
@@ -116,7 +135,9 @@ def _from_concrete(name: str, concrete) -> Inspectable:
                        outputs=[t.name for t in concrete.graph.outputs])
 
 
-def read_saved_model(folder: Path, signature: str | None) -> Inspectable:
+def read_saved_model(folder: Path, signature: str | None, *,
+                     batch_size: int | None = None) -> Inspectable:
+    """A SavedModel signature's graph (`batch_size` is refused, with the reason)."""
     import tensorflow as tf
 
     try:
@@ -131,10 +152,36 @@ def read_saved_model(folder: Path, signature: str | None) -> Inspectable:
         raise GraphFileError(
             f"{folder} has no signature {wanted!r}; available signatures: {listed} "
             f"(choose one with --signature NAME)")
-    return _from_concrete(f"{folder.name}:{wanted}", loaded.signatures[wanted])
+    concrete = loaded.signatures[wanted]
+    specs = concrete.structured_input_signature[1]
+    open_batch = [k for k, s in specs.items() if s.shape.rank and s.shape[0] is None]
+    if batch_size is None:
+        note = ("open (B) in the signature: FLOPs are per B, traffic the share at large "
+                "B (a signature exported at a fixed batch gives bytes)") if open_batch else (
+            "fixed by the signature")
+        fixed = {s.shape[0] for s in specs.values() if s.shape.rank}
+        size = fixed.pop() if not open_batch and len(fixed) == 1 else None
+        inspectable = _from_concrete(f"{folder.name}:{wanted}", concrete)
+        inspectable.batch_size, inspectable.batch_note = size, note
+        return inspectable
+    # Not done: a loaded signature's body keeps the shapes it was saved with (batch
+    # -1); a wrapper calling it at a fixed batch did not give its body sizes (tried,
+    # session 8: shape inference filled only some), so no half-right figures.
+    fixes = ("fixes its batch dimension already" if not open_batch else
+             "keeps the shapes it was saved with, so tfamp cannot trace it at another batch")
+    raise GraphFileError(
+        f"--batch-size {batch_size}: the signature {wanted!r} of {folder} {fixes} (inputs "
+        f"{_shapes_text(specs)}); drop --batch-size (an open batch is reported per B and as "
+        f"a share at large B), or export the signature with a fixed batch "
+        f"(tf.TensorSpec([{batch_size}, ...]))")
 
 
-def read_keras_model(path: Path, graph: str | None) -> Inspectable:
+def _shapes_text(specs) -> str:
+    return ", ".join(f"{k}: {s.shape.as_list()}" for k, s in specs.items())
+
+
+def read_keras_model(path: Path, graph: str | None, *,
+                     batch_size: int | None = None) -> Inspectable:
     """Loads a Keras model file and traces its training step or forward pass.
 
     The loader is chosen from the file itself: the ``keras_version`` the file
@@ -144,8 +191,13 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
     Args:
       path: a .keras or .h5 file.
       graph: "train", "predict" or None (train when the model was saved compiled).
+      batch_size: the batch to trace at (DEFAULT_KERAS_BATCH if None).
     """
     import tensorflow as tf
+
+    batch = batch_size or DEFAULT_KERAS_BATCH
+    note = "given with --batch-size" if batch_size else (
+        "assumed; a Keras file records none: change it with --batch-size N")
 
     model, compiled = load_keras_file(path)
     graph = graph or ("train" if compiled else "predict")
@@ -153,9 +205,9 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
         raise GraphFileError(f"{path} was saved without compile(), so it has no training "
                              f"step; use --graph predict")
     # The model's own input structure (a dict for keras-hub models and other
-    # functional models with named inputs), batch 8.
+    # functional models with named inputs), at `batch`.
     inputs = tf.nest.map_structure(
-        lambda t: tf.TensorSpec([8, *t.shape[1:]], t.dtype), _input_structure(model))
+        lambda t: tf.TensorSpec([batch, *t.shape[1:]], t.dtype), _input_structure(model))
     if graph == "predict":
         try:
             concrete = tf.function(
@@ -164,8 +216,9 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
             raise GraphFileError(
                 f"could not trace the forward pass of {path} with inputs shaped like the "
                 f"model's ({_first_line(err)})") from err
-        return _from_concrete(f"{path.stem}:predict", concrete)
-    targets = target_specs(model, 8)
+        return dataclasses.replace(_from_concrete(f"{path.stem}:predict", concrete),
+                                   batch_size=batch, batch_note=note)
+    targets = target_specs(model, batch)
     target = targets[0] if len(targets) == 1 else targets
     try:
         concrete = tf.function(lambda x, y: model.train_step((x, y))).get_concrete_function(
@@ -174,7 +227,8 @@ def read_keras_model(path: Path, graph: str | None) -> Inspectable:
         raise GraphFileError(
             f"could not trace the training step of {path} with float32 targets shaped like "
             f"the model's outputs ({_first_line(err)}); use --graph predict") from err
-    return _from_concrete(f"{path.stem}:train", concrete)
+    return dataclasses.replace(_from_concrete(f"{path.stem}:train", concrete),
+                               batch_size=batch, batch_note=note)
 
 
 def _input_structure(model):
@@ -203,7 +257,12 @@ def load_keras_file(path: Path):
     else:
         import tf_keras as keras
     try:
-        model = keras.models.load_model(str(path))
+        with warnings.catch_warnings():
+            # A compiled, never-trained model saves an unbuilt optimizer; Keras 3
+            # then warns that it skips its variables. Inspection never uses them.
+            warnings.filterwarnings("ignore", message="Skipping variable loading for "
+                                                      "optimizer")
+            model = keras.models.load_model(str(path))
     except Exception as err:  # Keras raises many types for a bad file
         missing = unregistered_classes(path, flavour)
         if missing:

@@ -240,6 +240,7 @@ def _page_data(report: RewriteReport, graph_def, *, full_names: bool = False) ->
     return {
         "title": f"tfamp: {report.function or 'graph'} -> {report.dtype}",
         "summary": report.summary_line(),
+        "verdict": report.verdict.line,
         "function": report.function,
         "dtype": report.dtype,
         "nodesBefore": report.nodes_before,

@@ -20,7 +20,7 @@ FORWARD_ONLY_NOTE = ("a SavedModel holds the forward pass only: forward activati
 
 
 def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
-                         name: str = "graph") -> RangeReport:
+                         name: str = "graph", progress=None) -> RangeReport:
     """Forward activations of the ops tfamp would convert, for a traced function.
 
     For SavedModel signatures and other inference graphs: the float32 graph
@@ -32,6 +32,7 @@ def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
       batches: per batch, the flat list of tensor arguments.
       config: the rewrite settings deciding which ops count (AmpConfig() if None).
       name: the model name for the report.
+      progress: called with the number of batches done after each one.
     """
 
     from tfamp.config import AmpConfig
@@ -77,6 +78,8 @@ def collect_graph_ranges(concrete, batches: Iterable[Sequence], config=None, *,
                                     if "/" in fetch else "", "activation", row, top)
             for fetch, row, top in zip(fetches, counts, maxes, strict=True)])
         steps += 1
+        if progress is not None:
+            progress(steps)
     return RangeReport(model=name, steps=steps, loss_scale=None, tensors=tensors,
                        notes=[FORWARD_ONLY_NOTE])
 
@@ -110,13 +113,14 @@ def synthetic_batches(specs: Sequence, count: int, *, batch: int = 8, seed: int 
 
 
 def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
-                        config=None) -> RangeReport:
+                        config=None, batch_size: int = 8, progress=None) -> RangeReport:
     """Ranges of a saved model on `steps` synthetic batches (``tfamp inspect --ranges``).
 
     A compiled Keras file (.keras, .h5; tf_keras or Keras 3) gives activations, activation
     gradients and weight gradients (random inputs, random targets shaped like
     the outputs; integer labels for sparse losses). A SavedModel directory
-    gives forward activations only (FORWARD_ONLY_NOTE).
+    gives forward activations only (FORWARD_ONLY_NOTE). Each batch has
+    `batch_size` rows; `progress` is called with the batches done after each.
 
     Raises:
       ValueError: the path is neither, or the Keras model was saved uncompiled.
@@ -139,12 +143,13 @@ def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
         y_specs = target_specs(model, None)
         sparse = y_specs[0].dtype == tf.int64
         classes = int(model.outputs[0].shape[-1]) if sparse else None
-        xs = synthetic_batches(x_specs, steps, seed=0)
-        ys = synthetic_batches(y_specs, steps, seed=1, classes=classes)
+        xs = synthetic_batches(x_specs, steps, seed=0, batch=batch_size)
+        ys = synthetic_batches(y_specs, steps, seed=1, classes=classes, batch=batch_size)
         batches = [(x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
                    for x, y in zip(xs, ys, strict=True)]
-        report = collect_keras_ranges(model, batches, steps=steps)
-        report.notes.append("inputs and targets were random (synthetic batches)")
+        report = collect_keras_ranges(model, batches, steps=steps, progress=progress)
+        report.notes.append(f"inputs and targets were random (synthetic batches of "
+                            f"{batch_size})")
         return report
     if path.is_dir() and ((path / "saved_model.pb").is_file()
                           or (path / "saved_model.pbtxt").is_file()):
@@ -157,9 +162,11 @@ def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
         internal = {id(t) for _, t in concrete.graph.captures}
         specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.graph.inputs
                  if id(t) not in internal]
-        report = collect_graph_ranges(concrete, synthetic_batches(specs, steps), config,
-                                      name=f"{path.name}:{wanted}")
-        report.notes.append("inputs were random (synthetic batches)")
+        report = collect_graph_ranges(concrete, synthetic_batches(specs, steps,
+                                                                  batch=batch_size),
+                                      config, name=f"{path.name}:{wanted}", progress=progress)
+        report.notes.append(f"inputs were random (synthetic batches of {batch_size} where "
+                            f"the batch dimension is open)")
         return report
     raise ValueError(f"--ranges needs a Keras model file (.keras, .h5) or a SavedModel "
                      f"directory; {path} is neither")

@@ -198,7 +198,7 @@ def current_loss_scale(model) -> float | None:
 
 
 def collect_keras_ranges(model, batches: Iterable, *, steps: int = DEFAULT_STEPS,
-                         loss_scale: float | None = None) -> RangeReport:
+                         loss_scale: float | None = None, progress=None) -> RangeReport:
     """Collects ranges for up to `steps` batches (weights are not changed).
 
     Args:
@@ -207,6 +207,8 @@ def collect_keras_ranges(model, batches: Iterable, *, steps: int = DEFAULT_STEPS
         batched tf.data.Dataset.
       steps: how many batches to use.
       loss_scale: the scale to report as current; the optimizer's if None.
+      progress: called with the number of batches done after each one (e.g.
+        ``tfamp.runtime.progress.Counter.done``).
 
     Returns:
       The RangeReport.
@@ -224,6 +226,8 @@ def collect_keras_ranges(model, batches: Iterable, *, steps: int = DEFAULT_STEPS
         x, y, sample_weight = unpack_batch(batch)
         ranges_lib.accumulate(tensors, probe.collect(x, y, sample_weight))
         done += 1
+        if progress is not None:
+            progress(done)
     if not done:
         raise ValueError("collect_keras_ranges received no batches; pass at least one "
                          "(x, y) batch")

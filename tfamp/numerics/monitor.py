@@ -42,7 +42,7 @@ def write_outputs(report: RangeReport, output_dir: str | os.PathLike, *,
     folder.mkdir(parents=True, exist_ok=True)
     written = {"text": folder / "ranges.txt", "json": folder / "ranges.json",
                "html": folder / "ranges.html"}
-    written["text"].write_text(report.summary_text() + "\n")
+    written["text"].write_text(report.full_text() + "\n")
     written["json"].write_text(report.to_json() + "\n")
     written["html"].write_text(ranges_plot.render_ranges_html(report))
     if png:

@@ -53,7 +53,7 @@ BF16_MANTISSA_BITS = 8    # (7 stored + 1 implicit): relative rounding error 2**
 
 MAX_SCALE_EXP = 24        # largest scale tfamp recommends: 2**24
 HEADROOM_BITS = 1         # recommended scale keeps max|g| * S below 65504 / 2
-NEGLIGIBLE = 0.001        # a share below 0.1% counts as "no loss"
+NEGLIGIBLE = 0.001        # the one threshold: losing at most 0.1% of values is "no loss"
 
 KINDS = ("activation_gradient", "weight_gradient", "activation")
 KIND_LABELS = {"activation_gradient": "activation gradients",
@@ -102,10 +102,17 @@ def _fold_index() -> list[int]:
 def bucket_counts_many(tensors):
     """``bucket_counts`` and the largest finite |x| of many tensors, in one pass.
 
-    All tensors are flattened into one vector and one bincount counts the
-    float32 exponent field of every value (``tensor * 257 + key``), so the graph
-    has the same few ops however many tensors are measured; the small
-    [tensors, 257] count matrix is then folded into the histogram columns.
+    Each tensor's values get a key: its float32 exponent field, or _ZERO_KEY
+    for an exact zero, plus ``257 * (its position)``. One bincount over all
+    keys counts every tensor at once; the small [tensors, 257] count matrix is
+    then folded into the histogram columns.
+
+    The offset is added to each tensor's own keys, never built as a separate
+    vector (``tf.repeat`` of the tensor sizes): that vector depends on static
+    shapes only, so grappler constant-folded it at the first call -- hundreds
+    of MB for a conv net (MobileNetV2 96x96, batch 8: the first probe call took
+    28-34 s, now 9-12 s; later calls 1.0 s, now 0.2 s; see BUILD_NOTES
+    session 8).
 
     Returns:
       (int32 counts [len(tensors), NUM_COLUMNS], float32 max |x| [len(tensors)];
@@ -117,11 +124,12 @@ def bucket_counts_many(tensors):
     flat = [tf.abs(tf.reshape(tf.cast(t, tf.float32), [-1])) for t in tensors]
     # One pass per tensor; inf or nan if the tensor has one (the counts say so).
     maxes = tf.stack([tf.reduce_max(tf.concat([a, [0.0]], 0)) for a in flat])
-    sizes = tf.stack([tf.size(a) for a in flat])
-    bits = tf.bitcast(tf.concat(flat, 0), tf.int32)  # sign bit is 0 after abs
-    key = tf.where(tf.equal(bits, 0), _ZERO_KEY, tf.bitwise.right_shift(bits, 23))
-    offset = tf.repeat(tf.range(n) * _RAW_KEYS, sizes)
-    raw = tf.reshape(tf.math.bincount(offset + key, minlength=n * _RAW_KEYS,
+    keys = []
+    for index, values in enumerate(flat):
+        bits = tf.bitcast(values, tf.int32)  # sign bit is 0 after abs
+        key = tf.where(tf.equal(bits, 0), _ZERO_KEY, tf.bitwise.right_shift(bits, 23))
+        keys.append(key + index * _RAW_KEYS if index else key)
+    raw = tf.reshape(tf.math.bincount(tf.concat(keys, 0), minlength=n * _RAW_KEYS,
                                       maxlength=n * _RAW_KEYS), [n, _RAW_KEYS])
     folded = tf.transpose(tf.math.unsorted_segment_sum(
         tf.transpose(raw), tf.constant(_fold_index()), TINY_COL))
@@ -297,7 +305,7 @@ class RangeReport:
     def gradients(self) -> list[TensorRange]:
         return [t for t in self.tensors if t.kind != "activation"]
 
-    def recommended_scale(self) -> float:
+    def highest_safe_scale(self) -> float:
         """The largest power of 2 that keeps every gradient's max * S below 65504 / 2.
 
         Capped at 2**MAX_SCALE_EXP; 1 if the gradients already leave no head-room
@@ -309,14 +317,25 @@ class RangeReport:
         k = FP16_OVERFLOW_EXP - 1 - HEADROOM_BITS - max(tops)
         return 2.0 ** min(max(k, 0), MAX_SCALE_EXP)
 
+    def advice(self):
+        """The one recommendation (``tfamp.numerics.advice.Advice``): scale, reasons, text."""
+        from tfamp.numerics.advice import advise  # advice reads this module
+
+        return advise(self)
+
+    def recommended_scale(self) -> float:
+        """The scale the recommendation names (the table's "rec." column); 1 without
+        gradients."""
+        scale = self.advice().scale
+        return 1.0 if scale is None else scale
+
     def smallest_sufficient_scale(self, threshold: float = NEGLIGIBLE) -> float | None:
-        """The smallest power of 2 (up to the recommended scale) at which no gradient
-        loses more than `threshold` of its values; None if even that one does not."""
-        limit = scale_exponent(self.recommended_scale())
-        for k in range(0, limit + 1):
-            if all(t.underflow_share(2.0**k) <= threshold for t in self.gradients()):
-                return 2.0**k
-        return None
+        """The smallest power of 2 (up to the highest safe scale) at which no gradient
+        counted as evidence (``advice.evidence``) loses more than `threshold` of its
+        values; None if even that one does not."""
+        from tfamp.numerics.advice import evidence, sufficient_scale
+
+        return sufficient_scale(evidence(self), self.highest_safe_scale(), threshold)
 
     def dynamic_steps_to(self, scale: float) -> tuple[int, str]:
         """How dynamic loss scaling gets from `initial_scale` to `scale`.
@@ -334,68 +353,58 @@ class RangeReport:
         return 0, ""
 
     def worst_gradient(self) -> TensorRange | None:
-        """The gradient losing the largest share at scale 1 (ties: activation gradients)."""
-        candidates = [t for t in self.gradients() if t.nonzero]
+        """The evidence gradient losing the largest share at scale 1 (ties: activation
+        gradients); rounding-level and all-zero gradients are not evidence."""
+        from tfamp.numerics.advice import evidence
+
+        candidates = evidence(self)
         if not candidates:
             return None
         return max(candidates, key=lambda t: (t.underflow_share(1.0),
                                               t.kind == "activation_gradient", t.nonzero))
 
     def recommendation(self) -> str:
-        """One actionable sentence (or two) about loss scaling for this model."""
-        worst = self.worst_gradient()
-        if worst is None:
-            acts = [t for t in self.of_kind("activation") if t.nonzero]
-            if not acts:
-                return "no nonzero gradients were measured; nothing to recommend."
-            over = max(acts, key=lambda t: t.overflow_share())
-            under = max(acts, key=lambda t: t.underflow_share())
-            text = (f"no gradients were measured (forward pass only). Forward activations: "
-                    f"at most {_pct(over.overflow_share())} above 65504 ({over.name!r}), "
-                    f"at most {_pct(under.underflow_share())} below 2^-24 "
-                    f"({under.name!r}) in float16")
-            if over.overflow_share() > 0:
-                text += (f"; keep {over.name!r} float32 "
-                         f"(keep_fp32=[{_scope_pattern(over.layer)!r}]) or use bfloat16")
-            return text + "."
-        recommended = self.recommended_scale()
-        at_one = worst.underflow_share(1.0)
-        if at_one <= NEGLIGIBLE and all(t.underflow_share(1.0) <= NEGLIGIBLE
-                                        for t in self.gradients()):
-            return (f"gradients fit float16 without loss scaling (at most "
-                    f"{_pct(max(t.underflow_share(1.0) for t in self.gradients()))} of any "
-                    f"tensor's values below 2^-24); scaling is optional.")
-        worst_rec = max(self.gradients(), key=lambda t: t.underflow_share(recommended))
-        text = (f"gradients of {worst.name!r} lose {_pct(at_one)} of values at scale 1 and "
-                f"{_pct(worst.underflow_share(recommended))} at {format_scale(recommended)}")
-        steps, how = self.dynamic_steps_to(recommended)
-        if how == "skipped":
-            text += (f"; dynamic scaling (from {format_scale(self.initial_scale)}) reaches "
-                     f"it after {steps} skipped steps")
-        elif how == "good":
-            text += (f"; dynamic scaling (from {format_scale(self.initial_scale)}) reaches "
-                     f"it after {steps} good steps")
-        else:
-            text += "; dynamic scaling starts there"
-        sufficient = self.smallest_sufficient_scale()
-        if sufficient is not None:
-            text += f"; a fixed scale of {sufficient:.0f} would suffice"
-        elif worst_rec.underflow_share(recommended) > NEGLIGIBLE:
-            text += (f". Even at {format_scale(recommended)}, {worst_rec.name!r} loses "
-                     f"{_pct(worst_rec.underflow_share(recommended))}: keep its layer "
-                     f"float32 (keep_fp32=[{_scope_pattern(worst_rec.layer)!r}]) or use "
-                     f"dtype='bfloat16'")
-        return text + "."
+        """One actionable sentence about loss scaling for this model (``advice()``)."""
+        return self.advice().sentence
 
     # -- rendering -----------------------------------------------------------
 
-    def summary_text(self) -> str:
-        """A per-tensor table plus the recommendation, for logs and the CLI."""
-        recommended = self.recommended_scale()
+    def summary_text(self, advice=None) -> str:
+        """The answer, for logs and the CLI: the recommendation first, then a few facts.
+
+        The per-tensor table is ``table_text()`` (ranges.txt holds both).
+        """
+        advice = advice or self.advice()
+        gradients = self.gradients()
+        lines = [f"tfamp ranges: {self.model}, {self.steps} step(s), {len(self.tensors)} "
+                 f"tensors measured against float16's limits (0 below 2^-24, max 65504)",
+                 "  recommendation: " + advice.sentence]
+        if gradients:
+            counted = [t for t in gradients if t.nonzero and t.name not in advice.ignored]
+            rec = advice.scale or 1.0
+            losing = {s: sum(t.underflow_share(s) > NEGLIGIBLE for t in counted)
+                      for s in (1.0, rec)}
+            lines.append(f"  gradients losing more than {format_pct(NEGLIGIBLE)} of their "
+                         f"values to 0: {losing[1.0]} of {len(counted)} at scale 1, "
+                         f"{losing[rec]} at {format_scale(rec)} (recommended)")
+        if advice.ignored:
+            names = sorted(advice.ignored)
+            shown = ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+            lines.append(f"  not counted: {len(names)} gradient(s) zero or at rounding "
+                         f"level, zero in exact arithmetic ({shown})")
+        if self.loss_scale is not None:
+            lines.append(f"  loss scale while collecting: {format_scale(self.loss_scale)}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+    def table_text(self, advice=None) -> str:
+        """The per-tensor table (shares lost at scale 1, now and at the recommended scale)."""
+        advice = advice or self.advice()
+        recommended = advice.scale or 1.0
         current = self.loss_scale
-        head = (f"tfamp ranges: {self.model}, {self.steps} step(s); float16 limits: "
-                f"smallest subnormal 2^-24, smallest normal 2^-14, max 65504")
-        lines = [head]
+        lines = [f"per-tensor ranges ({self.model}; shares of nonzero values; "
+                 f"'*': not counted, see above)"]
         scale_cols = [("scale 1", 1.0)]
         if current is not None and current != 1.0:
             scale_cols.append((f"now {format_scale(current).split(' ')[0]}", current))
@@ -406,35 +415,37 @@ class RangeReport:
                 continue
             lines.append(f"  {KIND_LABELS[kind]} (share of nonzero values below 2^-24 "
                          f"{'/ above 65504 ' if kind == 'activation' else ''}in float16):")
-            width = max(len(t.name) for t in entries)
+            width = max(len(t.name) for t in entries) + 1
             if kind == "activation":
                 lines.append(f"    {'tensor':<{width}}  {'underflow':>10}  {'overflow':>10}  "
                              f"{'max |x|':>10}  {'zeros':>6}")
                 for t in entries:
-                    lines.append(f"    {t.name:<{width}}  {_pct(t.underflow_share()):>10}  "
-                                 f"{_pct(t.overflow_share()):>10}  {t.max_abs:>10.3g}  "
-                                 f"{_pct(_zero_share(t)):>6}")
+                    lines.append(f"    {t.name:<{width}}  {format_pct(t.underflow_share()):>10}  "
+                                 f"{format_pct(t.overflow_share()):>10}  {t.max_abs:>10.3g}  "
+                                 f"{format_pct(_zero_share(t)):>6}")
                 continue
             header = "  ".join(f"{label:>10}" for label, _ in scale_cols)
             lines.append(f"    {'tensor':<{width}}  {header}  {'room@rec.':>10}  "
                          f"{'max |g|':>10}  {'bf16 uf':>7}")
             for t in entries:
-                shares = "  ".join(f"{_pct(t.underflow_share(s)):>10}" for _, s in scale_cols)
+                shares = "  ".join(f"{format_pct(t.underflow_share(s)):>10}"
+                                   for _, s in scale_cols)
                 room = t.headroom_bits(recommended)
                 room_text = "-" if room is None else f"2^{room}"
-                lines.append(f"    {t.name:<{width}}  {shares}  {room_text:>10}  "
-                             f"{t.max_abs:>10.3g}  {_pct(t.bf16_underflow_share()):>7}")
-        if current is not None:
-            lines.append(f"  loss scale while collecting: {format_scale(current)}")
+                name = t.name + ("*" if t.name in advice.ignored else "")
+                lines.append(f"    {name:<{width}}  {shares}  {room_text:>10}  "
+                             f"{t.max_abs:>10.3g}  {format_pct(t.bf16_underflow_share()):>7}")
         if self.gradients():
             lines.append("  room@rec.: doublings of the recommended scale left before the "
                          "largest value overflows float16")
         lines.append(f"  bfloat16: same range as float32 ({BF16_MAX:.3g}), "
                      f"{BF16_MANTISSA_BITS}-bit precision; 'bf16 uf' = values below 2^-126")
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        lines.append("  recommendation: " + self.recommendation())
         return "\n".join(lines)
+
+    def full_text(self) -> str:
+        """Summary, then the table (what ranges.txt holds)."""
+        advice = self.advice()
+        return self.summary_text(advice) + "\n\n" + self.table_text(advice)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -442,10 +453,16 @@ class RangeReport:
             "steps": self.steps, "loss_scale": self.loss_scale,
             "growth_interval": self.growth_interval, "initial_scale": self.initial_scale,
             "e_min": E_MIN, "e_max": E_MAX, "notes": list(self.notes),
-            "recommended_scale": self.recommended_scale(),
-            "recommendation": self.recommendation(),
+            **self._advice_fields(),
             "tensors": [t.to_dict() for t in self.tensors],
         }
+
+    def _advice_fields(self) -> dict[str, Any]:
+        advice = self.advice()
+        return {"recommended_scale": 1.0 if advice.scale is None else advice.scale,
+                "recommendation": advice.sentence, "advice_kind": advice.kind,
+                "negligible_share": NEGLIGIBLE, "keep_fp32": list(advice.keep_fp32),
+                "not_counted": dict(advice.ignored)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -467,23 +484,20 @@ class RangeReport:
                    initial_scale=data.get("initial_scale", 2.0**15))
 
 
-def _pct(share: float) -> str:
+def format_pct(share: float) -> str:
+    """'0%', '<0.01%', '0.12%', '3.4%', '>99.5%': two decimals below 1%, so a share
+    just above the 0.1% threshold never reads as "0.1%" next to "<0.1%"."""
     if share == 0:
         return "0%"
-    if share < 0.001:
-        return "<0.1%"
+    if share < 0.0001:
+        return "<0.01%"
+    if share < 0.01:
+        return f"{100 * share:.2f}%"
     return f"{100 * share:.1f}%" if share < 0.995 or share == 1 else ">99.5%"
 
 
 def _zero_share(t: TensorRange) -> float:
     return t.zeros / t.total if t.total else 0.0
-
-
-def _scope_pattern(layer: str) -> str:
-    """A keep_fp32 regular expression matching a layer's forward and gradient nodes."""
-    import re
-
-    return f"(^|/){re.escape(layer)}/" if layer else ".*"
 
 
 def accumulate(report_tensors: list[TensorRange], step: Iterable[TensorRange]) -> None:

@@ -144,8 +144,13 @@ def _rewrite(graph_def, config, outputs, function_name):
         nodes_before=view.node_count(),
         nodes_after=len(nodes) + len(casts),
         nodes=nodes, casts=casts, **traffic)
-    if log.isEnabledFor(logging.DEBUG):  # (the line walks every node)
-        log.debug("%s", report.summary_line())
+    if log.isEnabledFor(logging.DEBUG):  # (walks every node)
+        # What the INFO summary line does not say (callers log that line).
+        kept = ", ".join(f"{kind} x{n}" for kind, n in report.kept_fp32.items()) or "none"
+        converted = ", ".join(f"{op} x{n}" for op, n in report.converted.items()) or "none"
+        log.debug("tfamp: %s: every op converted: %s; kept float32 by reason: %s; "
+                  "estimated float traffic: %s", function_name or "graph", converted, kept,
+                  report.traffic_line())
     return new_graph_def, report
 
 

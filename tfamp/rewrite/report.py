@@ -9,7 +9,10 @@ casts (one per inserted Cast), and the estimated float memory traffic per step
 shapes are unknown; traffic_note says what was unknown or approximated;
 traffic_share is after / before, for large sizes where a dimension is unknown).
 Reports saved before ``kind`` or the traffic keys existed still load (with
-None for the traffic keys).
+None for the traffic keys). Optional: matrix_flops (total, in_16bit, degree,
+not_counted; set by ``tfamp inspect``, which counts them on the live graph),
+batch_size (the batch the graph was traced at, when known) and the derived
+verdict (``tfamp.rewrite.verdict``: is 16-bit worth it here, one line).
 """
 
 from __future__ import annotations
@@ -83,6 +86,17 @@ class RewriteReport:
     # after / before; with unknown dimensions (e.g. the batch), the share for
     # large sizes (leading terms). None when shapes are unknown.
     traffic_share: float | None = None
+    # Matrix/convolution FLOPs per step, {"total", "in_16bit", "degree" (power of
+    # an unknown batch B), "not_counted"}: filled in by tfamp inspect.
+    matrix_flops: dict[str, int] | None = None
+    batch_size: int | None = None
+
+    @property
+    def verdict(self):
+        """Is 16-bit worth it here (``tfamp.rewrite.verdict.Verdict``), from this report."""
+        from tfamp.rewrite.verdict import verdict_of
+
+        return verdict_of(self)
 
     @property
     def casts_inserted(self) -> int:
@@ -110,8 +124,12 @@ class RewriteReport:
         where = f"function {function!r}" if function else "the top graph"
         raise KeyError(f"no node named {name!r} in {where} of this report")
 
-    def summary_line(self) -> str:
-        """One line for logs, e.g. 'tfamp: step: 12 ops -> float16 (MatMul x6), ...'."""
+    def summary_line(self, *, verdict: bool = True) -> str:
+        """One line for logs, e.g. 'tfamp: step: 12 ops -> float16 (MatMul x6), ...'.
+
+        Ends with the verdict ("; float16 is worth it here: ...") unless `verdict`
+        is False (``tfamp inspect`` prints it on a line of its own).
+        """
         converted = self.converted
         total = sum(converted.values())
         top = ", ".join(f"{op} x{count}" for op, count in list(converted.items())[:4])
@@ -126,8 +144,9 @@ class RewriteReport:
         elif self.traffic_share is not None:
             traffic = (f", est. float traffic {self.traffic_share:.0%} of float32's "
                        f"at large sizes")
-        return (f"tfamp: {name}: {total} ops -> {self.dtype}{detail}, "
+        line = (f"tfamp: {name}: {total} ops -> {self.dtype}{detail}, "
                 f"{self.casts_inserted} casts, {kept} ops kept float32{traffic}")
+        return f"{line}; {self.verdict.line}" if verdict else line
 
     def traffic_line(self) -> str:
         """'2.90 GB -> 1.71 GB (Casts 12.0 MB)' or 'unknown (no shapes)'."""
@@ -162,6 +181,9 @@ class RewriteReport:
             "cast_bytes": self.cast_bytes,
             "traffic_note": self.traffic_note,
             "traffic_share": self.traffic_share,
+            "matrix_flops": self.matrix_flops,
+            "batch_size": self.batch_size,
+            "verdict": self.verdict.to_dict(),  # derived; not read back
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -186,7 +208,8 @@ class RewriteReport:
             traffic_after_bytes=data.get("traffic_after_bytes"),
             cast_bytes=data.get("cast_bytes"),
             traffic_note=data.get("traffic_note", ""),
-            traffic_share=data.get("traffic_share"))
+            traffic_share=data.get("traffic_share"),
+            matrix_flops=data.get("matrix_flops"), batch_size=data.get("batch_size"))
 
 
 def format_bytes(value: int) -> str:

@@ -83,3 +83,27 @@ def phase(what):
         yield
     finally:
         leave(entered)
+
+
+class Counter:
+    """'tfamp: <what>: i of n done (t s)' lines for a loop of slow steps.
+
+    Nothing is logged for a loop that finishes its steps within ``NOTICE_AFTER_S``
+    seconds of starting; after that, one line per finished step (at INFO).
+
+    Example:
+      >>> steps = Counter("ranges", total=3)
+      >>> for i, batch in enumerate(batches, 1):
+      ...     run(batch)
+      ...     steps.done(i)
+    """
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total = what, total
+        self.start = time.monotonic()
+
+    def done(self, count: int) -> None:
+        elapsed = time.monotonic() - self.start
+        if elapsed >= NOTICE_AFTER_S:
+            log.info("tfamp: %s: %d of %d done (%.0f s)", self.what, count, self.total,
+                     elapsed)

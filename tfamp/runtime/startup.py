@@ -530,10 +530,31 @@ def _note_hardware() -> None:
         if capability and tuple(capability) >= (7, 0):
             fast.append(gpu.name)
     if not fast:
-        log.warning("tfamp: no GPU with fast 16-bit math (CUDA compute capability 7.0+) "
-                    "is visible, so 16-bit ops will run slower here than float32 "
-                    "(CPUs emulate them); tfamp goes on, which is useful for checking "
-                    "correctness.")
+        # Once per user and machine (a marker file): the fact does not change between
+        # runs, and a line on every run buries the lines that do. Later runs: DEBUG.
+        first = _first_time("no_fast_gpu")
+        (log.warning if first else log.debug)(
+            "tfamp: no GPU with fast 16-bit math (CUDA compute capability 7.0+) is visible, "
+            "so 16-bit ops will run slower here than float32 (CPUs emulate them); tfamp "
+            "goes on, which is useful for checking correctness.%s",
+            " (Shown once on this machine; TFAMP_VERBOSITY=2 shows it every run.)"
+            if first else "")
+
+
+def _first_time(notice: str) -> bool:
+    """True the first time `notice` is asked about for this user (a marker file under
+    ``env.user_cache_dir()``); True every time if the marker cannot be written."""
+    from tfamp.env import user_cache_dir
+
+    marker = Path(user_cache_dir()) / f"{notice}.shown"
+    if marker.exists():
+        return False
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
+    return True
 
 
 def _exit_notice(active: _Activation) -> None:

@@ -23,7 +23,9 @@ function over(t, k) {
   t.counts.forEach((c, i) => { if (D.e_min + i + k >= D.limits.overflow) s += c; });
   return s / n;
 }
-function pct(x) { return x === 0 ? "0%" : x < 0.001 ? "<0.1%" : (100 * x).toFixed(1) + "%"; }
+// As ranges.format_pct: two decimals below 1%, so 0.12% never reads "0.1%" next to "<0.1%".
+function pct(x) { return x === 0 ? "0%" : x < 0.0001 ? "<0.01%"
+  : x < 0.01 ? (100 * x).toFixed(2) + "%" : (100 * x).toFixed(1) + "%"; }
 function merge(list, name) {
   const m = {name: name, counts: new Array(D.e_max - D.e_min + 1).fill(0), max_abs: 0};
   for (const t of list) { t.counts.forEach((c, i) => { m.counts[i] += c; });
@@ -75,7 +77,12 @@ function render(k) {
     h2.textContent = D.labels[kind] + (grad ? " at loss scale 2^" + k : " (not scaled)");
     panel.appendChild(h2);
     const all = merge(list, "all");
-    if (grad) lost.push(D.labels[kind] + " lost: " + pct(below(all, D.limits.zero, k)));
+    if (grad) {  // per tensor, with the report's one threshold (as its recommendation)
+      const counted = list.filter(t => nonzero(t) && !(t.name in D.not_counted));
+      const losing = counted.filter(t => below(t, D.limits.zero, k) > D.negligible_share);
+      lost.push(D.labels[kind] + ": " + losing.length + " of " + counted.length +
+                " lose more than " + pct(D.negligible_share));
+    }
     chart(all, kind, kk, panel, 130);
     const table = document.createElement("table");
     const head = grad ? ["tensor", "histogram", "lost at 1", "lost at 2^" + k,
@@ -91,12 +98,14 @@ function render(k) {
       const cells = grad ? [pct(below(t, D.limits.zero, 0)), pct(below(t, D.limits.zero, k)),
                             pct(below(t, D.limits.normal, k)), pct(over(t, k)), top]
                          : [pct(below(t, D.limits.zero, 0)), pct(over(t, 0)), top];
-      const name = document.createElement("td"); name.className = "name"; name.textContent = t.name;
+      const name = document.createElement("td"); name.className = "name";
+      name.textContent = t.name + (t.name in D.not_counted ? " *" : "");
+      if (t.name in D.not_counted) name.title = "not counted: " + D.not_counted[t.name];
       row.appendChild(name);
       const hc = document.createElement("td"); row.appendChild(hc);
       chart(t, kind, kk, hc, 28).setAttribute("width", 260);
       cells.forEach((c, i) => { const td = document.createElement("td"); td.textContent = c;
-        const lostNow = grad && i === 1 && below(t, D.limits.zero, k) > 0.001;
+        const lostNow = grad && i === 1 && below(t, D.limits.zero, k) > D.negligible_share;
         if (lostNow || (i === (grad ? 3 : 1) && c !== "0%"))
           td.className = "bad";
         td.dataset.col = head[i + 2]; row.appendChild(td); });
