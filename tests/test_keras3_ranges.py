@@ -123,9 +123,13 @@ def test_enable_ranges_on_keras3_writes_the_files_and_tensorboard_histograms(tmp
     tfamp.enable(model, ranges=str(tmp_path / "out"))
     board = keras.callbacks.TensorBoard(log_dir=str(tmp_path / "tb"))
     history = model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[board])
-    assert history.history["loss_scale"] == [2.0**15]
+    # The dynamic scale started where the first batch's gradients put it (start_scale.py):
+    # above 2^15 for this tiny loss, and the range report reads the same scale.
+    start = model._tfamp_state.start_scale.scale
+    assert history.history["loss_scale"] == [start] and start > 2.0**15
     written = json.loads((tmp_path / "out" / "ranges.json").read_text())
-    assert written["steps"] == 3 and written["loss_scale"] == 2.0**15
+    assert written["steps"] == 3 and written["loss_scale"] == start
+    assert written["initial_scale"] == start  # the advice reasons from where it started
     assert written["model"] == "tiny_loss"
     assert (tmp_path / "out" / "ranges.png").stat().st_size > 20_000
     tags = check_tensorboard_histograms(tmp_path / "tb", written)

@@ -237,11 +237,20 @@ def collect_keras_ranges(model, batches: Iterable, *, steps: int = DEFAULT_STEPS
 
 
 def dynamic_settings(model) -> dict[str, Any]:
+    """The dynamic loss-scale settings the range advice reasons from: the growth
+    interval, and where the scale started (the start scale tfamp probed from the
+    first batch's gradients, else the optimizer's numeric initial scale)."""
     optimizer = getattr(model, "optimizer", None)
     growth = getattr(optimizer, "dynamic_growth_steps", None)
     settings = {}
     if isinstance(growth, (int, np.integer)):
         settings["growth_interval"] = int(growth)
+    probed = getattr(getattr(model, "_tfamp_state", None), "start_scale", None)
+    initial = getattr(optimizer, "initial_scale", None)
+    if getattr(probed, "scale", None):
+        settings["initial_scale"] = float(probed.scale)
+    elif isinstance(initial, (int, float, np.number)) and not isinstance(initial, bool):
+        settings["initial_scale"] = float(initial)
     return settings
 
 
