@@ -88,6 +88,7 @@ from tfamp.rewrite.shapes import (  # noqa: E402
     without_recorded_shapes,
 )
 from tfamp.rewrite.traffic import body_weights, estimate_traffic  # noqa: E402
+from tfamp.rewrite.runtime_cost import EXECUTOR, XLA  # noqa: E402
 
 log = logging.getLogger("vs_grappler")
 
@@ -613,10 +614,18 @@ def traffic_of(graph_def, original_shapes, trips: int) -> dict:
                 "traffic_unknown_tensors": traffic.unknown_tensors}
     # A data-dependent dimension (the rows of an embedding's sparse gradient)
     # is taken at its upper bound, the number of token ids in the batch.
+    # What a GPU pays (tfamp.rewrite.runtime_cost): bytes + kernels x a
+    # launch's byte-equivalent, on TensorFlow's executor and fused by XLA.
+    executor = traffic.total.at(UNKNOWN_DIM) + traffic.kernels * EXECUTOR.launch_bytes
+    fused = None if traffic.fused is None else traffic.fused.at(UNKNOWN_DIM)
     return {"traffic_bytes": traffic.total.at(UNKNOWN_DIM),
             "cast_bytes": traffic.cast.at(UNKNOWN_DIM),
             "traffic_unknown_dims": traffic.total.known() is None,
-            "traffic_unknown_tensors": traffic.unknown_tensors}
+            "traffic_unknown_tensors": traffic.unknown_tensors,
+            "kernels": traffic.kernels, "executor_cost": executor,
+            "fused_bytes": fused, "fused_kernels": traffic.fused_kernels,
+            "xla_cost": None if fused is None
+            else fused + traffic.fused_kernels * XLA.launch_bytes}
 
 
 def measure(out_graph_def, before, casts_before: int, flops: dict, target: int,

@@ -358,7 +358,9 @@ def test_verdict_is_in_the_log_line_and_verbosity_2_adds_the_breakdown(caplog, g
     graph_def = tf.compat.v1.GraphDef.FromString(binary.read_bytes())
     with caplog.at_level(logging.DEBUG, logger="tfamp"):
         _, report = tfamp.rewrite_graph_def(graph_def)
-    assert report.summary_line().endswith("; " + report.verdict.line)
+    # The line: what changed, the GPU cost sentence, then the verdict.
+    assert report.summary_line().endswith(" " + report.verdict.line)
+    assert report.runtime_sentence() in report.summary_line()
     lines = [r.getMessage() for r in caplog.records if r.name == "tfamp"]
     assert report.summary_line() not in lines  # the caller logs it, once
     assert any("every op converted: MatMul x1, Relu x1; kept float32 by reason:" in line

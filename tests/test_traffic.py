@@ -270,7 +270,9 @@ def test_a_chain_after_a_16bit_op_is_judged_as_a_whole():
         y = tf.math.square((h - c) * 3.0, name="sq")
         return keep, tf.nn.relu(y * 0.5, name="out")
 
-    specs = (tf.TensorSpec([64, 256]), tf.TensorSpec([256, 512]), tf.TensorSpec([512]))
+    # (An unknown batch: bytes grow with it and a kernel launch does not, so
+    # the bytes decide whatever a launch costs.)
+    specs = (tf.TensorSpec([None, 256]), tf.TensorSpec([256, 512]), tf.TensorSpec([512]))
     graph_def, new, report, outputs = rewritten(chain, *specs, dtype="bfloat16")
     sub = next(n for n in report.nodes if n.op == "Sub")
     assert sub.converted and sub.cause == "mm", sub.reason
@@ -286,9 +288,9 @@ def test_a_chain_after_a_16bit_op_is_judged_as_a_whole():
         np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * np.abs(b).max())
 
 
-def _adam_step(keras):
-    model = keras.Sequential([keras.layers.Dense(256, input_shape=(128,)),
-                              keras.layers.Dense(256)])
+def _adam_step(keras, width=256, inputs=128, layers=2):
+    model = keras.Sequential([keras.layers.Dense(width, input_shape=(inputs,))] + [
+        keras.layers.Dense(width) for _ in range(layers - 1)])
     optimizer = keras.optimizers.Adam(1e-3)
 
     def step(x, y):
@@ -316,15 +318,48 @@ def test_float16_optimizer_updates_stay_float32_whatever_the_bytes():
     assert adam == [], [(n.name, n.reason) for n in adam]
 
 
-def test_bfloat16_optimizer_arithmetic_follows_the_bytes_variables_stay_float32():
-    """In bfloat16 (float32's range) Adam's moment arithmetic may go 16-bit when
-    that moves fewer bytes; variables, their assignments and the trained
-    weights stay float32 and training matches float32."""
+@pytest.mark.parametrize("runtime", ["executor", "xla"])
+def test_bfloat16_optimizer_arithmetic_on_small_weights_stays_float32(runtime):
+    """Three Casts per weight (the moment read, a scalar, the increment back) cost
+    three launches on the executor, more than 16-bit arithmetic saves on a
+    256 x 256 weight; under XLA the update is one fusion, float32 in and out,
+    and 16-bit arithmetic on the variables inside it saves nothing."""
     import tf_keras as keras
 
-    model, optimizer, step = _adam_step(keras)
+    _, _, step = _adam_step(keras)
+    graph_def, _, report, _ = rewritten(
+        step, tf.TensorSpec([64, 128]), tf.TensorSpec([64, 256]), dtype="bfloat16",
+        runtime=runtime)
+    adam = [n for n in report.nodes if n.name.startswith("Adam/") and n.converted]
+    if runtime == "xla":  # (a gradient's square may be bf16: it reads no variable)
+        nodes = {n.name: n for n in graph_def.node}
+
+        def reads_variable(name):
+            for source in nodes[name].input:
+                source = nodes.get(source.split(":")[0].lstrip("^"))
+                if source is not None and source.op == "Identity":
+                    source = nodes.get(source.input[0].split(":")[0])
+                if source is not None and source.op == "ReadVariableOp":
+                    return True
+            return False
+
+        adam = [n for n in adam if reads_variable(n.name)]
+    assert adam == [], [(n.name, n.reason) for n in adam]
+    assert report.runtime == runtime
+
+
+def test_bfloat16_optimizer_arithmetic_follows_the_bytes_on_large_weights():
+    """On the executor a 4096 x 4096 weight's update moves enough bytes to pay for
+    its Casts' launches: Adam's moment arithmetic goes 16-bit; variables, their
+    assignments and the trained weights stay float32 and training matches
+    float32."""
+    import tf_keras as keras
+
+    model, optimizer, step = _adam_step(keras, width=4096, inputs=4096, layers=1)
+    batch = 16
     graph_def, new, report, _ = rewritten(
-        step, tf.TensorSpec([64, 128]), tf.TensorSpec([64, 256]), dtype="bfloat16")
+        step, tf.TensorSpec([batch, 4096]), tf.TensorSpec([batch, 4096]), dtype="bfloat16",
+        runtime="executor")
     adam = {n.name: n for n in report.nodes if n.name.startswith("Adam/")}
     converted = [n for n in adam.values() if n.converted]
     assert {n.op for n in converted} >= {"Sub", "Square"}, sorted(adam)
@@ -332,13 +367,12 @@ def test_bfloat16_optimizer_arithmetic_follows_the_bytes_variables_stay_float32(
     for node in report.nodes:
         if node.op in ASSIGN_OPS + ("ReadVariableOp", "VarHandleOp"):
             assert not node.converted, (node.name, node.reason)
-    assert report.traffic_after_bytes < report.traffic_before_bytes
 
     # Train the same model with the same data both ways: float32 weights, and
     # losses within bfloat16's tolerance of float32's.
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, 128)).astype(np.float32)
-    y = (x @ rng.normal(size=(128, 256)).astype(np.float32) / 11).astype(np.float32)
+    x = rng.normal(size=(batch, 4096)).astype(np.float32)
+    y = (x @ rng.normal(size=(4096, 4096)).astype(np.float32) / 64).astype(np.float32)
     initial = [v.numpy() for v in model.variables]
 
     def train(fn):
@@ -346,15 +380,19 @@ def test_bfloat16_optimizer_arithmetic_follows_the_bytes_variables_stay_float32(
             var.assign(value)
         for var in optimizer.variables():
             var.assign(tf.zeros_like(var))
-        return [float(fn(x, y)) for _ in range(60)]
+        return [float(fn(x, y)) for _ in range(20)]
 
     want = train(tf.function(step))
-    got = train(tfamp.function(step, config=tfamp.AmpConfig(dtype="bfloat16"), check=True))
+    config = tfamp.AmpConfig(dtype="bfloat16", runtime="executor")
+    rewritten_step = tfamp.function(step, config=config, check=True)
+    got = train(rewritten_step)
+    assert any(n.converted for n in rewritten_step.reports[0].nodes
+               if n.name.startswith("Adam/"))
     floats = [v for v in model.variables + optimizer.variables() if v.dtype.is_floating]
     assert len(floats) == 3 * len(model.variables)  # weights, Adam's m and v
     assert all(v.dtype == tf.float32 for v in floats)
-    assert got[-1] < 0.5 * got[0], got
-    np.testing.assert_allclose(got, want, rtol=2e-2)  # measured: 0.5%
+    assert got[-1] < 0.7 * got[0], got
+    np.testing.assert_allclose(got, want, rtol=2e-2)
 
 
 def test_unknown_batch_still_decides_by_bytes():

@@ -415,6 +415,9 @@ def render_summary(report, loaded=None) -> str:
             f"{kind} x{n}" for kind, n in report.kept_fp32.items()))
     lines.append("  " + _flops_line(report))
     lines.append("  estimated float memory traffic per step: " + report.traffic_line())
+    if report.runtime_estimates:
+        lines.append("  estimated GPU cost per step (bytes + launches): "
+                     + report.runtime_line())
     return "\n".join(lines)
 
 

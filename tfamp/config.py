@@ -23,6 +23,8 @@ from tfamp.oplists import DATA_BOUND_OPS, DEFAULT_OP_LISTS, LIST_NAMES, OpLists
 # Target name -> DataType enum. Accepts tf.DType too (by its .name).
 TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 DEVICE_TYPES = ("auto", "CPU", "GPU")
+# What a rewritten step runs on (see tfamp.rewrite.runtime_cost).
+RUNTIMES = ("auto", "executor", "xla")
 
 _CHANGE_FIELDS = tuple(f"{n}_{verb}" for n in LIST_NAMES for verb in ("add", "remove"))
 
@@ -43,6 +45,12 @@ class AmpConfig:
       device_type: "CPU", "GPU" or "auto" (default: GPU if TensorFlow sees
         one, else CPU): the device whose registered kernels decide whether an
         op can run in 16-bit at all.
+      runtime: what the rewritten step runs on, which decides what a Cast
+        costs (``tfamp.rewrite.runtime_cost``): "executor" (TensorFlow's:
+        every op a kernel, so a Cast costs its bytes and a launch), "xla"
+        (``jit_compile``: a Cast next to an element-wise op fuses away) or
+        "auto" (default: "xla" for a function compiled with XLA, else
+        "executor"). The report gives the estimate for both either way.
 
     Example:
       >>> config = AmpConfig(dtype="bfloat16", deny_add=["Tanh"])
@@ -61,6 +69,7 @@ class AmpConfig:
     clear_remove: tuple[str, ...] = ()
     keep_fp32: tuple[str, ...] = ()
     device_type: str = "auto"
+    runtime: str = "auto"
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -84,6 +93,11 @@ class AmpConfig:
             raise ValueError(
                 f"device_type must be one of {list(DEVICE_TYPES)}, received "
                 f"{self.device_type!r}.")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(
+                f"runtime must be one of {list(RUNTIMES)}, received {self.runtime!r}: "
+                f"'xla' for a step compiled with jit_compile, 'executor' for "
+                f"TensorFlow's own, 'auto' to follow the function.")
         # Building the lists now surfaces conflicts (an op on two lists) here.
         set_field("_op_lists", DEFAULT_OP_LISTS[self.dtype].with_changes(
             **{name: getattr(self, name) for name in _CHANGE_FIELDS}))

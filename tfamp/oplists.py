@@ -299,3 +299,36 @@ DATA_BOUND_OPS: Mapping[str, str] = {
     "_HostRecv": "its type is the matching _Send's",
     "_Send": "its type is the matching _Recv's",
 }
+
+# -- what a fusing compiler (XLA) does with each op: see rewrite/runtime_cost.py --
+
+# Ops that run as a library kernel (cuDNN, cuBLAS) or a kernel of their own
+# under XLA: element-wise neighbours do not fuse into them, so their inputs and
+# outputs are written to and read from memory (materialised). Calls and loops
+# are boundaries too (runtime_cost treats every op with a called function so).
+LIBRARY_KERNEL_OPS = _FLOAT16_ALLOW | _BFLOAT16_ALLOW | frozenset({
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "FusedBatchNormGrad",
+    "FusedBatchNormGradV2", "FusedBatchNormGradV3", "Conv2DBackpropInputV2",
+    "Gather", "GatherV2", "GatherNd", "ResourceGather", "ScatterNd",
+    "TensorScatterUpdate", "TensorScatterAdd", "UnsortedSegmentSum",
+    "SparseSegmentSum", "SparseSegmentMean", "TopK", "TopKV2", "Cumsum", "Cumprod",
+    "CudnnRNN", "CudnnRNNV3", "MatrixInverse", "Cholesky", "Qr", "Svd",
+})
+
+# Reductions: a fusing compiler fuses their element-wise producers into them
+# (an input fusion) but writes their result to memory. Pools and the softmax
+# family reduce too.
+REDUCTION_KERNEL_OPS = STATISTIC_REDUCTIONS | frozenset({
+    "Max", "Min", "All", "Any", "ArgMax", "ArgMin", "BiasAddGrad", "Softmax",
+    "LogSoftmax", "SoftmaxCrossEntropyWithLogits",
+    "SparseSoftmaxCrossEntropyWithLogits", "MaxPool", "MaxPoolV2", "MaxPoolGrad",
+    "MaxPoolGradV2", "AvgPool", "AvgPoolGrad", "MaxPool3D", "AvgPool3D",
+    "MaxPool3DGrad", "AvgPool3DGrad", "Bincount", "SegmentSum",
+})
+
+# Ops that launch no kernel of their own on a GPU: values that already sit in
+# memory (weights, constants, fed values) and host-side bookkeeping.
+NO_KERNEL_OPS = frozenset({
+    "Const", "HostConst", "Placeholder", "PlaceholderWithDefault", "_Arg", "_Retval",
+    "VarHandleOp", "ReadVariableOp", "VariableV2", "Variable", "NoOp",
+})

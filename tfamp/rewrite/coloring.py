@@ -48,11 +48,12 @@ from tfamp.config import AmpConfig
 from tfamp.oplists import (
     BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
     GROWING_OPS, STATISTIC_REDUCTIONS)
-from tfamp.rewrite import boundaries, kernels
+from tfamp.rewrite import boundaries, kernels, runtime_cost
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import (
     DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name)
 from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
+from tfamp.rewrite.traffic import CONSTANT_OPS, NO_COPY_OPS
 
 # Type attributes that do not change on their own, whatever list the op is on.
 # A TensorList's element type must agree with every op that touches the list,
@@ -152,7 +153,8 @@ class Coloring:
 def color(view: GraphView, config: AmpConfig,
           outputs: Iterable[str] = (),
           keep: Mapping[tuple[str, str], str] | None = None,
-          shapes: TensorShapes | None = None) -> Coloring:
+          shapes: TensorShapes | None = None,
+          runtime: str | None = None) -> Coloring:
     """Decides, for every node of `view`, whether it computes in 16-bit.
 
     Args:
@@ -165,10 +167,15 @@ def color(view: GraphView, config: AmpConfig,
       shapes: tensor shapes (``shapes.tensor_shapes``). Where known, the choices
         the rules leave open go to the option that moves fewer bytes; without
         them, to the one with fewer Casts.
+      runtime: "executor" or "xla", what a Cast costs in those choices
+        (``runtime_cost``: a launch on the executor; nothing next to an
+        element-wise op under XLA); None resolves ``config.runtime`` ("auto"
+        is the executor here: the caller knows whether XLA compiles).
 
     Returns:
       A Coloring with one Decision per node.
     """
+    runtime = runtime_cost.resolve_runtime(runtime or config.runtime)
     pinned_outputs = {_parse_tensor_name(name) for name in outputs}
     keep = keep or {}
     # boundaries.solve colours a body once per set of overrides it weighs (an
@@ -185,7 +192,7 @@ def color(view: GraphView, config: AmpConfig,
         if shapes is not None:  # (a copy of a function has its original's shapes)
             counts = shapes.counts(body.name if shapes.shapes.get(body.name) else original)
         body_coloring = _BodyColoring(body, config, body_pins, body_keep, counts,
-                                      overrides, skeletons)
+                                      overrides, skeletons, runtime)
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
@@ -234,8 +241,14 @@ class _BodyColoring:
     def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
                  keep: Mapping[str, str] | None = None, counts: dict | None = None,
                  overrides: boundaries.BodyOverrides | None = None,
-                 skeletons: dict[str, _Skeleton] | None = None):
+                 skeletons: dict[str, _Skeleton] | None = None,
+                 runtime: str = "executor"):
         self.body = body
+        # What a Cast costs beyond its bytes in the byte choices (_costs): a
+        # launch, in byte-equivalents; under XLA none next to an element-wise
+        # op (see runtime_cost), where _fusible says which nodes are.
+        self.launch_bytes = runtime_cost.MODELS[runtime].launch_bytes
+        self._fusible: dict[str, int] | None = {} if runtime == "xla" else None
         self.overrides = overrides or boundaries.BodyOverrides()
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.keep = keep or {}
@@ -258,7 +271,9 @@ class _BodyColoring:
         # Whether a chain after a 16-bit op may take in arithmetic on variable
         # reads (an optimizer's moment and weight updates): in bfloat16 only,
         # see _region_stops_at.
-        self.regions_read_variables = self.target == DT_BFLOAT16
+        # Under XLA the update is one fusion from the float32 variables to
+        # their float32 assignments: 16-bit arithmetic inside it saves nothing.
+        self.regions_read_variables = self.target == DT_BFLOAT16 and runtime != "xla"
         self.keep_patterns = [re.compile(p) for p in config.keep_fp32]
         self.device_type = kernels.resolve_device_type(config.device_type)
         self.slot_node: list[str] = []
@@ -796,6 +811,13 @@ class _BodyColoring:
             if not sixteen:
                 continue
             cause = self.slot_node[sixteen[0]]
+            if self._fusible is not None and self._region_stops_at(slot):
+                self.kept[slot] = (
+                    f"infer: stays float32 after {self.target_name} op {cause!r}: it reads "
+                    f"a variable, and under XLA an update from float32 variables to their "
+                    f"float32 assignments is one fusion that 16-bit arithmetic would not "
+                    f"make smaller", cause, rk.KIND_FEWER_BYTES)
+                continue
             scale = self._run_time_scale(slot)
             if scale is not None:
                 self.kept[slot] = (
@@ -968,7 +990,7 @@ class _BodyColoring:
         update that the float32 variable does not accumulate as rounding.
         """
         if self.regions_read_variables:
-            return False
+            return False  # (bfloat16 on the executor)
         for ref, _ in self.body.nodes[self.slot_node[slot]].data_inputs:
             node = self.body.nodes.get(ref.node)
             if node is not None and node.op == "Identity" and node.data_inputs:
@@ -986,9 +1008,15 @@ class _BodyColoring:
         inside the region once); a Cast on an input is paid by the option that
         disagrees with the producer unless another consumer of the tensor needs
         the same Cast anyway (a region member has the option's dtype); a Cast on
-        an output by the option that disagrees with a consumer outside.
+        an output by the option that disagrees with a consumer outside. What
+        a Cast costs depends on the runtime (``runtime_cost``): its bytes and a
+        launch (``launch_bytes``) on the executor; under XLA the same where it
+        would be a kernel of its own, nothing where an element-wise op on
+        either side absorbs it (``_fuses``).
         """
         # (Helpers written out: this runs for every choice the rules leave open.)
+        fuses = self._fuses if self._fusible is not None else None
+        launched16 = launched32 = 0
         members = set(region)
         slot_index, consumers_of, rets = self.slot_index, self.body.consumers, self._ret_wants
         nodes, allow, counts = self.body.nodes, self.allow, self.counts
@@ -1002,10 +1030,17 @@ class _BodyColoring:
             input_refs, output_refs = refs_by_slot.get(slot) or self._slot_refs(slot)
             # (outputs nothing reads are written by neither option's choice)
             outputs = [ref for ref in output_refs if consumers_of.get(ref) or ref in rets]
+            # Under XLA an element-wise op reads its inputs at the width they
+            # were written with whatever it computes in (a Cast on the way fuses
+            # into it), and writes memory only for an output a boundary reads
+            # (runtime_cost): only that output's width differs between options.
+            inside = fuses is not None and fuses(name)
             for ref in (*input_refs, *outputs):  # the slot's own reads and writes
                 elements = counts.get(ref)
                 if elements is None:
                     return None
+                if inside and (ref.node != name or self._fused_with(ref)):
+                    continue
                 degree, count = elements
                 sums32[degree] = sums32.get(degree, 0) + count * 4
                 sums16[degree] = sums16.get(degree, 0) + count * 2
@@ -1041,33 +1076,91 @@ class _BodyColoring:
                         shared = True
                         break
                 if not shared:
+                    # (a Cast of a constant folds away before the step runs)
+                    paid = (fuses is None or not (fuses(name) or fuses(ref))) and not (
+                        not ref.is_arg and nodes[ref.node].op in CONSTANT_OPS)
                     if have16:
-                        sums32[degree] += count * 6
                         casts32.append(elements)
+                        if paid:
+                            sums32[degree] = sums32.get(degree, 0) + count * 6
+                            launched32 += 1
                     else:
-                        sums16[degree] += count * 6
                         casts16.append(elements)
+                        if paid:
+                            sums16[degree] = sums16.get(degree, 0) + count * 6
+                            launched16 += 1
             for ref in outputs:
                 elements = counts[ref]
                 degree, count = elements
-                wants = set(rets.get(ref, ()))  # does each consumer outside want 16-bit?
+                # does each consumer outside want 16-bit? -> do all that want
+                # it absorb a Cast (XLA: element-wise)?
+                wants = dict.fromkeys(rets.get(ref, ()), False)
                 for c, i in consumers_of.get(ref, ()):
                     inputs = nodes[c].inputs  # the consumer's slot
                     consumer = slot_index.get((c, inputs[i].type_attr)) \
                         if i < len(inputs) else None
                     if consumer not in members and not self._follows_any_dtype(c, i):
-                        wants.add(consumer in allow)
-                for want16 in wants:
+                        want16 = consumer in allow
+                        absorbs = fuses is not None and fuses(c)
+                        wants[want16] = wants.get(want16, True) and absorbs
+                paid = fuses is None or not fuses(name)
+                for want16, absorbed in wants.items():
                     width = 2 if want16 else 4
-                    sums32[degree] += count * width
-                    sums16[degree] += count * width
+                    sums32[degree] = sums32.get(degree, 0) + count * width
+                    sums16[degree] = sums16.get(degree, 0) + count * width
+                    cast_paid = paid and not absorbed
                     if want16:  # the float32 option casts to 16-bit for it
-                        sums32[degree] += count * (4 + width)
                         casts32.append(elements)
+                        if cast_paid:
+                            sums32[degree] = sums32.get(degree, 0) + count * (4 + width)
+                            launched32 += 1
                     else:
-                        sums16[degree] += count * (2 + width)
                         casts16.append(elements)
+                        if cast_paid:
+                            sums16[degree] = sums16.get(degree, 0) + count * (2 + width)
+                            launched16 += 1
+        launch = self.launch_bytes
+        if launched16 or launched32:
+            sums16[0] = sums16.get(0, 0) + launch * launched16
+            sums32[0] = sums32.get(0, 0) + launch * launched32
         return (Bytes.of_sums(sums16), casts16), (Bytes.of_sums(sums32), casts32)
+
+    def _fused_with(self, ref: TensorRef) -> bool:
+        """Under XLA, does an element-wise op's output `ref` stay inside fusions:
+        read only by element-wise ops and reductions (which fuse their
+        producers), and no result?"""
+        if ref in self._ret_wants:
+            return False
+        for consumer, _ in self.body.consumers.get(ref, ()):
+            if not (self._fuses(consumer) or self._kind(consumer) == runtime_cost.REDUCTION):
+                return False
+        return True
+
+    def _fuses(self, where: str | TensorRef) -> bool:
+        """Under XLA, does a Cast on an edge at this node (or produced tensor)
+        fuse into it: is it element-wise (runtime_cost.op_kind), looking
+        through views (Identity, Reshape) to what they pass along?"""
+        if isinstance(where, TensorRef):
+            if where.is_arg:
+                return False
+            where = where.node
+        return self._kind(where) == runtime_cost.ELEMENTWISE
+
+    def _kind(self, name: str) -> int:
+        """runtime_cost.op_kind of node `name`, a view taking its source's."""
+        known = self._fusible.get(name)
+        if known is not None:
+            return known
+        node = self.body.nodes.get(name)
+        for _ in range(4):  # (a view of a view ...)
+            if node is None or node.op not in NO_COPY_OPS or not node.data_inputs:
+                break
+            ref = node.data_inputs[0][0]
+            node = None if ref.is_arg else self.body.nodes.get(ref.node)
+        kind = runtime_cost.PARAMETER if node is None else runtime_cost.op_kind(
+            node.op, calls=bool(node.called_functions), sink=not node.outputs)
+        self._fusible[name] = kind
+        return kind
 
     def _run_time_scale(self, slot: int) -> str | None:
         """The node a scaling op's scalar operand comes from, if only known at run time.

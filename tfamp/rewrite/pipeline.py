@@ -11,11 +11,12 @@ from tensorflow.core.framework import graph_pb2
 
 from tfamp.config import AmpConfig
 from tfamp.rewrite.casts import insert_casts
+from tfamp.rewrite import runtime_cost
 from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
 from tfamp.rewrite.coloring import color
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.report import NodeReport, RewriteReport
-from tfamp.rewrite.shapes import TensorShapes, tensor_shapes
+from tfamp.rewrite.shapes import Bytes, TensorShapes, tensor_shapes
 from tfamp.rewrite.traffic import (
     body_weights,
     estimate_traffic,
@@ -36,6 +37,7 @@ def rewrite_graph_def(
     *,
     outputs: Iterable[str] | None = None,
     function_name: str = "",
+    jit_compile: bool | None = None,
 ) -> tuple[graph_pb2.GraphDef, RewriteReport]:
     """Rewrites a graph and its function library to mixed precision.
 
@@ -48,6 +50,9 @@ def rewrite_graph_def(
         rely on. None means every float tensor that nothing in the graph
         consumes.
       function_name: a name for the report (e.g. the tf.function's name).
+      jit_compile: whether XLA compiles the graph (a tf.function's
+        ``jit_compile``), if the caller knows; with ``config.runtime="auto"``
+        it decides what a Cast costs (``runtime_cost``). None: the executor.
 
     Tensor shapes are read from ``_output_shapes`` attributes (write them with
     ``graph.as_graph_def(add_shapes=True)``); where nodes lack them, TensorFlow's
@@ -88,13 +93,14 @@ def rewrite_graph_def(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _rewrite(graph_def, config, outputs, function_name)
+        return _rewrite(graph_def, config, outputs, function_name,
+                        runtime_cost.resolve_runtime(config.runtime, jit_compile))
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _rewrite(graph_def, config, outputs, function_name):
+def _rewrite(graph_def, config, outputs, function_name, runtime):
     view = build_view(graph_def)
     _refuse_repeated_names(graph_def, view)
     if outputs is None:
@@ -103,7 +109,7 @@ def _rewrite(graph_def, config, outputs, function_name):
     keep: dict[tuple[str, str], str] = {}
     known: set[str] | None = None  # the input's own problems, found lazily
     for round_ in range(_MAX_REPAIR_ROUNDS + 1):
-        coloring = color(view, config, outputs, keep, shapes)
+        coloring = color(view, config, outputs, keep, shapes, runtime)
         new_graph_def, casts, written = insert_casts(graph_def, view, coloring)
         # The result is read again from the NodeDefs the Cast insertion wrote,
         # trusting nothing the colouring believes: ports and edges come from
@@ -126,6 +132,7 @@ def _rewrite(graph_def, config, outputs, function_name):
                  len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
         keep.update(added)
     traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view)
+    traffic["runtime"] = runtime
     # Copies of functions whose callers disagree (boundaries.py) are reported
     # under their new names, after the original bodies.
     bodies = {body.name: body for body in view.bodies}
@@ -230,7 +237,30 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view) -> dict:
     return dict(traffic_before_bytes=before.total_bytes(),
                 traffic_after_bytes=after.total_bytes(),
                 cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes),
-                traffic_share=_share(before.total, after.total))
+                traffic_share=_share(before.total, after.total),
+                runtime_estimates=_runtime_estimates(before, after))
+
+
+def _runtime_estimates(before, after) -> dict[str, dict]:
+    """Per runtime: bytes, kernels and their cost (bytes + launches) before and
+    after, and the share after / before (see report.RewriteReport)."""
+    estimates = {}
+    for model in (runtime_cost.EXECUTOR, runtime_cost.XLA):
+        fused = model is runtime_cost.XLA
+        totals = [t.fused if fused else t.total for t in (before, after)]
+        kernels = [t.fused_kernels if fused else t.kernels for t in (before, after)]
+        costs = [None if total is None else total + Bytes.of_sums({0: model.launch_bytes * k})
+                 for total, k in zip(totals, kernels, strict=True)]
+        estimates[model.name] = {
+            "bytes_before": None if totals[0] is None else totals[0].known(),
+            "bytes_after": None if totals[1] is None else totals[1].known(),
+            "kernels_before": kernels[0], "kernels_after": kernels[1],
+            "launch_bytes": model.launch_bytes,
+            "cost_before": None if costs[0] is None else costs[0].known(),
+            "cost_after": None if costs[1] is None else costs[1].known(),
+            "share": _share(costs[0], costs[1]),
+        }
+    return estimates
 
 
 def _share(before, after) -> float | None:

@@ -8,11 +8,18 @@ casts (one per inserted Cast), and the estimated float memory traffic per step
 (traffic_before_bytes, traffic_after_bytes, cast_bytes: ints, or None when
 shapes are unknown; traffic_note says what was unknown or approximated;
 traffic_share is after / before, for large sizes where a dimension is unknown).
-Reports saved before ``kind`` or the traffic keys existed still load (with
-None for the traffic keys). Optional: matrix_flops (total, in_16bit, degree,
-not_counted; set by ``tfamp inspect``, which counts them on the live graph),
-batch_size (the batch the graph was traced at, when known) and the derived
-verdict (``tfamp.rewrite.verdict``: is 16-bit worth it here, one line).
+What a GPU pays, per runtime (``tfamp.rewrite.runtime_cost``): runtime, the one
+whose costs placed the Casts ("executor" or "xla"), and runtime_estimates,
+{"executor": {...}, "xla": {...}}, each with bytes_before / bytes_after (the
+executor: every tensor; XLA: the tensors materialised at fusion boundaries),
+kernels_before / kernels_after, launch_bytes (what one launch is counted as),
+cost_before / cost_after (bytes + kernels x launch_bytes) and share (cost after
+/ before; None where unknown). Reports saved before ``kind``, the traffic or the
+runtime keys existed still load (with None / empty values for those keys).
+Optional: matrix_flops (total, in_16bit, degree, not_counted; set by ``tfamp
+inspect``, which counts them on the live graph), batch_size (the batch the graph
+was traced at, when known) and the derived verdict (``tfamp.rewrite.verdict``: is
+16-bit worth it here, one line).
 """
 
 from __future__ import annotations
@@ -86,6 +93,8 @@ class RewriteReport:
     # after / before; with unknown dimensions (e.g. the batch), the share for
     # large sizes (leading terms). None when shapes are unknown.
     traffic_share: float | None = None
+    runtime: str = ""
+    runtime_estimates: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # Matrix/convolution FLOPs per step, {"total", "in_16bit", "degree" (power of
     # an unknown batch B), "not_counted"}: filled in by tfamp inspect.
     matrix_flops: dict[str, int] | None = None
@@ -146,7 +155,45 @@ class RewriteReport:
                        f"at large sizes")
         line = (f"tfamp: {name}: {total} ops -> {self.dtype}{detail}, "
                 f"{self.casts_inserted} casts, {kept} ops kept float32{traffic}")
-        return f"{line}; {self.verdict.line}" if verdict else line
+        cost = self.runtime_sentence()
+        if cost:
+            line = f"{line}. {cost}"
+        if verdict:
+            line += f"{' ' if cost else '; '}{self.verdict.line}"
+        return line
+
+    def runtime_sentence(self) -> str:
+        """'GPU cost est. executor 91%, XLA 64% of the original's; Casts placed
+        for xla.' (what each runtime pays: runtime_estimates), or '' if unknown."""
+        shares = [(label, self.runtime_estimates.get(key, {}).get("share"))
+                  for key, label in (("executor", "executor"), ("xla", "XLA"))]
+        if all(share is None for _, share in shares):
+            return ""
+        parts = ", ".join(f"{label} {'?' if share is None else f'{share:.0%}'}"
+                          for label, share in shares)
+        placed = f"; Casts placed for {self.runtime}" if self.runtime else ""
+        return f"GPU cost est. {parts} of the original's{placed}."
+
+    def runtime_line(self) -> str:
+        """Per runtime, bytes + kernels before -> after and the cost share, e.g.
+        'executor 67.9 GB + 6,996 kernels -> 57.9 GB + 7,530 (85%); XLA ...'."""
+        parts = []
+        for key, label in (("executor", "executor"), ("xla", "XLA fused")):
+            est = self.runtime_estimates.get(key)
+            if not est or est.get("bytes_before") is None or est.get("bytes_after") is None:
+                share = est.get("share") if est else None
+                parts.append(f"{label} " + ("unknown" if share is None else
+                                            f"{share:.0%} of the original's"))
+                continue
+            share = est.get("share")
+            parts.append(
+                f"{label} {format_bytes(est['bytes_before'])} + {est['kernels_before']:,} "
+                f"kernels -> {format_bytes(est['bytes_after'])} + {est['kernels_after']:,}"
+                + ("" if share is None else f" ({share:.0%})"))
+        text = "; ".join(parts)
+        if self.runtime:
+            text += f"; Casts placed for {self.runtime}"
+        return text
 
     def traffic_line(self) -> str:
         """'2.90 GB -> 1.71 GB (Casts 12.0 MB)' or 'unknown (no shapes)'."""
@@ -184,6 +231,8 @@ class RewriteReport:
             "matrix_flops": self.matrix_flops,
             "batch_size": self.batch_size,
             "verdict": self.verdict.to_dict(),  # derived; not read back
+            "runtime": self.runtime,
+            "runtime_estimates": self.runtime_estimates,
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -209,6 +258,8 @@ class RewriteReport:
             cast_bytes=data.get("cast_bytes"),
             traffic_note=data.get("traffic_note", ""),
             traffic_share=data.get("traffic_share"),
+            runtime=data.get("runtime", ""),
+            runtime_estimates=data.get("runtime_estimates") or {},
             matrix_flops=data.get("matrix_flops"), batch_size=data.get("batch_size"))
 
 

@@ -20,6 +20,13 @@ The model (deliberately simple, the same for every graph it compares):
   space) is left out and counted in ``unknown_tensors``; the figure is given
   only when at most ``MAX_UNKNOWN_SHARE`` of the float tensors are left out.
 
+Per runtime (``runtime_cost``), the same walk also counts the kernels each
+op launches on TensorFlow's executor (``kernels``: every op but views, weights
+and constants, plus each Cast) and the fused model's figures: the bytes of the
+tensors materialised at fusion boundaries (``fused``) and the fused kernels
+(``fused_kernels``: library kernels, reductions, element-wise fusions that
+write a result, Casts that fuse with nothing).
+
 ``estimate_traffic`` works on any GraphView (the original graph, tfamp's or
 grappler's result) and, given a Coloring, on the graph tfamp is about to write
 (new dtypes and the Casts ``insert_casts`` will add) without building it.
@@ -33,7 +40,10 @@ import functools
 
 from tensorflow.core.framework import types_pb2
 
+from tfamp.oplists import NO_KERNEL_OPS
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
+from tfamp.rewrite.runtime_cost import (
+    ELEMENTWISE, LIBRARY, PARAMETER, REDUCTION, op_kind)
 from tfamp.rewrite.shapes import BYTES_PER_ELEMENT, Bytes, TensorShapes, dtype_bytes
 
 NO_COPY_OPS = frozenset({
@@ -42,6 +52,9 @@ NO_COPY_OPS = frozenset({
     "Shape", "ShapeN", "Rank", "Size",  # read the shape only
 })
 LOOP_OPS = frozenset({"While", "StatelessWhile"})
+# A Cast of a constant is folded before the step runs (TensorFlow's constant
+# folding, XLA's): the executor launches no kernel for it.
+CONSTANT_OPS = frozenset({"Const", "HostConst"})
 _LESS_OPS = {"Less": 0, "LessEqual": 1}
 MAX_UNKNOWN_SHARE = 0.05
 
@@ -70,6 +83,11 @@ class Traffic:
       casts: number of float-to-float Casts (per graph, not per run).
       unknown_tensors: float tensors (that run) whose shape is unknown.
       known_tensors: float tensors (that run) counted.
+      kernels: kernels TensorFlow's executor launches per step (ops with a
+        float result but views, weights and constants; Casts included).
+      fused: bytes of the tensors materialised under XLA's fusion (see
+        ``runtime_cost``); None likewise.
+      fused_kernels: kernels per step under XLA's fusion.
     """
 
     total: Bytes | None
@@ -77,6 +95,12 @@ class Traffic:
     casts: int
     unknown_tensors: int
     known_tensors: int = 0
+    kernels: int = 0
+    fused: Bytes | None = None
+    fused_kernels: int = 0
+
+    def fused_bytes(self) -> int | None:
+        return None if self.fused is None else self.fused.known()
 
     def total_bytes(self) -> int | None:
         return None if self.total is None else self.total.known()
@@ -385,7 +409,8 @@ def estimate_traffic_before_after(
     for (function, node), attrs in converted.items():
         if attrs:
             by_body.setdefault(function, {})[node] = attrs
-    totals = [[Bytes(), Bytes(), 0] for _ in range(2)]  # total, cast, casts
+    # total, cast, casts, kernels, fused, fused kernels
+    totals = [[Bytes(), Bytes(), 0, 0, Bytes(), 0] for _ in range(2)]
     unknown = counted = 0
     for body in view.bodies:
         weight = weights.weights.get(body.name, 0)
@@ -399,16 +424,28 @@ def estimate_traffic_before_after(
             result[0] = result[0] + _scale(acc.sums[mode], weight)
             result[1] = result[1] + _scale(acc.cast_sums[mode], weight)
             result[2] += acc.casts[mode]
+            result[3] += (acc.kernels + acc.casts[mode] - acc.folded[mode]) * weight
+            result[4] = result[4] + _scale(acc.fused_sums[mode], weight)
+            result[5] += acc.fused_kernels[mode] * weight
     known = unknown <= MAX_UNKNOWN_SHARE * (unknown + counted)
     before, after = (
-        Traffic(total if known else None, cast if known else None, casts, unknown, counted)
-        for total, cast, casts in totals)
+        Traffic(total if known else None, cast if known else None, casts, unknown, counted,
+                kernels, fused if known else None, fused_kernels)
+        for total, cast, casts, kernels, fused, fused_kernels in totals)
     return before, after
 
 
 def _scale(sums: dict[int, int], factor: int) -> Bytes:
     return Bytes(tuple(sorted(((d, c * factor) for d, c in sums.items() if c),
                               reverse=True)))
+
+
+# Reader kinds of the fused model besides runtime_cost's: a call (its
+# arguments must be in memory; the callee's nodes do the reading) and a view
+# (reads nothing; its own readers decide). A Cast whose input comes from a
+# boundary (a library kernel, a reduction, a weight) fuses only into readers
+# that are all element-wise, else it is a kernel of its own.
+_CALL, _VIEW, _CAST_OF_BOUNDARY = 4, 5, 6
 
 
 class _BodyTraffic:
@@ -426,16 +463,35 @@ class _BodyTraffic:
         self.target = target
         self.sums: list[dict[int, int]] = [{}, {}]
         self.cast_sums: list[dict[int, int]] = [{}, {}]
+        self.fused_sums: list[dict[int, int]] = [{}, {}]
         self.casts = [0, 0]
+        self.kernels = 0  # executor kernels of the body's own ops (Casts apart)
+        self.folded = [0, 0]  # inserted Casts of constants (folded: no kernel)
+        self.fused_kernels = [0, 0]
         self.unknown = 0
         self.known = 0
         self.ret_dtypes: dict[TensorRef, list[int]] = {}
         for ref, _, dtype in body.rets.values():
             self.ret_dtypes.setdefault(ref, []).append(dtype)
         # Nodes that write no bytes of their own: views of their input
-        # (NO_COPY_OPS) and calls (the callee's nodes are counted).
-        self.through = {name for name, node in body.nodes.items()
-                        if node.called_functions or node.op in NO_COPY_OPS}
+        # (NO_COPY_OPS) and calls (the callee's nodes are counted). Each node's
+        # kind as a reader in the fused model (runtime_cost.op_kind).
+        self.through = through = set()
+        self.kinds = kinds = {}
+        known_kinds: dict[tuple[str, bool], int] = {}
+        for name, node in body.nodes.items():
+            if node.called_functions:
+                through.add(name)
+                kinds[name] = _CALL
+            elif node.op in NO_COPY_OPS:
+                through.add(name)
+                kinds[name] = _VIEW
+            else:
+                key = (node.op, not node.outputs)
+                kind = known_kinds.get(key)
+                if kind is None:
+                    kind = known_kinds[key] = op_kind(node.op, sink=key[1])
+                kinds[name] = kind
 
     def dtype(self, mode: int, name: str, port) -> int:
         if mode:
@@ -443,6 +499,31 @@ class _BodyTraffic:
             if attrs and port.type_attr in attrs:
                 return self.target
         return port.dtype
+
+    def _producer_kind(self, ref: TensorRef, memo: dict) -> int:
+        """The fused model's kind of what writes `ref`: a view is its source's
+        (a view of an element-wise result is written where a reader needs it;
+        of anything else, it is in memory already, PARAMETER); a Cast of a
+        boundary is _CAST_OF_BOUNDARY."""
+        kind = memo.get(ref.node)
+        if kind is not None:
+            return kind
+        if ref.is_arg:
+            return PARAMETER
+        node = self.body.nodes[ref.node]
+        kind = self.kinds[ref.node]
+        if kind == _CALL:
+            kind = PARAMETER
+        elif kind == _VIEW or node.op == "Cast":
+            source = node.data_inputs[0][0] if node.data_inputs else None
+            memo[ref.node] = PARAMETER  # (cycle guard: TF1 loops)
+            inner = PARAMETER if source is None else self._producer_kind(source, memo)
+            if node.op == "Cast":
+                kind = ELEMENTWISE if inner == ELEMENTWISE else _CAST_OF_BOUNDARY
+            else:
+                kind = ELEMENTWISE if inner == ELEMENTWISE else PARAMETER
+        memo[ref.node] = kind
+        return kind
 
     def run(self) -> None:
         body = self.body
@@ -453,7 +534,43 @@ class _BodyTraffic:
         ret_dtypes_of, bypass, add_cast = self.ret_dtypes.get, self._bypass, self._cast
         nbytes = BYTES_PER_ELEMENT.get  # (dtype_bytes)
         sums0, sums1 = self.sums
+        fused0, fused1 = self.fused_sums
+        fused_kernels, folded = self.fused_kernels, self.folded
+        kinds, producer_kind, kind_memo = self.kinds, self._producer_kind, {}
         known = unknown = 0
+
+        def fused(sums, mode, pk, degree, count, have, reads, forced, reduced,
+                  cast_to, cast_reads, cast_forced, cast_fuses) -> None:
+            """Adds one tensor's materialised bytes in one mode (runtime_cost)."""
+            if pk == ELEMENTWISE:
+                materialised = forced
+            elif pk == _CAST_OF_BOUNDARY:
+                materialised = forced or reduced
+            else:
+                materialised = True
+            moved = 0
+            width = nbytes(have, 0)
+            if materialised:
+                if pk == ELEMENTWISE or pk == _CAST_OF_BOUNDARY:
+                    fused_kernels[mode] += 1  # a fusion that writes this result
+                    moved += width
+                elif pk != PARAMETER:
+                    moved += width  # (the library kernel / reduction is counted per node)
+                moved += width * reads
+            if cast_to:
+                cast_width = nbytes(cast_to, 0)
+                if pk == ELEMENTWISE or pk == _CAST_OF_BOUNDARY:
+                    if cast_forced:  # the producer's fusion writes the cast result too
+                        moved += cast_width * (1 + cast_reads)
+                        if not materialised:
+                            fused_kernels[mode] += 1
+                elif cast_fuses:  # every reader converts as it reads
+                    moved += width * cast_reads
+                else:  # a Cast between two boundaries: a kernel of its own
+                    moved += width + cast_width * (1 + cast_reads)
+                    fused_kernels[mode] += 1
+            if moved:
+                sums[degree] = sums.get(degree, 0) + count * moved
 
         def tensor(ref: TensorRef, port, write: bool, cast_source) -> None:
             """`port` is the producing output port, or None for a function argument."""
@@ -477,6 +594,12 @@ class _BodyTraffic:
             if write and have1 != have0:
                 bytes1 = nbytes(have1, 0)
             wanted: list[tuple[int, int]] = []  # (mode, dtype) that need a Cast
+            # The fused model's readers: direct reads, whether one needs the
+            # tensor in memory, whether one is not element-wise; per mode.
+            reads0 = reads1 = 0
+            forced0 = forced1 = reduced0 = reduced1 = False
+            cast_to = cast_reads = 0
+            cast_forced, cast_fuses = False, True
             for consumer, index in consumers:
                 inputs = nodes[consumer].inputs
                 if index >= len(inputs):
@@ -493,6 +616,22 @@ class _BodyTraffic:
                 if consumer not in through:
                     bytes0 += nbytes(want0, 0)
                     bytes1 += nbytes(want1, 0)
+                kind = kinds[consumer]
+                reading = kind <= PARAMETER
+                forcing = LIBRARY <= kind <= _CALL
+                other = kind != ELEMENTWISE and kind != _VIEW
+                reads0 += reading
+                forced0 = forced0 or forcing
+                reduced0 = reduced0 or other
+                if want1 == have1 or want1 not in FLOAT_TYPES:
+                    reads1 += reading
+                    forced1 = forced1 or forcing
+                    reduced1 = reduced1 or other
+                else:
+                    cast_to = want1
+                    cast_reads += reading
+                    cast_forced = cast_forced or forcing
+                    cast_fuses = cast_fuses and not other
             ret_dtypes = ret_dtypes_of(ref)
             if ret_dtypes:
                 for dtype in ret_dtypes:
@@ -500,28 +639,52 @@ class _BodyTraffic:
                         wanted.append((0, dtype))
                     if dtype != have1 and dtype in FLOAT_TYPES:
                         wanted.append((1, dtype))
+                        cast_to, cast_forced, cast_fuses = dtype, True, False
+                    else:
+                        forced1 = True
+                forced0 = True  # (a result leaves in memory)
+            elif not consumers:  # an output of the graph (or unused): written
+                forced0 = forced1 = True
             if wanted:
                 for mode, dtype in dict.fromkeys(wanted):
                     if not bypass(mode, cast_source, dtype):
                         add_cast(mode, degree, count, have1 if mode else have0, dtype)
+                        if port is not None and nodes[ref.node].op in CONSTANT_OPS:
+                            folded[mode] += 1  # (folded before the step: no kernel)
             if bytes0:
                 sums0[degree] = sums0.get(degree, 0) + count * bytes0
             if bytes1:
                 sums1[degree] = sums1.get(degree, 0) + count * bytes1
+            pk = PARAMETER if port is None else producer_kind(ref, kind_memo)
+            fused(fused0, 0, pk, degree, count, have0, reads0, forced0, reduced0,
+                  0, 0, False, True)
+            fused(fused1, 1, pk, degree, count, have1, reads1, forced1, reduced1,
+                  cast_to, cast_reads, cast_forced, cast_fuses)
 
         for name, dtype in body.arg_dtypes.items():
             if dtype in FLOAT_TYPES:
                 tensor(TensorRef(name, 0, is_arg=True), None, False, None)
         new = tuple.__new__  # (TensorRef(name, index) without its Python-level __new__)
+        kernels = boundary_kernels = 0
         for name, node in nodes.items():
             cast_source = None
             if node.op == "Cast" and node.data_inputs and node.inputs:
                 cast_source = node.data_inputs[0][0]
                 self._existing_cast(name, node, cast_source)
+            counted = False
             for index, port in enumerate(node.outputs):
                 if port.dtype in FLOAT_TYPES:
-                    tensor(new(TensorRef, (name, index, False)), port, name not in through,
-                           cast_source)
+                    own = name not in through
+                    if own and not counted:
+                        counted = True
+                        if node.op != "Cast" and node.op not in NO_KERNEL_OPS:
+                            kernels += 1  # (Casts are counted as Casts)
+                            if kinds[name] in (LIBRARY, REDUCTION):
+                                boundary_kernels += 1
+                    tensor(new(TensorRef, (name, index, False)), port, own, cast_source)
+        self.kernels += kernels
+        self.fused_kernels[0] += boundary_kernels
+        self.fused_kernels[1] += boundary_kernels
         self.known += known
         self.unknown += unknown
 

@@ -26,6 +26,11 @@ FLOPs were not counted):
   spread, keep_fp32, placement);
 * otherwise marginal, with the same suggestions;
 * unknown traffic (no shapes): judged on the matrix share alone.
+
+When the report carries the runtime cost estimates (``rewrite.runtime_cost``:
+bytes plus kernel launches, for the executor or XLA, whichever the Casts were
+placed for), that share takes the place of the byte ratio in these rules and
+the line says so; the unfused byte ratio is still given.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ class VerdictInputs:
     flop_share: float | None = None      # matrix FLOPs in 16-bit / all counted
     batch_size: int | None = None
     top_kept: tuple[str, int] | None = None  # (reason kind, count) keeping most ops float32
+    # What a GPU pays (rewrite.runtime_cost): after / before of bytes plus kernel
+    # launches, for the runtime the Casts were placed for ("executor" or "xla").
+    cost_share: float | None = None
+    runtime: str = ""
 
     @classmethod
     def from_report(cls, report) -> VerdictInputs:
@@ -77,7 +86,10 @@ class VerdictInputs:
             cast_bytes=report.cast_bytes,
             flop_share=(in_16 / total) if total else None,
             batch_size=getattr(report, "batch_size", None),
-            top_kept=kept[0] if kept else None)
+            top_kept=kept[0] if kept else None,
+            cost_share=(getattr(report, "runtime_estimates", None) or {}).get(
+                getattr(report, "runtime", ""), {}).get("share"),
+            runtime=getattr(report, "runtime", ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +129,13 @@ def judge(i: VerdictInputs) -> Verdict:
         bytes_text = f" ({format_bytes(i.traffic_after)} vs {format_bytes(i.traffic_before)})"
     elif ratio is not None:
         bytes_text = f" ({ratio:.0%} of float32's at large sizes)"
+    if i.cost_share is not None and ratio is not None:
+        # Bytes plus kernel launches on the runtime the step runs on decide; the
+        # unfused bytes are still said.
+        where = "under XLA" if i.runtime == "xla" else "on the executor"
+        bytes_text = (f" (est. GPU cost {where}, bytes + kernel launches; "
+                      f"{ratio:.2f}x the bytes{bytes_text})")
+        ratio = i.cost_share
     share = i.flop_share
     share_text = (f"{share:.0%} of the matrix FLOPs" if share is not None else
                   f"{i.matrix_converted} matrix/convolution ops")
@@ -129,18 +148,25 @@ def judge(i: VerdictInputs) -> Verdict:
             f"carries no shapes)" + ("" if worth == YES else tail)))
     if ratio <= WORTH_RATIO and (share is None or share >= HALF):
         return Verdict(YES, ratio, share, (), (
-            f"{i.dtype} is worth it here: it moves {ratio:.2f}x float32's bytes"
+            f"{i.dtype} is worth it here: it {_moves(i, ratio)}"
             f"{bytes_text} and runs {share_text} in 16-bit"))
     if ratio > 1:
-        head = (f"{i.dtype} moves more bytes than float32 here{bytes_text}: only the "
+        more = "costs more" if i.cost_share is not None else "moves more bytes"
+        head = (f"{i.dtype} {more} than float32 here{bytes_text}: only the "
                 f"matrix math ({share_text}) gains")
         return Verdict(NO if (share is not None and share < HALF) else MARGINAL, ratio,
                        share, tuple(suggestions), head + tail)
     low_share = share is not None and share < HALF
-    head = (f"{i.dtype} is marginal here: it moves {ratio:.2f}x float32's bytes{bytes_text}"
+    head = (f"{i.dtype} is marginal here: it {_moves(i, ratio)}{bytes_text}"
             + (f" and runs only {share_text} in 16-bit" if low_share else
                f"; the matrix math ({share_text}) gains"))
     return Verdict(MARGINAL, ratio, share, tuple(suggestions), head + tail)
+
+
+def _moves(i: VerdictInputs, ratio: float) -> str:
+    if i.cost_share is not None:
+        return f"costs {ratio:.2f}x float32's"
+    return f"moves {ratio:.2f}x float32's bytes"
 
 
 def _suggestions(i: VerdictInputs, ratio: float | None) -> list[str]:

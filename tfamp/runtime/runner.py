@@ -105,15 +105,17 @@ def rewrite_concrete_function(
     old = concrete.graph
     graph_def = old.as_graph_def(add_shapes=True)  # shapes: decisions by bytes
     outputs = [t.name for t in old.outputs]
+    attrs = dict(getattr(concrete, "_attrs", {}) or {})
+    jit = attrs.get("_XlaMustCompile")  # an AttrValue; what a Cast costs depends on it
     new_graph_def, report = rewrite_graph_def(
-        graph_def, config, outputs=outputs, function_name=_display_name(old.name))
+        graph_def, config, outputs=outputs, function_name=_display_name(old.name),
+        jit_compile=bool(getattr(jit, "b", jit)))
     if check:
         assert_valid_graph_def(new_graph_def)
     library = _register_renamed_library(new_graph_def, f"_tfamp{next(_rename_counter)}")
     new_graph = _import_as_func_graph(new_graph_def, old)
     for fn in library:  # the graph's children: saved and compiled along with it
         new_graph._add_function(fn)
-    attrs = dict(getattr(concrete, "_attrs", {}) or {})
     rewritten = concrete_lib.ConcreteFunction.from_func_graph(
         new_graph, concrete.function_type, attrs)
     # Set by tracing, not by from_func_graph: the flat (keyword) call signature
