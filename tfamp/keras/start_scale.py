@@ -121,7 +121,13 @@ _probe = threading.local()
 class Recorder:
     """What one probe trace saw: the backward tensors of every scaled tape."""
 
-    def __init__(self):
+    def __init__(self, op_lists=None):
+        # Ops the rewrite can never put in float16 (deny or unlisted: RsqrtGrad,
+        # the BatchNorm variance's backward, ...) do not bound the scale: their
+        # values stay float32 in the rewritten step.
+        self._never_16bit = (
+            (lambda op: op_lists.list_of(op) in ("deny", "unlisted"))
+            if op_lists is not None else (lambda op: False))
         self.backward: list[tuple[str, tf.Tensor]] = []
         self.weights: list[tuple[str, tf.Tensor]] = []
         self.tapes = 0
@@ -146,6 +152,8 @@ class Recorder:
             if not any(t.op.name in reached for t in op.inputs):
                 continue
             reached.add(op.name)
+            if self._never_16bit(op.type):
+                continue
             for out in op.outputs:
                 # Single values are the loss path's own (d mean / d sum and
                 # their reshapes): float32 in the rewritten step.
@@ -201,7 +209,8 @@ class probe_mode:  # noqa: N801  (a context manager, like tf.name_scope)
 
 # -- running a probe ----------------------------------------------------------------
 
-def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0) -> StartScale:
+def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
+               op_lists=None) -> StartScale:
     """Runs ``step(*args, **kwargs)`` once in probe mode; returns the chosen scale.
 
     Args:
@@ -209,6 +218,9 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0) ->
       args, kwargs: its arguments (one batch).
       extra_state: variables to restore besides those the step assigns.
       min_scale: the optimizer's floor.
+      op_lists: the rewrite's float16 op lists (``AmpConfig.op_lists``): backward
+        ops on none of them or on the deny list stay float32 and are not
+        recorded. None records every backward op.
 
     Raises:
       ValueError: the step differentiated no scalar loss, or its float32
@@ -220,7 +232,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0) ->
 
     custom_loop.install_patches()
     start = time.perf_counter()
-    recorder = Recorder()
+    recorder = Recorder(op_lists)
 
     def run(*a, **k):
         with probe_mode(recorder), custom_loop.plain_calls():
@@ -379,7 +391,8 @@ def before_fit(model, state, args, kwargs) -> StartScale | None:
     try:
         found = probe_step(lambda data: cls.train_step(model, data), (batch,), {},
                            extra_state=_state_variables(model),
-                           min_scale=getattr(owner, "min_scale", 1.0))
+                           min_scale=getattr(owner, "min_scale", 1.0),
+                           op_lists=_float16_lists(state))
     except Exception as err:  # training goes on at the default scale; the user is told
         _warn(f"tfamp: model {model.name!r}: no start scale from the gradients "
               f"({type(err).__name__}: {err}); dynamic scaling starts at "
@@ -396,6 +409,11 @@ def before_fit(model, state, args, kwargs) -> StartScale | None:
     state.start_scale = found
     log.info("%s", found.message())
     return found
+
+
+def _float16_lists(state):
+    config = getattr(state, "config", None)
+    return config.op_lists if config is not None and config.dtype == "float16" else None
 
 
 def first_batch(model, args, kwargs):
@@ -484,7 +502,8 @@ def calibrate_loss_scale(step, *args, model=None, **kwargs) -> StartScale:
     python_step = getattr(step, "python_function", step)
     extra = _state_variables(model) if model is not None else []
     found = probe_step(python_step, args, kwargs, extra_state=extra,
-                       min_scale=getattr(owner, "min_scale", 1.0))
+                       min_scale=getattr(owner, "min_scale", 1.0),
+                       op_lists=_float16_lists(getattr(model, "_tfamp_state", None)))
     if model is not None:
         from tfamp.keras.custom_loop import _build_if_needed
 
