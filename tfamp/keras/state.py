@@ -25,6 +25,7 @@ class EnabledState:
     ranges: object = None  # None, True, or an output directory for RangeMonitor
     loop: object = None  # custom_loop.ModelLoop, set when the hooks are installed
     warned_unscaled: bool = False  # the step applied gradients tfamp could not scale
+    fallback: object = None  # fallback.FallbackState: layers moved to float32 on overflow
 
     tfamp_optimizer = None  # set by each flavour
     keras_loss_scale_optimizer = None
