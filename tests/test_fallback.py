@@ -229,8 +229,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("flavour", sorted(KERASES))
+@pytest.mark.parametrize("flavour", ["tf_keras", pytest.param("keras3", marks=pytest.mark.slow)])
 def test_tfamp_enable_variable_falls_back_too(flavour, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=str(REPO / "tests")))

@@ -197,7 +197,7 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
       config: the rewrite settings (the model's ``tfamp.enable`` config if None).
       loss_scale: the loss scale to run the step at.
     """
-    from tfamp.keras import custom_loop
+    from tfamp.keras import custom_loop, scale_update
     from tfamp.numerics.keras_probe import plain_function, state_variables
 
     if config is None:
@@ -211,6 +211,9 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
             y_pred = model(x, training=True)
             loss = model.compute_loss(x, y, y_pred, sample_weight)
             scaled = loss * tf.cast(scale, loss.dtype)
+        # Scaled here, at `loss_scale`: under TFAMP_ENABLE the tape must not scale it
+        # again with the process's custom-loop scale.
+        scale_update.mark_scaled(scaled)
         grads = tape.gradient(scaled, variables)
         return loss, [g for g in grads if g is not None]
 
