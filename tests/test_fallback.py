@@ -35,8 +35,9 @@ def pipeline_data(scale: float = 1000.0, n: int = 512):
     return x, y.astype("float32")
 
 
-def pipeline_model(k, frozen_std: float = 30.0):
-    """A frozen projection (outputs ~2e5: inf in float16) -> x1e-5 -> a small trainable head.
+def pipeline_model(k, frozen_std: float = 30.0, batch_norm: bool = False):
+    """A frozen projection (outputs ~2e5: inf in float16) -> x1e-5 (or a BatchNorm) ->
+    a small trainable head.
 
     With ``frozen_std=1e10`` and inputs ~1e30 the projection overflows float32 too.
     """
@@ -45,7 +46,9 @@ def pipeline_model(k, frozen_std: float = 30.0):
     frozen = k.layers.Dense(32, name="frozen",
                             kernel_initializer=k.initializers.RandomNormal(stddev=frozen_std))
     frozen.trainable = False
-    h = k.layers.Rescaling(1e-5, name="rescale")(frozen(inputs))
+    scale = (k.layers.BatchNormalization(name="bn") if batch_norm
+             else k.layers.Rescaling(1e-5, name="rescale"))
+    h = scale(frozen(inputs))
     h = k.layers.Dense(16, activation="relu", name="hidden")(h)
     model = k.Model(inputs, k.layers.Dense(1, name="head")(h), name="pipe")
     model.compile(optimizer=k.optimizers.Adam(3e-3), loss="mse")
@@ -105,6 +108,29 @@ def test_decide_says_a_float32_overflow_is_not_fixed_by_moving():
     assert "will not retry" in message and "Expected finite values in float32" in message
 
 
+def test_region_grows_to_the_next_layer_when_its_input_cast_overflows_and_is_capped(
+        monkeypatch, caplog):
+    # Exp forced to float16 overflows; with it float32, exp(12) overflows the Cast in
+    # front of the head: both layers move, in one decision.
+    from tests.test_nonfinite import EXP_16BIT, X, Y, overflow_model
+
+    model = tfamp.enable(overflow_model(), config=EXP_16BIT, verbose=False)
+    decision = fallback.decide(model, EXP_16BIT, (X, Y, None))
+    assert decision.kind == fallback.MOVED
+    assert decision.patterns == ("planted/expo/", "planted/head/")
+    assert decision.findings[1].inserted_cast
+
+    monkeypatch.setattr(fallback, "MAX_MOVED", 1)
+    decision = fallback.decide(model, EXP_16BIT, (X, Y, None), room=1)
+    assert decision.kind == fallback.CAP_REACHED and decision.patterns == ()
+    caplog.set_level(logging.INFO, logger="tfamp")
+    capped = tfamp.enable(overflow_model(), config=EXP_16BIT, verbose=False)
+    capped.fit(X, Y, batch_size=4, epochs=2, verbose=0)
+    [line] = _messages(caplog, "no more float32 fallback")
+    assert "the most layers it moves (1)" in line and "planted/head" in line
+    assert capped._tfamp_state.config.keep_fp32 == ()
+
+
 # -- training -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flavour", sorted(KERASES))
@@ -136,6 +162,31 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     assert model._tfamp_state.config.keep_fp32 == (pattern,)
     assert fallback.decode(fallback.record_variable(model, model._tfamp_state).numpy()) == (
         pattern,)
+
+
+@pytest.mark.parametrize("flavour", sorted(KERASES))
+def test_batch_norm_statistics_the_skipped_steps_poisoned_are_reset(flavour, caplog):
+    # The skipped steps' forward passes wrote inf/nan into the BatchNorm's moving
+    # statistics; left so, evaluate (inference mode) would give NaN for good.
+    k = KERASES[flavour]
+    x, y = pipeline_data()
+    reference = pipeline_model(k, batch_norm=True)
+    _fit(reference, x, y)
+    want = reference.evaluate(x, y, verbose=0)
+    caplog.set_level(logging.INFO, logger="tfamp")
+    model = tfamp.enable(pipeline_model(k, batch_norm=True), verbose=False)
+    history = _fit(model, x, y)
+    got = model.evaluate(x, y, verbose=0)
+    assert abs(got - want) <= 0.1 * want and history.history["skipped_steps"][-1] <= 3
+    bn = model.get_layer("bn")
+    assert all(np.isfinite(np.asarray(v)).all() for v in bn.non_trainable_weights)
+    # tf_keras's fused BatchNorm keeps float32 statistics anyway; Keras 3's unfused
+    # one converts x * rsqrt(var), whose input Cast overflows next: it follows.
+    first, *rest = model._tfamp_state.fallback.moved
+    assert "frozen" in first and len(rest) == (flavour == "keras3")
+    assert all("/bn" in pattern for pattern in rest)
+    [line] = _messages(caplog, "float32 fallback")
+    assert "non-trainable variables" in line and "moving_mean" in line
 
 
 def test_float32_overflow_is_said_once_and_never_rewritten_again(caplog, monkeypatch):

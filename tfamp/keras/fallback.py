@@ -8,7 +8,9 @@ what does not depend on the scale; keeping that one layer float32 can.
 Algorithm (an enabled model with loss scaling, after each train call)::
 
     consecutive = skipped steps since the last applied one
-    if consecutive >= next_probe_at:                  # 2, then 4, 8, ...
+    if consecutive >= next_probe_at:                  # 2 (8 once layers moved)
+        reset inf/nan in BatchNorm moving statistics (the skipped steps' forward
+            passes wrote them; undone unless layers move)
         decision = decide(model, config, first batch of fit's data)
         MOVED:     config.keep_fp32 += decision.patterns; rebuild the step
                    functions; write the patterns into the checkpointed record;
@@ -62,6 +64,9 @@ log = logging.getLogger("tfamp")
 # Consecutive skipped steps before the first look (a step that overflows at
 # the start scale is usually one halving away from fine).
 FIRST_PROBE_AFTER = 2
+# After layers moved: skipped steps in a row before looking again (a from-scratch
+# model may still overflow at its start scale; that is loss scaling's to fix).
+PROBE_AFTER_MOVE = 8
 # Layers moved per model at most (all decisions together).
 MAX_MOVED = 4
 # Length of the checkpointed record (int32 codes of the UTF-8 patterns, "\n"-joined).
@@ -93,6 +98,7 @@ class FallbackDecision:
     patterns: tuple[str, ...] = ()
     findings: tuple = ()
     seconds: float = 0.0
+    repaired: tuple[str, ...] = ()  # "variable: entries" reset from inf/nan (repair_state)
 
     @property
     def last(self):
@@ -176,6 +182,10 @@ def moved_message(model, config, decision: FallbackDecision, *, restored: bool =
         why = (f"{first.op} '{first.node}' ({first.phase}) gave {first.value} in "
                f"{first.dtype} with finite inputs at loss scale 1, so no loss scale "
                f"could fix it; decided in {decision.seconds:.2f} s")
+    if decision.repaired:
+        shown = ", ".join(decision.repaired[:2]) + (", ..." if len(decision.repaired) > 2 else "")
+        why += (f"; the skipped steps had written inf/nan into {len(decision.repaired)} "
+                f"non-trainable variables ({shown} entries), reset to their initial values")
     return (f"tfamp: float32 fallback on model {model.name!r}: now keeping {names} float32 "
             f"({why}). The step functions are rewritten again (one more trace and "
             f"rewrite); those layers now cost float32 time and memory. To make it "
@@ -202,10 +212,10 @@ def stopped_message(model, decision: FallbackDecision) -> str:
                 f"with a keep_fp32 pattern matching {found.node!r}, or "
                 f"{found.fix_oplist_api}.")
     if decision.kind == CAP_REACHED:
-        return (f"tfamp: no more float32 fallback on model {model.name!r}: after "
-                f"{MAX_MOVED} layers kept float32, {where} still overflows float16; tfamp "
-                f"will not retry. Keep the region float32 yourself ({found.fix_api}) or "
-                f"use dtype='bfloat16'.")
+        return (f"tfamp: no more float32 fallback on model {model.name!r}: with the "
+                f"most layers it moves ({MAX_MOVED}) float32, {where} would still "
+                f"overflow float16; tfamp moves none of them and will not retry. Keep the "
+                f"region float32 yourself ({found.fix_api}) or use dtype='bfloat16'.")
     return (f"tfamp: no float32 fallback on model {model.name!r}: fit's data cannot be "
             f"re-read (expected arrays or a tf.data.Dataset), so tfamp cannot find the op "
             f"that overflows; the stuck-scale warning will name what it can.")
@@ -290,16 +300,26 @@ def after_train_call(model, state, owner) -> bool:
     previous = fallback.last_skipped if fallback.last_skipped is not None else 0
     fallback.last_skipped = skipped
     if skipped <= previous:
-        fallback.consecutive, fallback.next_probe_at = 0, FIRST_PROBE_AFTER
+        fallback.consecutive = 0
+        if not fallback.moved:
+            fallback.next_probe_at = FIRST_PROBE_AFTER
         return False
     fallback.consecutive += skipped - previous
     if fallback.consecutive < fallback.next_probe_at:
         return False
-    decision = _decide_on_fit_batch(model, state, fallback)
+    try:
+        decision = _decide_on_fit_batch(model, state, fallback)
+    except Exception as err:  # training goes on; the stuck check still warns
+        fallback.stopped = "failed"
+        log.warning("tfamp: no float32 fallback on model %r: finding the op that overflows "
+                    "failed (%s: %s); tfamp will not retry. Please report it; meanwhile keep "
+                    "the layer float32 yourself (keep_fp32=[...]).", model.name,
+                    type(err).__name__, err)
+        return False
     fallback.decisions.append(decision)
     if decision.kind == MOVED:
         apply(model, state, decision.patterns)
-        fallback.consecutive, fallback.next_probe_at = 0, FIRST_PROBE_AFTER
+        fallback.consecutive, fallback.next_probe_at = 0, PROBE_AFTER_MOVE
         log.warning("%s", moved_message(model, state.config, decision))
         return True
     if decision.kind == NOT_FOUND:
@@ -331,8 +351,54 @@ def _decide_on_fit_batch(model, state, fallback: FallbackState) -> FallbackDecis
     batch = source() if source is not None else None
     if batch is None:
         return FallbackDecision(NO_BATCH)
-    return decide(model, state.config, unpack_batch(batch),
-                  room=MAX_MOVED - len(fallback.moved))
+    # The skipped steps ran their forward pass: a BatchNorm's moving statistics
+    # took the inf/nan in. Repaired first, so the probe sees where it starts;
+    # kept only if layers move (the next overflowing step would write them again).
+    repaired, undo = repair_state(model)
+    decision = decide(model, state.config, unpack_batch(batch),
+                      room=MAX_MOVED - len(fallback.moved))
+    if decision.kind != MOVED:
+        undo()
+        return decision
+    return dataclasses.replace(decision, repaired=repaired)
+
+
+def repair_state(model) -> tuple[tuple[str, ...], object]:
+    """Resets the inf/nan entries of non-trainable variables to their initial values.
+
+    Only variables a layer creates with an ``<attr>_initializer`` next to them
+    (a BatchNorm's ``moving_mean`` / ``moving_variance``) are repaired.
+
+    Returns:
+      ("name: count", ...) of what was reset, and a function that undoes it.
+    """
+    import numpy as np
+
+    initializers = {}
+    for layer in model._flatten_layers(include_self=False):
+        for attr, value in vars(layer).items():
+            initializer = getattr(layer, f"{attr}_initializer", None)
+            if initializer is not None and hasattr(value, "assign"):
+                initializers[id(value)] = initializer
+    repaired, saved = [], []
+    for variable in model.non_trainable_variables:
+        value = np.asarray(variable.numpy())
+        if value.dtype.kind != "f" or np.isfinite(value).all():
+            continue
+        initializer = initializers.get(id(variable))
+        if initializer is None:
+            continue
+        start = np.asarray(initializer(value.shape, dtype=str(value.dtype)))
+        bad = ~np.isfinite(value)
+        saved.append((variable, value))
+        variable.assign(np.where(bad, start, value))
+        repaired.append(f"{getattr(variable, 'path', variable.name)}: {int(bad.sum())}")
+
+    def undo():
+        for variable, value in saved:
+            variable.assign(value)
+
+    return tuple(repaired), undo
 
 
 def sync_from_record(model, state) -> tuple[str, ...]:

@@ -163,6 +163,8 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     node_def = body.nodes[node].node_def
     input_names = [i if ":" in i else f"{i}:0" for i in node_def.input
                    if not i.startswith("^")]
+    # Values only: a resource or variant handle (a variable an op reads) has no array.
+    input_names = [i for i in input_names if _fetchable(body, i)]
     input_values = run_imported(concrete, rewritten, input_names, flat_args) \
         if input_names else []
     inputs = tuple(_magnitude(name, value_)
@@ -284,6 +286,14 @@ def _magnitude(name: str, value: np.ndarray) -> InputMagnitude:
     return InputMagnitude(
         name, dtype, float(finite.max()) if finite.size else float("nan"),
         float(nonzero.min()) if nonzero.size else 0.0, int(a.size - finite.size))
+
+
+def _fetchable(body, tensor: str) -> bool:
+    source, _, port = tensor.rpartition(":")
+    node = body.nodes.get(source)
+    if node is None or int(port) >= len(node.outputs):
+        return True  # unknown here: let the run say
+    return node.outputs[int(port)].dtype not in (types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT)
 
 
 def _ref(node: str, port: int) -> TensorRef:
