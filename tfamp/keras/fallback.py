@@ -339,9 +339,12 @@ def known_cause(state) -> str | None:
     if fallback is None or not fallback.stopped or not fallback.decisions:
         return None
     decision = fallback.decisions[-1]
-    return decision.last.describe() + (
-        " With that layer float32 it overflows in float32 too, so keep_fp32 cannot help."
-        if decision.kind == OVERFLOWS_IN_FP32 else "") if decision.last else None
+    if decision.last is None:
+        return None
+    text = decision.last.describe()
+    if decision.kind == OVERFLOWS_IN_FP32:
+        text += " With that layer float32 it overflows in float32 too, so keep_fp32 cannot help."
+    return text
 
 
 def _decide_on_fit_batch(model, state, fallback: FallbackState) -> FallbackDecision:
