@@ -189,13 +189,14 @@ def test_batch_norm_statistics_the_skipped_steps_poisoned_are_reset(flavour, cap
     assert "non-trainable variables" in line and "moving_mean" in line
 
 
-def test_float32_overflow_is_said_once_and_never_rewritten_again(caplog, monkeypatch):
+@pytest.mark.parametrize("flavour", sorted(KERASES))
+def test_float32_overflow_is_said_once_and_never_rewritten_again(flavour, caplog, monkeypatch):
     calls = []
-    real = nonfinite.locate_keras_nonfinite
-    monkeypatch.setattr(nonfinite, "locate_keras_nonfinite",
+    real = nonfinite.locate_nonfinite
+    monkeypatch.setattr(nonfinite, "locate_nonfinite",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))
     caplog.set_level(logging.INFO, logger="tfamp")
-    model = tfamp.enable(pipeline_model(tf_keras, frozen_std=1e10), verbose=False)
+    model = tfamp.enable(pipeline_model(KERASES[flavour], frozen_std=1e10), verbose=False)
     x, y = pipeline_data(scale=1e30)
     history = _fit(model, x, y, epochs=4)  # 64 steps, all skipped
     assert history.history["skipped_steps"][-1] == 64

@@ -143,7 +143,7 @@ def decide(model, config, batch, *, room: int = MAX_MOVED) -> FallbackDecision:
       >>> decision.kind, decision.patterns
       ('moved', ('pipe/frozen/',))
     """
-    from tfamp.numerics.nonfinite import locate_keras_nonfinite
+    from tfamp.numerics.nonfinite import keras_step_locator
 
     start = time.perf_counter()
     x, y, sample_weight = batch
@@ -153,20 +153,21 @@ def decide(model, config, batch, *, room: int = MAX_MOVED) -> FallbackDecision:
         moved = tuple(patterns) if kind == MOVED else ()
         return FallbackDecision(kind, moved, tuple(findings), time.perf_counter() - start)
 
-    while True:
-        found = locate_keras_nonfinite(model, x, y, sample_weight, config=candidate,
-                                       loss_scale=1.0)
-        if found is None:
-            return done(MOVED if patterns else NOT_FOUND)
-        findings.append(found)
-        if not found.ran_16bit:
-            return done(OVERFLOWS_IN_FP32)
-        if found.keep_fp32 in candidate.keep_fp32:
-            return done(NOT_COVERED)
-        if len(patterns) >= room:
-            return done(CAP_REACHED)
-        patterns.append(found.keep_fp32)
-        candidate = candidate.replace(keep_fp32=(*candidate.keep_fp32, found.keep_fp32))
+    # One trace for every candidate: only the rewrite and the runs repeat.
+    with keras_step_locator(model, x, y, sample_weight, loss_scale=1.0) as locate:
+        while True:
+            found = locate(candidate)
+            if found is None:
+                return done(MOVED if patterns else NOT_FOUND)
+            findings.append(found)
+            if not found.ran_16bit:
+                return done(OVERFLOWS_IN_FP32)
+            if found.keep_fp32 in candidate.keep_fp32:
+                return done(NOT_COVERED)
+            if len(patterns) >= room:
+                return done(CAP_REACHED)
+            patterns.append(found.keep_fp32)
+            candidate = candidate.replace(keep_fp32=(*candidate.keep_fp32, found.keep_fp32))
 
 
 # -- the log lines ---------------------------------------------------------------------

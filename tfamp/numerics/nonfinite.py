@@ -25,6 +25,7 @@ is not a constant) is reported like any other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -199,12 +200,29 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
       config: the rewrite settings (the model's ``tfamp.enable`` config if None).
       loss_scale: the loss scale to run the step at.
     """
-    from tfamp.keras import custom_loop, scale_update
-    from tfamp.numerics.keras_probe import plain_function, state_variables
-
     if config is None:
         state = getattr(model, "_tfamp_state", None)
         config = state.config if state is not None else AmpConfig()
+    with keras_step_locator(model, x, y, sample_weight, loss_scale=loss_scale) as locate:
+        return locate(config)
+
+
+@contextlib.contextmanager
+def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: float = 1.0):
+    """``locate(config)`` for one batch of a Keras model's step, traced once.
+
+    Yields a function that answers like ``locate_keras_nonfinite`` for any
+    AmpConfig; the step is traced once for all of them (only the rewrite and the
+    runs repeat). The model's non-trainable and metric variables are restored
+    after each answer.
+
+    Example:
+      >>> with keras_step_locator(model, x, y) as locate:
+      ...     first, second = locate(AmpConfig()), locate(AmpConfig(keep_fp32=["head/"]))
+    """
+    from tfamp.keras import custom_loop, scale_update
+    from tfamp.numerics.keras_probe import plain_function, state_variables
+
     variables = model.trainable_variables
 
     def loss_and_grads(x, y, sample_weight, scale):
@@ -222,17 +240,28 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
     scale = tf.constant(float(loss_scale), tf.float32)
     saved = [(v, v.numpy()) for v in state_variables(model)]
     metrics_before = {id(m) for m in model.metrics}
-    try:
-        concrete = plain_function(loss_and_grads).get_concrete_function(x, y, sample_weight,
-                                                                     scale)
-        return locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
-                                loss_scale=loss_scale)
-    finally:
+
+    def restore():
         for variable, value in saved:
             variable.assign(value)
         for metric in model.metrics:
             if id(metric) not in metrics_before:
                 metric.reset_state()
+
+    try:
+        concrete = plain_function(loss_and_grads).get_concrete_function(x, y, sample_weight,
+                                                                     scale)
+
+        def locate(config: AmpConfig) -> NonFiniteOp | None:
+            try:
+                return locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
+                                        loss_scale=loss_scale)
+            finally:
+                restore()
+
+        yield locate
+    finally:
+        restore()
 
 
 # ------------------------------------------------------------------ helpers
