@@ -165,6 +165,26 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
 
 
 @pytest.mark.parametrize("flavour", sorted(KERASES))
+def test_gradients_overflowing_at_the_start_scale_cost_no_probe(flavour, monkeypatch):
+    # Targets ~1e3: the loss is finite, its float16 gradients at 2^15 are not. That
+    # is the scale's to fix (it halves a few times); the fallback does not even look.
+    k = KERASES[flavour]
+    calls = []
+    real = nonfinite.locate_nonfinite
+    monkeypatch.setattr(nonfinite, "locate_nonfinite",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    k.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
+    y = 1000.0 * x[:, :1]
+    model = k.Sequential([k.Input((8,)), k.layers.Dense(16), k.layers.Dense(1)])
+    model.compile(optimizer=k.optimizers.SGD(1e-4), loss="mse")
+    tfamp.enable(model, verbose=False)
+    history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert history.history["skipped_steps"][-1] >= 2 and np.isfinite(history.history["loss"][-1])
+    assert calls == [] and model._tfamp_state.fallback.decisions == []
+
+
+@pytest.mark.parametrize("flavour", sorted(KERASES))
 def test_batch_norm_statistics_the_skipped_steps_poisoned_are_reset(flavour, caplog):
     # The skipped steps' forward passes wrote inf/nan into the BatchNorm's moving
     # statistics; left so, evaluate (inference mode) would give NaN for good.

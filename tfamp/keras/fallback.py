@@ -8,7 +8,9 @@ what does not depend on the scale; keeping that one layer float32 can.
 Algorithm (an enabled model with loss scaling, after each train call)::
 
     consecutive = skipped steps since the last applied one
-    if consecutive >= next_probe_at:                  # 2 (8 once layers moved)
+    if consecutive >= next_probe_at                   # 2 (8 once layers moved)
+            and (fit's running loss is not finite     # a forward pass overflowed
+                 or the scale is at its floor):
         reset inf/nan in BatchNorm moving statistics (the skipped steps' forward
             passes wrote them; undone unless layers move)
         decision = decide(model, config, first batch of fit's data)
@@ -286,8 +288,13 @@ def apply(model, state, patterns: tuple[str, ...]) -> None:
     _write_record(model, state, fallback.moved)
 
 
-def after_train_call(model, state, owner) -> bool:
+def after_train_call(model, state, owner, logs=None) -> bool:
     """After a train call: look for an op to move when steps keep being skipped.
+
+    Args:
+      model, state: the enabled model and its EnabledState.
+      owner: the loss-scale optimizer its step applied.
+      logs: the train call's outputs (Keras's logs), for the loss.
 
     Returns:
       True if layers moved to float32 now (the stuck-scale check waits then).
@@ -297,7 +304,8 @@ def after_train_call(model, state, owner) -> bool:
     fallback = state_of(state)
     if fallback.stopped or record_variable(model, state) is None:
         return False
-    skipped = int(custom_loop.scale_values(owner)[1].numpy())
+    scale, skipped = (v.numpy() for v in custom_loop.scale_values(owner))
+    skipped = int(skipped)
     previous = fallback.last_skipped if fallback.last_skipped is not None else 0
     fallback.last_skipped = skipped
     if skipped <= previous:
@@ -307,6 +315,11 @@ def after_train_call(model, state, owner) -> bool:
         return False
     fallback.consecutive += skipped - previous
     if fallback.consecutive < fallback.next_probe_at:
+        return False
+    at_floor = float(scale) <= float(getattr(owner, "min_scale", 1.0))
+    if not at_floor and _loss_is_finite(logs):
+        # Every step's forward pass this epoch was finite (Keras's loss is a running
+        # mean): the gradients overflow, which is the scale's to fix. No probe.
         return False
     try:
         decision = _decide_on_fit_batch(model, state, fallback)
@@ -332,6 +345,19 @@ def after_train_call(model, state, owner) -> bool:
     fallback.stopped = decision.kind
     log.warning("%s", stopped_message(model, decision))
     return False
+
+
+def _loss_is_finite(logs) -> bool:
+    """True if the logs hold a finite "loss" (False when they hold none)."""
+    import numpy as np
+
+    loss = logs.get("loss") if isinstance(logs, dict) else None
+    if loss is None:
+        return False
+    try:
+        return bool(np.isfinite(np.asarray(loss, dtype=np.float64)).all())
+    except (TypeError, ValueError):
+        return False
 
 
 def known_cause(state) -> str | None:

@@ -133,9 +133,9 @@ def after_train_hook(model, state):
     """After each train call: move an op that overflows float16 to float32
     (``fallback.py``), else warn (naming the op) when the scale is stuck at its floor."""
 
-    def after_train_call(_outputs):
+    def after_train_call(outputs):
         owner = getattr(state.loop, "step_owner", None) if state.loop is not None else None
-        if owner is not None and fallback.after_train_call(model, state, owner):
+        if owner is not None and fallback.after_train_call(model, state, owner, outputs):
             return  # the next step runs the new graph: the stuck check waits for it
         check = getattr(owner, "check_stuck", None)
         if check is not None:
