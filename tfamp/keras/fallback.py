@@ -316,6 +316,10 @@ def after_train_call(model, state, owner, logs=None) -> bool:
     fallback.consecutive += skipped - previous
     if fallback.consecutive < fallback.next_probe_at:
         return False
+    from tfamp.keras.flavour import flavour_of
+
+    if not flavour_of(model).has_loss(model):
+        return False  # a step without a compiled loss (a GAN's): the probe cannot rebuild it
     at_floor = float(scale) <= float(getattr(owner, "min_scale", 1.0))
     if not at_floor and _loss_is_finite(logs):
         # Every step's forward pass this epoch was finite (Keras's loss is a running
