@@ -43,8 +43,8 @@ float32's, reported as such, and nothing moves.
 Every replica runs the same graph: the decision is made once on the host and
 applied by rebuilding the model's step functions (``make_train_function(force=True)``;
 ``fit`` reads ``model.train_function`` before each step, so the next step
-uses it). Under a multi-worker strategy each worker decides from its own first
-batch (not agreed across workers; see BUILD_NOTES.md, Known limits).
+uses it). Under a multi-worker strategy each worker decides on its own; they agree
+when they pass ``fit`` the same data (BUILD_NOTES.md, Known limits).
 
 Checkpoints: the moved patterns are written, UTF-8 encoded, into the int32
 variable ``fallback_fp32`` of the model's loss-scale state, so whatever saves
