@@ -254,7 +254,12 @@ def _install_hooks(model, state: _EnabledState) -> None:
             current = model.__dict__.get(attr, made)
             # RewrittenFunction first: it is a tf.function (PolymorphicFunction) too.
             if isinstance(current, RewrittenFunction):
-                if after_call is not None:  # built by TFAMP_ENABLE's tf.function
+                # Built by TFAMP_ENABLE's tf.function: the model's own settings rule
+                # (they differ after a float32 fallback, keras/fallback.py).
+                if current.config is not state.config:
+                    current = current.with_config(state.config)
+                    object.__setattr__(model, attr, current)
+                if after_call is not None:
                     current.set_after_call(after_call)
                 return current
             if isinstance(current, tf.types.experimental.PolymorphicFunction):

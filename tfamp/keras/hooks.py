@@ -19,6 +19,8 @@ import logging
 import warnings
 from collections.abc import Callable
 
+from tfamp.keras import fallback
+
 log = logging.getLogger("tfamp")
 
 # Keys tfamp adds to the logs of an enabled model's train step.
@@ -37,6 +39,7 @@ def fit_hook(model, cls, state):
         from tfamp.numerics.monitor import prepare_fit
 
         args, kwargs = prepare_fit(model, state.ranges, args, kwargs)
+        args, kwargs = fallback.prepare_fit(model, state, args, kwargs)
         before_fit(model, state, args, kwargs)
         return cls.fit(model, *args, **kwargs)
 
@@ -130,13 +133,16 @@ def metrics_result_hook(model, base: Callable, read_scale: Callable):
 
 
 def after_train_hook(model, state):
-    """After each train call: warn (naming the op) when the scale is stuck at its floor."""
+    """After each train call: move an op that overflows float16 to float32
+    (``fallback.py``), else warn (naming the op) when the scale is stuck at its floor."""
 
-    def after_train_call(_outputs):
+    def after_train_call(outputs):
         owner = getattr(state.loop, "step_owner", None) if state.loop is not None else None
+        if owner is not None and fallback.after_train_call(model, state, owner, outputs):
+            return  # the next step runs the new graph: the stuck check waits for it
         check = getattr(owner, "check_stuck", None)
         if check is not None:
-            check(diagnose=lambda: _diagnose(model))
+            check(diagnose=lambda: fallback.known_cause(state) or _diagnose(model))
 
     return after_train_call
 

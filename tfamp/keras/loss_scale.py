@@ -35,6 +35,7 @@ import tensorflow as tf
 from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso
 from tf_keras.src.saving import object_registration
 
+from tfamp.keras.fallback import RECORD_LENGTH
 from tfamp.keras.scale_update import (
     BAD_NAMES_KEPT,
     finite_flags,
@@ -57,7 +58,7 @@ class _ScaleState(keras_lso._DynamicLossScaleState):
     """tf_keras's dynamic state plus floor, skip counter and first bad gradients.
 
     Same checkpoint names as tf_keras ("current_loss_scale", "good_steps") plus
-    "skipped_steps", "floor_skips" and "first_nonfinite".
+    "skipped_steps", "floor_skips", "first_nonfinite" and "fallback_fp32".
     """
 
     def __init__(self, initial_scale: float, growth_interval: int | None, min_scale: float):
@@ -68,6 +69,9 @@ class _ScaleState(keras_lso._DynamicLossScaleState):
         self.floor_skips = self._add_weight("floor_skips", 0, dtype=tf.int64)
         self.first_nonfinite = self._add_weight(
             "first_nonfinite", [-1] * BAD_NAMES_KEPT, dtype=tf.int32)
+        # The layers moved to float32 after a float16 overflow (keras/fallback.py).
+        self.fallback_fp32 = self._add_weight(
+            "fallback_fp32", [0] * RECORD_LENGTH, dtype=tf.int32)
 
     @classmethod
     def for_setting(cls, loss_scale, initial_scale: float = DEFAULT_INITIAL_SCALE,
@@ -164,6 +168,11 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
     @property
     def min_scale(self) -> float:
         return self._loss_scale.min_scale
+
+    @property
+    def fallback_fp32(self) -> tf.Variable:
+        """The float32 fallback's record (``tfamp.keras.fallback``), checkpointed."""
+        return self._loss_scale.fallback_fp32
 
     @property
     def skipped_steps(self) -> tf.Variable:

@@ -61,6 +61,7 @@ import tensorflow as tf
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
+from tfamp.keras.fallback import RECORD_LENGTH
 from tfamp.keras.loss_scale import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INITIAL_SCALE,
@@ -211,6 +212,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             shape=(BAD_NAMES_KEPT,), dtype="int32",
             initializer=keras.initializers.Constant(-1), aggregation="none",
             name="first_nonfinite")
+        # The layers moved to float32 after a float16 overflow (keras/fallback.py).
+        self.fallback_fp32 = self.add_variable(
+            shape=(RECORD_LENGTH,), dtype="int32", initializer=zeros, aggregation="none",
+            name="fallback_fp32")
 
     # -- what users and logs read --------------------------------------------
 

@@ -27,6 +27,7 @@ class EnabledState:
     warned_unscaled: bool = False  # the step applied gradients tfamp could not scale
     auto_start: bool = False  # initial_scale="auto": the first fit probes the gradients
     start_scale: object = None  # start_scale.StartScale once probed; False: not probed
+    fallback: object = None  # fallback.FallbackState: layers moved to float32 on overflow
 
     tfamp_optimizer = None  # set by each flavour
     keras_loss_scale_optimizer = None

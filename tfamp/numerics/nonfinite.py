@@ -25,6 +25,7 @@ is not a constant) is reported like any other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -163,6 +164,8 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     node_def = body.nodes[node].node_def
     input_names = [i if ":" in i else f"{i}:0" for i in node_def.input
                    if not i.startswith("^")]
+    # Values only: a resource or variant handle (a variable an op reads) has no array.
+    input_names = [i for i in input_names if _fetchable(body, i)]
     input_values = run_imported(concrete, rewritten, input_names, flat_args) \
         if input_names else []
     inputs = tuple(_magnitude(name, value_)
@@ -197,12 +200,29 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
       config: the rewrite settings (the model's ``tfamp.enable`` config if None).
       loss_scale: the loss scale to run the step at.
     """
-    from tfamp.keras import custom_loop
-    from tfamp.numerics.keras_probe import plain_function, state_variables
-
     if config is None:
         state = getattr(model, "_tfamp_state", None)
         config = state.config if state is not None else AmpConfig()
+    with keras_step_locator(model, x, y, sample_weight, loss_scale=loss_scale) as locate:
+        return locate(config)
+
+
+@contextlib.contextmanager
+def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: float = 1.0):
+    """``locate(config)`` for one batch of a Keras model's step, traced once.
+
+    Yields a function that answers like ``locate_keras_nonfinite`` for any
+    AmpConfig; the step is traced once for all of them (only the rewrite and the
+    runs repeat). The model's non-trainable and metric variables are restored
+    after each answer.
+
+    Example:
+      >>> with keras_step_locator(model, x, y) as locate:
+      ...     first, second = locate(AmpConfig()), locate(AmpConfig(keep_fp32=["head/"]))
+    """
+    from tfamp.keras import custom_loop, scale_update
+    from tfamp.numerics.keras_probe import plain_function, state_variables
+
     variables = model.trainable_variables
 
     def loss_and_grads(x, y, sample_weight, scale):
@@ -211,23 +231,37 @@ def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
             y_pred = model(x, training=True)
             loss = model.compute_loss(x, y, y_pred, sample_weight)
             scaled = loss * tf.cast(scale, loss.dtype)
+        # Scaled here, at `loss_scale`: under TFAMP_ENABLE the tape must not scale it
+        # again with the process's custom-loop scale.
+        scale_update.mark_scaled(scaled)
         grads = tape.gradient(scaled, variables)
         return loss, [g for g in grads if g is not None]
 
     scale = tf.constant(float(loss_scale), tf.float32)
     saved = [(v, v.numpy()) for v in state_variables(model)]
     metrics_before = {id(m) for m in model.metrics}
-    try:
-        concrete = plain_function(loss_and_grads).get_concrete_function(x, y, sample_weight,
-                                                                     scale)
-        return locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
-                                loss_scale=loss_scale)
-    finally:
+
+    def restore():
         for variable, value in saved:
             variable.assign(value)
         for metric in model.metrics:
             if id(metric) not in metrics_before:
                 metric.reset_state()
+
+    try:
+        concrete = plain_function(loss_and_grads).get_concrete_function(x, y, sample_weight,
+                                                                     scale)
+
+        def locate(config: AmpConfig) -> NonFiniteOp | None:
+            try:
+                return locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
+                                        loss_scale=loss_scale)
+            finally:
+                restore()
+
+        yield locate
+    finally:
+        restore()
 
 
 # ------------------------------------------------------------------ helpers
@@ -281,6 +315,14 @@ def _magnitude(name: str, value: np.ndarray) -> InputMagnitude:
     return InputMagnitude(
         name, dtype, float(finite.max()) if finite.size else float("nan"),
         float(nonzero.min()) if nonzero.size else 0.0, int(a.size - finite.size))
+
+
+def _fetchable(body, tensor: str) -> bool:
+    source, _, port = tensor.rpartition(":")
+    node = body.nodes.get(source)
+    if node is None or int(port) >= len(node.outputs):
+        return True  # unknown here: let the run say
+    return node.outputs[int(port)].dtype not in (types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT)
 
 
 def _ref(node: str, port: int) -> TensorRef:

@@ -68,5 +68,8 @@ def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
         results = [tf.identity(r) for r in results]
         return list(post(results)) if post is not None else results
 
-    outputs = tf.function(run, autograph=False)(*flat_args)
+    # The plain tf.function: under TFAMP_ENABLE tf.function is tfamp's, which would
+    # rewrite the already rewritten graph again with the process's settings.
+    function = getattr(tf.function, "_tfamp_original", tf.function)
+    outputs = function(run, autograph=False)(*flat_args)
     return [o.numpy() for o in outputs]

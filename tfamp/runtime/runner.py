@@ -455,6 +455,13 @@ class RewrittenFunction(polymorphic_function.Function):
     def _decorate(self, decorator):
         self._tf_function._decorate(decorator)  # in place, before any trace
 
+    def with_config(self, config: AmpConfig) -> RewrittenFunction:
+        """The same tf.function rewritten with `config` (nothing rewritten yet; its
+        traces are reused). Used when a model's settings change after its functions
+        were built (e.g. the float32 fallback, ``tfamp.keras.fallback``)."""
+        return RewrittenFunction(self._tf_function, config, check=self._check,
+                                 after_call=self._after_call, on_report=self._on_report)
+
     def _rewrapped(self, tf_function) -> RewrittenFunction:
         return RewrittenFunction(tf_function, self._config, check=self._check,
                                  after_call=self._after_call, on_report=self._on_report)
