@@ -164,27 +164,27 @@ def _parse_loss_scale(text: str, dtype: str):
         return "dynamic"
     if word == "none":
         return None
-    try:
-        value = float(word)
-    except ValueError:
-        value = -1.0
-    if not (value > 0 and value != float("inf")):
-        raise EnvError(f"TFAMP_LOSS_SCALE={text!r} is not valid; accepted values: dynamic, "
-                       f"a positive number (fixed scale, e.g. 1024), none")
-    return value
+    return _positive_number(word, f"TFAMP_LOSS_SCALE={text!r} is not valid; accepted values: "
+                                  f"dynamic, a positive number (fixed scale, e.g. 1024), none")
 
 
 def _parse_initial_scale(text: str):
     word = text.strip().lower()
     if word in ("", "auto"):
         return "auto"
+    return _positive_number(word, f"TFAMP_INITIAL_SCALE={text!r} is not valid; accepted "
+                                  f"values: auto (from the first batch's gradients), a "
+                                  f"positive number (e.g. 32768)")
+
+
+def _positive_number(word: str, error: str) -> float:
+    """`word` as a finite positive float, else EnvError(`error`)."""
     try:
         value = float(word)
     except ValueError:
         value = -1.0
     if not (value > 0 and value != float("inf")):
-        raise EnvError(f"TFAMP_INITIAL_SCALE={text!r} is not valid; accepted values: auto "
-                       f"(from the first batch's gradients), a positive number (e.g. 32768)")
+        raise EnvError(error)
     return value
 
 
