@@ -111,7 +111,17 @@ def test_without_output_shapes_the_decisions_are_the_same(graph, dtype):
     _, with_shapes = _rewrite(graph_def, outputs, dtype)
     _, inferred = _rewrite(stripped, outputs, dtype)
     assert with_shapes.traffic_before_bytes is not None  # (choices went by bytes)
-    assert _decisions(inferred) == _decisions(with_shapes)
+    want, got = _decisions(with_shapes), _decisions(inferred)
+    if graph.startswith("keras") and dtype == "bfloat16":
+        # bfloat16 optimizer arithmetic is weighed against a kernel launch per Cast
+        # (rewrite/runtime_cost.py). Without _output_shapes the weight's width is
+        # unknown and counted as large, where the bytes win; with it (a 32x64 and a
+        # 64x10 kernel) the launches win. Everything outside the update agrees.
+        differ = {key for key in want if want[key] != got.get(key)}
+        assert differ and all(name.startswith("Adam/") for _, name in differ), differ
+        want = {k: v for k, v in want.items() if k not in differ}
+        got = {k: v for k, v in got.items() if k not in differ}
+    assert got == want
     if graph.startswith("keras"):
         # A captured variable's hidden width is written nowhere in the step but
         # in _output_shapes: the ranks are known (the choices above), the byte
