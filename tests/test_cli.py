@@ -234,9 +234,14 @@ def test_summary_has_a_verdict_and_a_batch_line(capsys, saved_model):
                         "the share at large B (a signature exported at a fixed batch gives "
                         "bytes)")
     assert "of 32 x B counted per step" in out  # 2 * 4 * 4 per row
-    code, _, err = run(capsys, "inspect", str(saved_model), "--batch-size", "16")
-    assert code == 2 and "keeps the shapes it was saved with, so tfamp cannot trace it at " \
-        "another batch (inputs x: [None, 4]); drop --batch-size" in err
+    # --batch-size sizes the open batch: FLOPs and bytes at 16 rows, no "large B".
+    code, out, _ = run(capsys, "inspect", str(saved_model), "--batch-size", "16")
+    assert code == 0
+    assert "  batch size: 16 (given with --batch-size; the signature's open batch was " \
+        "sized at it)" in out
+    assert "of 512 counted per step" in out  # 32 per row x 16
+    traffic = next(line for line in out.splitlines() if "memory traffic per step" in line)
+    assert " B -> " in traffic and "large sizes" not in traffic, traffic
     code, out, _ = run(capsys, "inspect", str(saved_model), "--format", "json")
     data = json.loads(out)
     assert data["batch_size"] is None and data["matrix_flops"]["total"] == 32

@@ -137,7 +137,8 @@ def _from_concrete(name: str, concrete) -> Inspectable:
 
 def read_saved_model(folder: Path, signature: str | None, *,
                      batch_size: int | None = None) -> Inspectable:
-    """A SavedModel signature's graph (`batch_size` is refused, with the reason)."""
+    """A SavedModel signature's graph; `batch_size` sizes an open batch dimension
+    (``tfamp.inspect.fixed_batch``) and is refused, with the reason, for a fixed one."""
     import tensorflow as tf
 
     try:
@@ -164,16 +165,19 @@ def read_saved_model(folder: Path, signature: str | None, *,
         inspectable = _from_concrete(f"{folder.name}:{wanted}", concrete)
         inspectable.batch_size, inspectable.batch_note = size, note
         return inspectable
-    # Not done: a loaded signature's body keeps the shapes it was saved with (batch
-    # -1); a wrapper calling it at a fixed batch did not give its body sizes (tried,
-    # session 8: shape inference filled only some), so no half-right figures.
-    fixes = ("fixes its batch dimension already" if not open_batch else
-             "keeps the shapes it was saved with, so tfamp cannot trace it at another batch")
-    raise GraphFileError(
-        f"--batch-size {batch_size}: the signature {wanted!r} of {folder} {fixes} (inputs "
-        f"{_shapes_text(specs)}); drop --batch-size (an open batch is reported per B and as "
-        f"a share at large B), or export the signature with a fixed batch "
-        f"(tf.TensorSpec([{batch_size}, ...]))")
+    if not open_batch:
+        raise GraphFileError(
+            f"--batch-size {batch_size}: the signature {wanted!r} of {folder} fixes its batch "
+            f"dimension already (inputs {_shapes_text(specs)}); drop --batch-size, or export "
+            f"the signature with an open batch (tf.TensorSpec([None, ...]))")
+    from tfamp.inspect.fixed_batch import at_batch
+
+    inspectable = _from_concrete(f"{folder.name}:{wanted}", concrete)
+    inspectable.graph_def = at_batch(inspectable.graph_def, batch_size)
+    inspectable.batch_size = batch_size
+    inspectable.batch_note = ("given with --batch-size; the signature's open batch was sized "
+                              "at it")
+    return inspectable
 
 
 def _shapes_text(specs) -> str:
