@@ -128,6 +128,12 @@ class Recorder:
         self._never_16bit = (
             (lambda op: op_lists.list_of(op) in ("deny", "unlisted"))
             if op_lists is not None else (lambda op: False))
+        # Clear-list ops (Reshape, Identity, Tile, ...) take their input's dtype: one
+        # that reads only such float32 values stays float32 too (the BatchNorm
+        # gradient's per-channel sums and their reshapes).
+        self._follows_input = (
+            (lambda op: op_lists.list_of(op) == "clear")
+            if op_lists is not None else (lambda op: False))
         self.backward: list[tuple[str, tf.Tensor]] = []
         self.weights: list[tuple[str, tf.Tensor]] = []
         self.tapes = 0
@@ -148,11 +154,16 @@ class Recorder:
         # also recomputes forward values (a sigmoid for softplus's gradient),
         # which the scale never touches.
         reached = {seed.op.name}
+        float32 = set()  # reached ops whose values stay float32 in the rewritten step
         for op in graph.get_operations()[before:]:
             if not any(t.op.name in reached for t in op.inputs):
                 continue
             reached.add(op.name)
-            if self._never_16bit(op.type):
+            float_inputs = [t for t in op.inputs if t.dtype.is_floating]
+            if self._never_16bit(op.type) or (
+                    self._follows_input(op.type) and float_inputs
+                    and all(t.op.name in float32 for t in float_inputs)):
+                float32.add(op.name)
                 continue
             for out in op.outputs:
                 # Single values are the loss path's own (d mean / d sum and
