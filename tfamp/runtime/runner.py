@@ -498,13 +498,10 @@ class RewrittenFunction(polymorphic_function.Function):
         bound = function_type_utils.canonicalize_function_inputs(
             args, kwargs, original._function_type, original._default_values,
             original._is_pure)
-        traces = original.experimental_get_tracing_count()
         with _tracing_for_tfamp():
             concrete = tracing_compilation.trace_function(bound.args, bound.kwargs, config)
         entry = self._rewritten.get(id(concrete))
         if entry is None or entry[0] is not concrete:
-            if original.experimental_get_tracing_count() != traces:
-                log.debug("tfamp: %s traced a new signature", _display_name(concrete.graph.name))
             return _NOT_TRACED
         rewritten = entry[1]
         flat = rewritten.function_type.unpack_inputs(
