@@ -239,25 +239,58 @@ def test_a_reduction_that_keeps_its_size_is_no_statistic():
 
 
 def test_a_sum_is_not_cast_to_16bit_before_it_is_scaled_back():
-    """A broadcast sum (a mean's gradient: Tile of a Sum, then RealDiv by N) stays
+    """A broadcast sum (Tile of a Sum, then a division by a run-time count) stays
     float32 up to the division; a broadcast mean may be cast as it is."""
-    def fn(x, w):
+    def fn(x, w, count):
         y = tf.matmul(x, w, name="mm")
         total = tf.reduce_sum(y, axis=0, keepdims=True, name="total")
         spread = tf.tile(total, [64, 1], name="spread")
-        scaled = tf.math.divide(spread, 64.0, name="scaled")
+        scaled = tf.math.divide(spread, count, name="scaled")
         mean = tf.reduce_mean(y, axis=0, keepdims=True, name="mean")
         shifted = tf.add(tf.multiply(y, 2.0, name="twice"), tf.tile(mean, [64, 1], name="m64"),
                          name="shifted")
         return tf.matmul(tf.add(scaled, shifted, name="both"), w, name="mm2")
 
     spec = tf.TensorSpec([64, 16])
-    _, _, report = _rewrite(fn, [spec, tf.TensorSpec([16, 16])])
+    _, _, report = _rewrite(fn, [spec, tf.TensorSpec([16, 16]), tf.TensorSpec([])])
     by_name = {n.name: n for n in report.nodes}
     for name in ("spread", "scaled"):
         assert not by_name[name].converted and by_name[name].kind == rk.KIND_STATISTIC, name
-    for name in ("m64", "shifted", "both", "mm2"):
+    for name in ("shifted", "both", "mm2"):
         assert by_name[name].converted, (name, by_name[name].reason)
+    # (the mean's Tile is left to the Add, which broadcasts: see test_hoist)
+    assert "m64" not in by_name and {(e["edit"], e["node"]) for e in report.broadcast_edits} == {
+        ("dropped", "m64")}
+
+
+@pytest.mark.parametrize("count", [64.0, 8.0])
+def test_a_sum_divided_by_its_count_before_the_broadcast_is_a_mean(count):
+    """With a constant count the division runs on the small sum (hoist), and
+    the Add broadcasts it itself (the Tile is dropped). Divided by at least
+    its 64 terms the sum is a mean, cast for the 16-bit Add; divided by fewer
+    (8) it could still be past float16's range: the Add stays float32."""
+    def fn(x, w):
+        y = tf.matmul(x, w, name="mm")
+        total = tf.reduce_sum(y, axis=0, keepdims=True, name="total")
+        scaled = tf.math.divide(tf.tile(total, [64, 1], name="spread"), count, name="scaled")
+        return tf.matmul(tf.add(scaled, tf.multiply(y, 2.0, name="twice"), name="both"), w,
+                         name="mm2")
+
+    spec = tf.TensorSpec([64, 16])
+    graph_def, new_graph_def, report = _rewrite(fn, [spec, tf.TensorSpec([16, 16])])
+    edits = {(e["edit"], e["node"], e["into"]) for e in report.broadcast_edits}
+    assert edits == {("moved", "scaled", "spread"), ("dropped", "scaled", "both")}
+    by_name = {n.name: n for n in report.nodes}
+    assert "scaled" not in by_name and by_name["spread"].op == "RealDiv"
+    assert by_name["spread"].kind == rk.KIND_STATISTIC and not by_name["spread"].converted
+    assert by_name["both"].converted is (count == 64.0), by_name["both"].reason
+    if count == 8.0:
+        assert by_name["both"].kind == rk.KIND_STATISTIC
+    x = RNG.standard_normal((64, 16)).astype(np.float32)
+    w = RNG.standard_normal((16, 16)).astype(np.float32) / 4
+    want = fn(tf.constant(x), tf.constant(w)).numpy()
+    (got,) = run_graph_def(new_graph_def, {"x": x, "w": w}, ["Identity:0"])
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
 def test_variance_path_and_centring_stay_float32():

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import tensor_util
 
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
@@ -98,6 +99,9 @@ _MAX_REGION = 32
 # rules after a statistic hold what needs float32); it only tells the small
 # tensors that stay float32 with a statistic from the big ones that read it.
 _STATISTIC_RATIO = 2
+# Where a float Const keeps its values when not packed in tensor_content.
+_FLOAT_CONST_FIELDS = {types_pb2.DT_FLOAT: "float_val", types_pb2.DT_DOUBLE: "double_val",
+                       types_pb2.DT_HALF: "half_val", types_pb2.DT_BFLOAT16: "half_val"}
 
 
 class Decision(NamedTuple):
@@ -661,8 +665,11 @@ class _BodyColoring:
             self._hold_centring(statistics, reduced, root_node.name)
             if self._bounded_statistic(root_node):
                 self._bounded.update(statistics)
-            else:
-                self._hold_broadcast_sums(statistics, reduced, root_node.name)
+                continue
+            means = self._divided_by_count(root_node, statistics, reduced)
+            self._bounded.update(means)
+            self._hold_broadcast_sums([s for s in statistics if s not in means],
+                                      reduced, root_node.name)
 
     def _bounded_statistic(self, node) -> bool:
         """Does a statistic reduction's result lie within its input's range?
@@ -675,6 +682,25 @@ class _BodyColoring:
             return False
         source = self.body.nodes.get(node.data_inputs[0][0].node)
         return source is None or source.op not in GROWING_OPS
+
+    def _divided_by_count(self, root_node, statistics: list[int],
+                          reduced: tuple[int, int]) -> set[int]:
+        """The statistics of a sum that come after its division by its number of
+        terms (or more): a RealDiv by a scalar constant >= N, a Mul by one of at
+        most 1/N, and what follows them. sum / N is a mean, back in its terms'
+        range (the broadcast sum's hold below then has nothing to hold: where
+        the division ran after the broadcast, ``hoist`` moved it before)."""
+        result = self.counts.get(TensorRef(root_node.name, 0))
+        if reduced[0] or result is None or result[0] or not result[1]:
+            return set()
+        terms = reduced[1] / result[1]
+        members = set(statistics)
+        nodes, slot_node = self.body.nodes, self.slot_node
+        divisions = [s for s in statistics
+                     if _scales_down_by(nodes[slot_node[s]], nodes, terms)]
+        if not divisions:
+            return set()
+        return set(_dfs(divisions, self.fanout, lambda s: s in members))
 
     def _hold_broadcast_sums(self, statistics: list[int], reduced: tuple[int, int],
                              root: str) -> None:
@@ -1479,6 +1505,33 @@ class _BodyColoring:
             return (f"clear: stays float32, no {self.target_name} neighbour", "",
                     rk.KIND_NO_NEIGHBOUR)
         return "unlisted: stays float32", "", rk.KIND_UNLISTED
+
+
+def _scales_down_by(node, nodes: dict, terms: float) -> bool:
+    """Is `node` x / c with a scalar constant c >= `terms`, or x * c with
+    0 < |c| <= 1 / `terms`?"""
+    if node.op not in ("RealDiv", "Mul") or len(node.data_inputs) != 2:
+        return False
+    values = [_scalar_constant(nodes.get(ref.node)) for ref, _ in node.data_inputs]
+    if node.op == "RealDiv":
+        return values[1] is not None and values[1] >= terms * (1 - 1e-6)
+    return any(v is not None and 0 < abs(v) <= (1 + 1e-6) / terms for v in values)
+
+
+def _scalar_constant(node) -> float | None:
+    """The value of a float Const of shape [], else None."""
+    if node is None or node.op != "Const":
+        return None
+    tensor = node.node_def.attr["value"].tensor
+    if tensor.tensor_shape.dim or tensor.dtype not in _FLOAT_CONST_FIELDS:
+        return None
+    field = _FLOAT_CONST_FIELDS[tensor.dtype]
+    values = getattr(tensor, field)
+    if values:
+        return float(values[0])
+    if tensor.tensor_content:
+        return float(tensor_util.MakeNdarray(tensor).reshape(-1)[0])
+    return 0.0
 
 
 def _smaller(elements: tuple[int, int], than: tuple[int, int]) -> bool:

@@ -184,8 +184,8 @@ def build_view(graph_def: graph_pb2.GraphDef, *,
         again. Bodies and the view record what differs (``Body.edited``,
         ``GraphView.edited_signatures``).
       written: with `earlier`, what the writer of `graph_def` added or changed
-        since `earlier`'s graph: body name -> {node name: NodeDef}
-        (``insert_casts``' record). In a body listed there, every other NodeDef
+        since `earlier`'s graph: body name -> {node name: NodeDef, or None for
+        a node removed} (``insert_casts``' and ``hoist``'s records). In a body listed there, every other NodeDef
         is taken as equal to the earlier one without comparing them, and the
         top graph's edges are patched rather than read again: the cost is that
         of the edits, not of the graph. Bodies not listed are compared.
@@ -409,6 +409,11 @@ def _patch_top_body(earlier: Body, same: dict[str, Node], written: dict[str, obj
             consumers[ref] = list(consumers.get(ref, ()))
         return consumers[ref]
 
+    removed = [name for name, node_def in redo.items() if node_def is None]
+    for name in removed:  # (nothing reads a removed node: its readers were rewritten)
+        del redo[name]
+        for index, (ref, _) in enumerate(nodes.pop(name).data_inputs):
+            consumer_list(ref).remove((name, index))
     for name, node_def in redo.items():
         old = nodes.get(name)
         node = nodes[name] = _new_node(node_def, resolver)

@@ -15,6 +15,7 @@ from tfamp.rewrite import runtime_cost
 from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
 from tfamp.rewrite.coloring import color
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
+from tfamp.rewrite.hoist import hoist_broadcasts
 from tfamp.rewrite.report import NodeReport, RewriteReport
 from tfamp.rewrite.shapes import Bytes, TensorShapes, tensor_shapes
 from tfamp.rewrite.traffic import (
@@ -106,6 +107,15 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
     if outputs is None:
         outputs = _unconsumed_float_outputs(view.bodies[0])
     shapes = tensor_shapes(graph_def, view)
+    original = (view, shapes)
+    nodes_before = view.node_count()
+    # Exact edits first (a scaling of a broadcast runs on the small tensor):
+    # the colouring then decides on the graph that will run.
+    hoisted = hoist_broadcasts(graph_def, view, shapes, outputs)
+    if hoisted is not None:
+        graph_def = hoisted.graph_def
+        view = build_view(graph_def, earlier=view, written=hoisted.written)
+        shapes = hoisted.shapes
     keep: dict[tuple[str, str], str] = {}
     known: set[str] | None = None  # the input's own problems, found lazily
     for round_ in range(_MAX_REPAIR_ROUNDS + 1):
@@ -131,7 +141,8 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
         log.info("tfamp: keeping %d node(s) float32 so the graph stays valid: %s",
                  len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
         keep.update(added)
-    traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view)
+    traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view,
+                              original if hoisted is not None else None)
     traffic["runtime"] = runtime
     # Copies of functions whose callers disagree (boundaries.py) are reported
     # under their new names, after the original bodies.
@@ -148,9 +159,10 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
                                    d.reason, d.cause, d.kind))
     report = RewriteReport(
         function=function_name, dtype=config.dtype,
-        nodes_before=view.node_count(),
+        nodes_before=nodes_before,
         nodes_after=len(nodes) + len(casts),
-        nodes=nodes, casts=casts, **traffic)
+        nodes=nodes, casts=casts, **traffic,
+        broadcast_edits=hoisted.edits() if hoisted is not None else [])
     if log.isEnabledFor(logging.DEBUG):  # (walks every node)
         # What the INFO summary line does not say (callers log that line).
         kept = ", ".join(f"{kind} x{n}" for kind, n in report.kept_fp32.items()) or "none"
@@ -204,8 +216,11 @@ def _unrepairable(problems: list[Problem]) -> GraphCheckError:
         f"{hint.strip()}")
 
 
-def _traffic_fields(view, shapes, coloring, new_graph_def, new_view) -> dict:
-    """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown."""
+def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=None) -> dict:
+    """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown.
+
+    `original`: (view, shapes) of the graph as given, where the pass edited it
+    before colouring (hoist): "before" is always the caller's graph."""
     if not shapes.any_known():
         return dict(traffic_note="no shapes")
     weights = body_weights(view, shapes=shapes)
@@ -214,6 +229,10 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view) -> dict:
                  for node, attrs in nodes.items()}
     before, after = estimate_traffic_before_after(
         view, shapes, weights, converted, coloring.target)
+    if original is not None:
+        first_view, first_shapes = original
+        before = estimate_traffic(first_view, first_shapes,
+                                  body_weights(first_view, shapes=first_shapes))
     if coloring.signatures or coloring.clones:
         # Boundary groups changed signatures or copied functions, which the
         # estimate from decisions does not model: measure the graph written.

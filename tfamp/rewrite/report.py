@@ -14,8 +14,13 @@ whose costs placed the Casts ("executor" or "xla"), and runtime_estimates,
 executor: every tensor; XLA: the tensors materialised at fusion boundaries),
 kernels_before / kernels_after, launch_bytes (what one launch is counted as),
 cost_before / cost_after (bytes + kernels x launch_bytes) and share (cost after
-/ before; None where unknown). Reports saved before ``kind``, the traffic or the
-runtime keys existed still load (with None / empty values for those keys).
+/ before; None where unknown). broadcast_edits: the exact edits made
+before colouring (``tfamp.rewrite.hoist``), each {"edit", "function", "node",
+"op", "into"}: "moved", a scaling ``node`` (its ``op``: a RealDiv/Mul/Neg by a
+scalar) now runs on the small tensor in node ``into`` and ``node`` broadcasts
+the result; "dropped", the broadcast ``node`` (``op`` Tile/BroadcastTo) is
+gone and ``into``, an op that broadcasts, reads its input. Reports saved before ``kind``, the traffic, the runtime keys or the
+moves existed still load (with None / empty values for those keys).
 Optional: matrix_flops (total, in_16bit, degree, not_counted; set by ``tfamp
 inspect``, which counts them on the live graph), batch_size (the batch the graph
 was traced at, when known) and the derived verdict (``tfamp.rewrite.verdict``: is
@@ -95,6 +100,7 @@ class RewriteReport:
     traffic_share: float | None = None
     runtime: str = ""
     runtime_estimates: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    broadcast_edits: list[dict[str, str]] = dataclasses.field(default_factory=list)
     # Matrix/convolution FLOPs per step, {"total", "in_16bit", "degree" (power of
     # an unknown batch B), "not_counted"}: filled in by tfamp inspect.
     matrix_flops: dict[str, int] | None = None
@@ -233,6 +239,7 @@ class RewriteReport:
             "verdict": self.verdict.to_dict(),  # derived; not read back
             "runtime": self.runtime,
             "runtime_estimates": self.runtime_estimates,
+            "broadcast_edits": self.broadcast_edits,
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -260,6 +267,7 @@ class RewriteReport:
             traffic_share=data.get("traffic_share"),
             runtime=data.get("runtime", ""),
             runtime_estimates=data.get("runtime_estimates") or {},
+            broadcast_edits=data.get("broadcast_edits") or [],
             matrix_flops=data.get("matrix_flops"), batch_size=data.get("batch_size"))
 
 
