@@ -404,3 +404,13 @@ def test_run_dtype_sets_the_scripts_dtype(tmp_path):
                             env=env, cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "bfloat16"
+
+
+@pytest.mark.parametrize("runtime", ["executor", "xla"])
+def test_runtime_flag_decides_whose_costs_place_the_casts(capsys, graph_files, runtime):
+    _, binary, _ = graph_files
+    code, out, _ = run(capsys, "inspect", str(binary), "--format", "json", "--runtime", runtime)
+    assert code == 0 and json.loads(out)["runtime"] == runtime
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["inspect", str(binary), "--runtime", "gpu"])
+    assert exit_info.value.code == 2 and "invalid choice: 'gpu'" in capsys.readouterr().err

@@ -226,3 +226,14 @@ def test_notice_when_nothing_could_be_converted(tmp_path):
     assert ("none of the 1 rewritten functions had an op that could run in float16"
             in result.stderr)
     assert "deny list" in result.stderr
+
+
+def test_tfamp_runtime_sets_the_config_and_refuses_other_words():
+    from tfamp.env import EnvError, settings_from_env
+
+    assert settings_from_env({}).config.runtime == "auto"
+    assert settings_from_env({"TFAMP_RUNTIME": " XLA "}).config.runtime == "xla"
+    assert settings_from_env({"TFAMP_RUNTIME": "executor"}).config.runtime == "executor"
+    with pytest.raises(EnvError, match=r"TFAMP_RUNTIME='jit' is not valid; accepted values: "
+                                       r"auto .*executor .*xla"):
+        settings_from_env({"TFAMP_RUNTIME": "jit"}, with_config=False)

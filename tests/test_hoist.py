@@ -86,12 +86,7 @@ def test_inside_a_library_function_readers_are_renamed():
 
 
 def test_a_broadcast_read_by_a_broadcasting_op_is_dropped():
-    def fn(x, g):
-        row = tf.reduce_mean(x, axis=0, keepdims=True)
-        spread = tf.tile(row, [4, 1, 1, 1], name="spread")
-        return tf.identity(tf.multiply(spread, g, name="product") + 1.0, name="out")
-
-    graph_def, outputs = _traced(fn, SPEC, SPEC)
+    graph_def, outputs = _traced(_tile_then_multiply, SPEC, SPEC)
     hoisted = _hoist(graph_def, outputs)
     assert [(d[1], d[2], d[3]) for d in hoisted.dropped] == [("spread", "Tile", "product")]
     assert "spread" not in {n.name for n in hoisted.graph_def.node}
@@ -133,15 +128,29 @@ def test_what_does_not_move(case):
     assert hoisted is None or not any(m[1] == "scaled" for m in hoisted.moves)
 
 
-def test_report_counts_traffic_from_the_graph_as_given():
-    """'before' in the report is the caller's float32 graph, not the edited one."""
-    graph_def, outputs = _traced(_moments_gradient, SPEC, SPEC)
+def _tile_then_multiply(x, g):
+    spread = tf.tile(tf.reduce_mean(x, axis=0, keepdims=True), [4, 1, 1, 1], name="spread")
+    return tf.identity(tf.multiply(spread, g, name="product") + 1.0, name="out")
+
+
+@pytest.mark.parametrize("fn", [_moments_gradient, _tile_then_multiply])
+def test_report_counts_traffic_from_the_graph_as_given(fn):
+    """'before' in the report (bytes, executor kernels, the fused figures) is
+    the caller's float32 graph, not the edited one: the pass derives it from
+    the edited graph's, which must agree with measuring the graph as given."""
+    graph_def, outputs = _traced(fn, SPEC, SPEC)
     view = build_view(graph_def)
     shapes = tensor_shapes(graph_def, view)
-    original = estimate_traffic(view, shapes, body_weights(view, shapes=shapes)).total_bytes()
+    original = estimate_traffic(view, shapes, body_weights(view, shapes=shapes))
     _, report = tfamp.rewrite_graph_def(graph_def, tfamp.AmpConfig(device_type="GPU"),
                                         outputs=outputs)
-    assert report.broadcast_edits and report.traffic_before_bytes == original
+    assert report.broadcast_edits
+    assert report.traffic_before_bytes == original.total_bytes()
+    executor, xla = report.runtime_estimates["executor"], report.runtime_estimates["xla"]
+    assert executor["bytes_before"] == original.total_bytes()
+    assert executor["kernels_before"] == original.kernels
+    assert (xla["bytes_before"], xla["kernels_before"]) == (original.fused_bytes(),
+                                                            original.fused_kernels)
     assert report.nodes_before == view.node_count()
     roundtrip = tfamp.RewriteReport.from_dict(report.to_dict())
     assert roundtrip.broadcast_edits == report.broadcast_edits

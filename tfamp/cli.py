@@ -135,6 +135,10 @@ def _add_model_arguments(command, *, reports: bool = True) -> None:
                          help="import MODULE first, e.g. the package that registers a Keras "
                               "file's custom layers (repeatable)")
     command.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    command.add_argument("--runtime", choices=["auto", "executor", "xla"], default="auto",
+                         help="whose costs place the Casts: TensorFlow's executor (every op "
+                              "a kernel) or XLA (element-wise ops fused); auto: xla for a "
+                              "step compiled with jit_compile, else executor")
     command.add_argument("--keep-fp32", action="append", default=[], metavar="REGEX",
                          help="node names matching REGEX stay float32 (repeatable)")
     for list_name in ("allow", "infer", "deny", "clear"):
@@ -203,7 +207,8 @@ def _config_from_args(args):
             changes[f"{list_name}_{verb}"] = tuple(
                 op.strip() for op in text.split(",") if op.strip())
     try:
-        return AmpConfig(dtype=args.dtype, keep_fp32=tuple(args.keep_fp32), **changes)
+        return AmpConfig(dtype=args.dtype, keep_fp32=tuple(args.keep_fp32),
+                         runtime=args.runtime, **changes)
     except (ValueError, TypeError) as err:
         raise UserError(str(err)) from err
 

@@ -18,13 +18,14 @@ from tensorflow.core.framework import op_def_pb2, types_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.framework import op_def_registry
 
+from tfamp.env import RUNTIME_WORDS
 from tfamp.oplists import DATA_BOUND_OPS, DEFAULT_OP_LISTS, LIST_NAMES, OpLists
 
 # Target name -> DataType enum. Accepts tf.DType too (by its .name).
 TARGET_DTYPES = {"float16": types_pb2.DT_HALF, "bfloat16": types_pb2.DT_BFLOAT16}
 DEVICE_TYPES = ("auto", "CPU", "GPU")
 # What a rewritten step runs on (see tfamp.rewrite.runtime_cost).
-RUNTIMES = ("auto", "executor", "xla")
+RUNTIMES = RUNTIME_WORDS
 
 _CHANGE_FIELDS = tuple(f"{n}_{verb}" for n in LIST_NAMES for verb in ("add", "remove"))
 

@@ -17,6 +17,8 @@ Variables:
   TFAMP_VERBOSITY     0/quiet | 1/info | 2/debug                  (1)
   TFAMP_RANGES        off | on (writes to ./tfamp_ranges) | a directory: Keras fit
                       also shows where gradients sit against 16-bit limits (off)
+  TFAMP_RUNTIME       auto | executor | xla: whose costs place the Casts (auto: xla
+                      for a step compiled with jit_compile, else executor)
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections.abc import Mapping
 TRUE_WORDS = ("1", "true", "yes", "on")
 # tfamp_startup.pth repeats these words so that "off" imports nothing at all.
 FALSE_WORDS = ("0", "false", "no", "off")
+# What a rewritten step runs on (tfamp.rewrite.runtime_cost); AmpConfig.runtime.
+RUNTIME_WORDS = ("auto", "executor", "xla")
 VERBOSITY_WORDS = {"0": 0, "quiet": 0, "1": 1, "info": 1, "2": 2, "debug": 2}
 LIST_VARIABLES = {
     f"TFAMP_{name.upper()}LIST_{verb.upper()}": f"{name}_{verb}"
@@ -34,7 +38,7 @@ LIST_VARIABLES = {
 }
 KNOWN_VARIABLES = frozenset({
     "TFAMP_ENABLE", "TFAMP_DTYPE", "TFAMP_LOSS_SCALE", "TFAMP_INITIAL_SCALE", "TFAMP_KEEP_FP32",
-    "TFAMP_REPORT_DIR", "TFAMP_VERBOSITY", "TFAMP_RANGES", *LIST_VARIABLES,
+    "TFAMP_REPORT_DIR", "TFAMP_VERBOSITY", "TFAMP_RANGES", "TFAMP_RUNTIME", *LIST_VARIABLES,
 })
 
 
@@ -116,13 +120,18 @@ def settings_from_env(environ: Mapping[str, str] | None = None, *,
                        f"directory path (created if missing)")
 
     ranges_dir = _parse_ranges(environ.get("TFAMP_RANGES", ""))
+    runtime = environ.get("TFAMP_RUNTIME", "").strip().lower() or "auto"
+    if runtime not in RUNTIME_WORDS:
+        raise EnvError(f"TFAMP_RUNTIME={environ['TFAMP_RUNTIME']!r} is not valid; accepted "
+                       f"values: auto (xla for a jit_compile step, else executor), executor "
+                       f"(TensorFlow's, every op a kernel), xla (fused)")
 
     config = None
     if with_config:
         from tfamp.config import AmpConfig
 
         try:
-            config = AmpConfig(dtype=dtype, keep_fp32=keep, **changes)
+            config = AmpConfig(dtype=dtype, keep_fp32=keep, runtime=runtime, **changes)
         except (ValueError, TypeError) as err:
             raise EnvError(_env_message(str(err))) from err
     return EnvSettings(enabled=enabled, config=config, loss_scale=loss_scale,

@@ -35,7 +35,7 @@ import dataclasses
 from tensorflow.core.framework import graph_pb2
 
 from tfamp.rewrite.graph import Body, GraphView, TensorRef
-from tfamp.rewrite.shapes import TensorShapes
+from tfamp.rewrite.shapes import TensorShapes, dtype_bytes
 
 # Broadcasts whose first input is the value copied (the second says how).
 BROADCASTS = frozenset({"Tile", "BroadcastTo"})
@@ -59,6 +59,9 @@ class Hoisted:
       dropped: (body, broadcast node removed, its op, the node that reads its
         input now).
       shapes: the new graph's shapes.
+      resized: body -> {node: bytes per element} of the nodes whose output is
+        now the small tensor (each written once and read once, before and after).
+      removed: body -> {node: bytes per element} of the broadcasts dropped.
     """
 
     graph_def: graph_pb2.GraphDef
@@ -66,6 +69,34 @@ class Hoisted:
     moves: list[tuple[str, str, str, str]]
     dropped: list[tuple[str, str, str, str]]
     shapes: TensorShapes
+    resized: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    removed: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    def traffic_delta(self, original: TensorShapes) -> dict[str, tuple[dict[int, int], int]] | None:
+        """What ``traffic`` counts more for the graph as given than for this one,
+        per body: ({degree: bytes}, kernels); None where a size is unknown.
+
+        The edits change only the tensors of ``resized`` (big before, small now,
+        one writer and one reader either way) and ``removed`` (written and read
+        once, one executor kernel); every other tensor keeps its size and its
+        readers. Under the fused model all of them are element-wise values that
+        no boundary reads, before and after: nothing changes there.
+        """
+        delta: dict[str, tuple[dict[int, int], int]] = {}
+        for body in set(self.resized) | set(self.removed):
+            sums: dict[int, int] = {}
+            for nodes, now in ((self.resized.get(body, {}), self.shapes),
+                               (self.removed.get(body, {}), None)):
+                for node, size in nodes.items():
+                    ref = TensorRef(node, 0)
+                    before = original.elements(body, ref)
+                    after = (0, 0) if now is None else now.elements(body, ref)
+                    if before is None or after is None:
+                        return None
+                    for (degree, count), sign in ((before, 1), (after, -1)):
+                        sums[degree] = sums.get(degree, 0) + sign * 2 * size * count
+            delta[body] = (sums, len(self.removed.get(body, {})))
+        return delta
 
     def edits(self) -> list[dict[str, str]]:
         """The report's ``broadcast_edits`` (see ``RewriteReport``)."""
@@ -83,6 +114,21 @@ BROADCASTING = frozenset({"Mul", "AddV2", "Add", "Sub", "RealDiv", "DivNoNan", "
 # TF1 control flow: a node's frame follows its inputs, and a constant copied
 # without control inputs would leave the loop's frame. Bodies with it are left alone.
 _FRAME_OPS = frozenset({"Enter", "Exit", "NextIteration"})
+
+
+class _Ops(dict):
+    """Each node's op as the plan has edited it (the body's, unless overridden)."""
+
+    def __init__(self, body: Body):
+        super().__init__()
+        self.nodes = body.nodes
+
+    def __missing__(self, name: str) -> str | None:
+        node = self.nodes.get(name)
+        return None if node is None else node.op
+
+    def get(self, name, default=None):
+        return self[name] if name in self or name in self.nodes else default
 
 
 @dataclasses.dataclass
@@ -106,6 +152,8 @@ def hoist_broadcasts(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
     functions = {f.signature.name: f for f in new_graph_def.library.function}
     written: dict[str, dict[str, object]] = {}
     moves, dropped = [], []
+    resized: dict[str, dict[str, int]] = {}
+    removed: dict[str, dict[str, int]] = {}
     new_shapes = dict(shapes.shapes)
     for body in view.bodies:
         plan = plans.get(body.name)
@@ -116,24 +164,34 @@ def hoist_broadcasts(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
         for scaling, broadcast in plan.moves:
             editor.swap(scaling, broadcast, plan.shapes.get(TensorRef(broadcast, 0)))
             moves.append((body.name, scaling, body.nodes[scaling].op, broadcast))
+            resized.setdefault(body.name, {})[broadcast] = _element_bytes(body, broadcast)
         if fdef is not None:
             editor.rename_outputs({name for pair in plan.moves for name in pair})
         for broadcast, reader, position in plan.drops:
             dropped.append((body.name, broadcast, editor.node_defs[broadcast].op, reader))
+            resized.get(body.name, {}).pop(broadcast, None)
+            removed.setdefault(body.name, {})[broadcast] = _element_bytes(body, broadcast)
             editor.drop(broadcast, reader, position)
         editor.remove_dropped()
         new_shapes[body.name] = plan.shapes
         written[body.name] = editor.written
-    return Hoisted(new_graph_def, written, moves, dropped, TensorShapes(new_shapes))
+    return Hoisted(new_graph_def, written, moves, dropped, TensorShapes(new_shapes),
+                   resized, removed)
+
+
+def _element_bytes(body: Body, name: str) -> int:
+    return dtype_bytes(body.nodes[name].node_def.attr["T"].type)
 
 
 def _plan(body: Body, fetched: set[str], shapes: TensorShapes) -> _Plan:
     """The moves, then the drops, of one body, on a model of the edits (each
     node's op and small input), so a chain moves in one plan: after a swap the
     scaling's node is the broadcast that its own reader may move before."""
-    op = {name: node.op for name, node in body.nodes.items()}
-    small = {name: body.nodes[name].data_inputs[0][0] for name, o in op.items()
-             if o in BROADCASTS and body.nodes[name].data_inputs}
+    small = {name: node.data_inputs[0][0] for name, node in body.nodes.items()
+             if node.op in BROADCASTS and node.data_inputs}
+    if not small:
+        return _Plan([], [], {})
+    op = _Ops(body)
     body_shapes = shapes.shapes.get(body.name, {})
     new_shapes = None  # copied on the first edit
     # A broadcast whose value is read from outside (a fetch, a function result)
@@ -163,16 +221,18 @@ def _plan(body: Body, fetched: set[str], shapes: TensorShapes) -> _Plan:
             break
         broadcasts = moved
     shapes_now = new_shapes if new_shapes is not None else body_shapes
-    waited_on = {text[1:] for node in body.nodes.values()
-                 if len(node.node_def.input) > len(node.data_inputs)
-                 for text in node.node_def.input if text.startswith("^")}
     drops = []
     for broadcast, source in small.items():
-        if op[broadcast] not in BROADCASTS or broadcast in blocked or broadcast in waited_on:
+        if op[broadcast] not in BROADCASTS or broadcast in blocked:
             continue
         reader = _broadcasting_reader(body, broadcast, source, op, shapes_now)
         if reader is not None:
             drops.append((broadcast, *reader))
+    if drops:  # (a broadcast something waits on stays: the waiter would lose it)
+        waited_on = {text[1:] for node in body.nodes.values()
+                     if len(node.node_def.input) > len(node.data_inputs)
+                     for text in node.node_def.input if text.startswith("^")}
+        drops = [drop for drop in drops if drop[0] not in waited_on]
     return _Plan(moves, drops, new_shapes if new_shapes is not None else dict(body_shapes))
 
 
@@ -247,7 +307,7 @@ class _Editor:
         b_data, b_controls = _split(b.input)
         s_data, s_controls = _split(s.input)
         big = next(i for i, text in enumerate(s_data) if text.split(":")[0] == broadcast)
-        scaled = [b_data[0] if i == big else self._scalar(text, broadcast, scaling)
+        scaled = [b_data[0] if i == big else self._scalar(text, broadcast, scaling, b_data[0])
                   for i, text in enumerate(s_data)]
         b_op, b_attrs = b.op, _attrs(b)
         s_op, s_attrs = s.op, _attrs(s)
@@ -263,21 +323,23 @@ class _Editor:
         self.written[broadcast] = b
         self.written[scaling] = s
 
-    def _scalar(self, text: str, broadcast: str, scaling: str) -> str:
-        """The scalar input as the moved scaling reads it: a copy of a constant
-        that waits on either moving node (it would wait on itself)."""
+    def _scalar(self, text: str, broadcast: str, scaling: str, small_input: str) -> str:
+        """The scalar input as the moved scaling reads it. A constant that waits
+        on either moving node (TensorFlow's SquaredDifference gradient makes its
+        2.0 wait on the incoming gradient) would wait on itself: it waits on
+        the small input's producer instead (upstream of both, so no cycle)."""
         const = self.node_defs[text.split(":")[0]]
         controls = [t for t in const.input if t.startswith("^")]
         if not {c[1:] for c in controls} & {broadcast, scaling}:
             return text
-        copy = self.node_list.add()
-        copy.CopyFrom(const)
-        copy.name = f"{scaling}/tfamp_scalar"
-        del copy.input[:]
-        copy.input.extend(t for t in controls if t[1:] not in (broadcast, scaling))
-        self.node_defs[copy.name] = copy
-        self.written[copy.name] = copy
-        return f"{copy.name}:output:0" if self.fdef is not None else copy.name
+        producer = small_input.split(":")[0]
+        waits = [t for t in controls if t[1:] not in (broadcast, scaling)]
+        if not (self.fdef is not None and producer in _arg_names(self.fdef)):
+            waits.append("^" + producer)
+        del const.input[:]
+        const.input.extend(dict.fromkeys(waits))
+        self.written[const.name] = const
+        return text
 
     def drop(self, broadcast: str, reader: str, position: int) -> None:
         """`reader` reads `broadcast`'s input instead; `broadcast` goes."""
@@ -315,6 +377,10 @@ class _Editor:
         for key, text in list(self.fdef.ret.items()):
             if text in renames:
                 self.fdef.ret[key] = renames[text]
+
+
+def _arg_names(fdef) -> set[str]:
+    return {arg.name for arg in fdef.signature.input_arg}
 
 
 def _split(inputs) -> tuple[list[str], list[str]]:

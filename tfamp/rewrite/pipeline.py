@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import logging
 from collections.abc import Iterable
@@ -142,7 +143,7 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
                  len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
         keep.update(added)
     traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view,
-                              original if hoisted is not None else None)
+                              (hoisted, *original) if hoisted is not None else None)
     traffic["runtime"] = runtime
     # Copies of functions whose callers disagree (boundaries.py) are reported
     # under their new names, after the original bodies.
@@ -219,8 +220,8 @@ def _unrepairable(problems: list[Problem]) -> GraphCheckError:
 def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=None) -> dict:
     """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown.
 
-    `original`: (view, shapes) of the graph as given, where the pass edited it
-    before colouring (hoist): "before" is always the caller's graph."""
+    `original`: (Hoisted, view, shapes of the graph as given) where the pass
+    edited it before colouring: "before" is always the caller's graph."""
     if not shapes.any_known():
         return dict(traffic_note="no shapes")
     weights = body_weights(view, shapes=shapes)
@@ -230,9 +231,7 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=No
     before, after = estimate_traffic_before_after(
         view, shapes, weights, converted, coloring.target)
     if original is not None:
-        first_view, first_shapes = original
-        before = estimate_traffic(first_view, first_shapes,
-                                  body_weights(first_view, shapes=first_shapes))
+        before = _before_the_edits(before, weights, *original)
     if coloring.signatures or coloring.clones:
         # Boundary groups changed signatures or copied functions, which the
         # estimate from decisions does not model: measure the graph written.
@@ -258,6 +257,21 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=No
                 cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes),
                 traffic_share=_share(before.total, after.total),
                 runtime_estimates=_runtime_estimates(before, after))
+
+
+def _before_the_edits(before, weights, hoisted, first_view, first_shapes):
+    """The traffic of the graph as given, from that of the edited graph."""
+    delta = hoisted.traffic_delta(first_shapes)
+    if delta is None or before.total is None:  # (sizes unknown: measure it)
+        return estimate_traffic(first_view, first_shapes,
+                                body_weights(first_view, shapes=first_shapes))
+    total, kernels, tensors = before.total, before.kernels, before.known_tensors
+    for body, (sums, removed) in delta.items():
+        weight = weights.weights.get(body, 0)
+        total = total + Bytes.of_sums({d: c * weight for d, c in sums.items()})
+        kernels += removed * weight
+        tensors += removed
+    return dataclasses.replace(before, total=total, kernels=kernels, known_tensors=tensors)
 
 
 def _runtime_estimates(before, after) -> dict[str, dict]:
