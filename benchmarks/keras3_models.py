@@ -17,7 +17,10 @@ is traced in float32 and again under the ``mixed_float16`` and
   step (``--device-type``, GPU by default: the kernels a GPU has).
 
 Columns: tfamp's traffic estimate (float bytes written + read per step,
-``tfamp.rewrite.traffic``) as a share of the float32 step's, the float-to-float
+``tfamp.rewrite.traffic``) as a share of the float32 step's, what a GPU pays
+by each runtime's estimate (``tfamp.rewrite.runtime_cost``: TensorFlow's
+executor, bytes + kernel launches; XLA, bytes materialised at fusion
+boundaries + fused kernels) as a share of the float32 step's, the float-to-float
 Casts in the step, what those Casts move, and the share of matrix FLOPs
 (MatMul, BatchMatMul, Conv2D and their gradients, Einsum; ``tfamp.inspect.flops``)
 computed in 16-bit. grappler's and tfamp's outputs are measured with the float32
@@ -222,6 +225,7 @@ def measure(graph_def, reference_shapes, flops: dict, trips: int,
     `trips`: how often a loop without a static trip count runs."""
     traffic = vs_grappler.traffic_of(graph_def, reference_shapes, trips)
     return {"traffic_bytes": traffic["traffic_bytes"], "cast_bytes": traffic["cast_bytes"],
+            "executor_cost": traffic.get("executor_cost"), "xla_cost": traffic.get("xla_cost"),
             "casts": float_casts(graph_def), "flops_16bit_share": sixteen_bit_share(
                 graph_def, flops), "seconds": seconds}
 
@@ -259,6 +263,11 @@ def compare(key: str, args, cluster) -> list[dict]:
         rows.append({"mode": f"tfamp {dtype}",
                      **measure(rewritten, shapes, flops, trips, time.perf_counter() - start)})
     base = rows[0]["traffic_bytes"]
+    for cost in ("executor_cost", "xla_cost"):  # what a GPU pays (runtime_cost), vs float32
+        first = rows[0][cost]
+        for row in rows:
+            row[cost.replace("cost", "share")] = (row[cost] / first if first and row[cost]
+                                                  is not None else None)
     for row in rows:
         row.update(model=key, nodes=sum(1 for _ in graph_def.node) + sum(
             len(f.node_def) for f in graph_def.library.function),
@@ -272,14 +281,16 @@ def compare(key: str, args, cluster) -> list[dict]:
 # -- printing --------------------------------------------------------------------
 
 def markdown(rows: list[dict]) -> str:
-    headers = ["model", "mode", "traffic vs fp32", "est. GB/step", "Casts", "Cast MB",
-               "16-bit matrix FLOPs", "pass ms"]
+    headers = ["model", "mode", "traffic vs fp32", "est. GB/step", "executor cost vs fp32",
+               "XLA cost vs fp32", "Casts", "Cast MB", "16-bit matrix FLOPs", "pass ms"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
         cells = [
             MODELS[r["model"]][0], r["mode"],
             "-" if r["traffic_share"] is None else f"{100 * r['traffic_share']:.1f}%",
             "-" if r["traffic_bytes"] is None else f"{r['traffic_bytes'] / 1e9:.3f}",
+            *("-" if r.get(k) is None else f"{100 * r[k]:.1f}%"
+              for k in ("executor_share", "xla_share")),
             str(r["casts"]),
             "-" if r["cast_bytes"] is None else f"{r['cast_bytes'] / 1e6:.1f}",
             "-" if r["flops_16bit_share"] is None else f"{100 * r['flops_16bit_share']:.1f}%",
