@@ -2,7 +2,8 @@
 
 JSON-serialisable (``to_dict`` / ``from_dict``) with a stable schema:
 function, dtype, nodes_before, nodes_after, casts_inserted, converted (op type
--> count), kept_fp32 (reason kind -> count), nodes (one per original node, each
+-> count), kept_fp32 (reason kind -> count), nodes (one per node of the graph
+the colouring saw: the original's, less the broadcasts ``broadcast_edits`` dropped; each
 with its reason sentence and reason ``kind``, see ``tfamp.rewrite.reasons``),
 casts (one per inserted Cast), and the estimated float memory traffic per step
 (traffic_before_bytes, traffic_after_bytes, cast_bytes: ints, or None when
