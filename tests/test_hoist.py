@@ -154,3 +154,16 @@ def test_report_counts_traffic_from_the_graph_as_given(fn):
     assert report.nodes_before == view.node_count()
     roundtrip = tfamp.RewriteReport.from_dict(report.to_dict())
     assert roundtrip.broadcast_edits == report.broadcast_edits
+
+
+def test_inspect_says_what_the_edits_did():
+    from tfamp.cli import render_summary
+
+    graph_def, outputs = _traced(_moments_gradient, SPEC, SPEC)
+    _, report = tfamp.rewrite_graph_def(graph_def, tfamp.AmpConfig(device_type="GPU"),
+                                        outputs=outputs)
+    moved = [e for e in report.broadcast_edits if e["edit"] == "moved"]
+    line = next(l for l in render_summary(report).splitlines() if "exact edits first" in l)
+    assert f"{len(moved)} scalings (" in line and "moved before their broadcasts" in line
+    assert line.endswith("(values unchanged)")
+    assert tfamp.RewriteReport.from_dict(report.to_dict()).edits_line() == report.edits_line()

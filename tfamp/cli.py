@@ -412,6 +412,8 @@ def render_summary(report, loaded=None) -> str:
              f"  batch size: {_batch_text(report, loaded)}",
              f"  nodes: {report.nodes_before} before, {report.nodes_after} after",
              f"  casts inserted: {report.casts_inserted}"]
+    if report.broadcast_edits:
+        lines.append(f"  exact edits first: {report.edits_line()}")
     if report.converted:
         lines.append("  converted to " + report.dtype + ": " + ", ".join(
             f"{op} x{n}" for op, n in report.converted.items()))

@@ -181,6 +181,23 @@ class RewriteReport:
         placed = f"; Casts placed for {self.runtime}" if self.runtime else ""
         return f"GPU cost est. {parts} of the original's{placed}."
 
+    def edits_line(self) -> str:
+        """What the exact edits before colouring did (``broadcast_edits``), e.g.
+        '2 scalings (RealDiv x1, Mul x1) moved before their broadcasts; 1 broadcast
+        (Tile x1) left to the op that reads it (values unchanged)', or ''."""
+        parts = []
+        for edit, text in (("moved", "{n} scaling{s} ({ops}) moved before {its} broadcast{s}"),
+                           ("dropped", "{n} broadcast{s} ({ops}) left to the op that reads "
+                                       "{it}")):
+            ops = collections.Counter(e["op"] for e in self.broadcast_edits if e["edit"] == edit)
+            n = sum(ops.values())
+            if n:
+                parts.append(text.format(n=f"{n:,}", s="" if n == 1 else "s",
+                                         it="it" if n == 1 else "them",
+                                         its="its" if n == 1 else "their", ops=", ".join(
+                                             f"{op} x{k}" for op, k in ops.most_common())))
+        return "; ".join(parts) + " (values unchanged)" if parts else ""
+
     def runtime_line(self) -> str:
         """Per runtime, bytes + kernels before -> after and the cost share, e.g.
         'executor 67.9 GB + 6,996 kernels -> 57.9 GB + 7,530 (85%); XLA ...'."""
