@@ -301,22 +301,26 @@ def markdown(rows: list[dict]) -> str:
 
 
 def summary(rows: list[dict]) -> str:
-    """Per model and dtype: is tfamp's traffic at or below Keras's and grappler's?"""
-    by = collections.defaultdict(dict)
-    for r in rows:
-        by[r["model"]][r["mode"]] = r["traffic_share"]
-    parts = []
-    for model, modes in by.items():
-        for dtype in ("float16", "bfloat16"):
-            t = modes.get(f"tfamp {dtype}")
-            others = {"keras": modes.get(f"keras {POLICIES[dtype]}"),
-                      "grappler": modes.get(f"grappler {dtype}")}
-            if t is None:
-                continue
-            worse = [name for name, v in others.items() if v is not None and t > v * 1.0005]
-            parts.append(f"{model}/{dtype}: " + ("lowest" if not worse else
-                                                  "above " + ", ".join(worse)))
-    return "tfamp traffic vs the others: " + "; ".join(parts)
+    """Per estimate, model and dtype: is tfamp at or below Keras's policy and grappler?"""
+    lines = []
+    for field, label in (("traffic_share", "traffic"), ("executor_share", "executor cost"),
+                         ("xla_share", "XLA cost")):
+        by = collections.defaultdict(dict)
+        for r in rows:
+            by[r["model"]][r["mode"]] = r.get(field)
+        parts = []
+        for model, modes in by.items():
+            for dtype in ("float16", "bfloat16"):
+                t = modes.get(f"tfamp {dtype}")
+                others = {"keras": modes.get(f"keras {POLICIES[dtype]}"),
+                          "grappler": modes.get(f"grappler {dtype}")}
+                if t is None:
+                    continue
+                worse = [name for name, v in others.items() if v is not None and t > v * 1.0005]
+                parts.append(f"{model}/{dtype}: " + ("lowest" if not worse else
+                                                      "above " + ", ".join(worse)))
+        lines.append(f"tfamp {label} vs the others: " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
