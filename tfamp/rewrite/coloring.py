@@ -99,9 +99,8 @@ _MAX_REGION = 32
 # rules after a statistic hold what needs float32); it only tells the small
 # tensors that stay float32 with a statistic from the big ones that read it.
 _STATISTIC_RATIO = 2
-# Where a float Const keeps its values when not packed in tensor_content.
-_FLOAT_CONST_FIELDS = {types_pb2.DT_FLOAT: "float_val", types_pb2.DT_DOUBLE: "double_val",
-                       types_pb2.DT_HALF: "half_val", types_pb2.DT_BFLOAT16: "half_val"}
+_FLOAT_CONSTS = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF,
+                           types_pb2.DT_BFLOAT16})
 
 
 class Decision(NamedTuple):
@@ -1523,15 +1522,11 @@ def _scalar_constant(node) -> float | None:
     if node is None or node.op != "Const":
         return None
     tensor = node.node_def.attr["value"].tensor
-    if tensor.tensor_shape.dim or tensor.dtype not in _FLOAT_CONST_FIELDS:
+    if tensor.tensor_shape.dim or tensor.dtype not in _FLOAT_CONSTS:
         return None
-    field = _FLOAT_CONST_FIELDS[tensor.dtype]
-    values = getattr(tensor, field)
-    if values:
-        return float(values[0])
-    if tensor.tensor_content:
-        return float(tensor_util.MakeNdarray(tensor).reshape(-1)[0])
-    return 0.0
+    # (MakeNdarray: a float16/bfloat16 value is stored as its bits in half_val)
+    value = tensor_util.MakeNdarray(tensor).reshape(-1)
+    return float(value[0]) if value.size else None
 
 
 def _smaller(elements: tuple[int, int], than: tuple[int, int]) -> bool:

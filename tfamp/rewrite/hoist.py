@@ -117,7 +117,8 @@ _FRAME_OPS = frozenset({"Enter", "Exit", "NextIteration"})
 
 
 class _Ops(dict):
-    """Each node's op as the plan has edited it (the body's, unless overridden)."""
+    """Each node's op as the plan has edited it (the body's, unless overridden;
+    None for a name the body does not have)."""
 
     def __init__(self, body: Body):
         super().__init__()
@@ -126,9 +127,6 @@ class _Ops(dict):
     def __missing__(self, name: str) -> str | None:
         node = self.nodes.get(name)
         return None if node is None else node.op
-
-    def get(self, name, default=None):
-        return self[name] if name in self or name in self.nodes else default
 
 
 @dataclasses.dataclass
@@ -242,7 +240,7 @@ def _reader_to_hoist(body: Body, broadcast: str, op: dict[str, str]) -> str | No
     if len(readers) != 1:
         return None
     scaling, index = readers[0]
-    if index not in SCALINGS.get(op.get(scaling), ()):
+    if index not in SCALINGS.get(op[scaling], ()):
         return None
     node = body.nodes[scaling]
     if node.node_def.attr["T"].type != body.nodes[broadcast].node_def.attr["T"].type:
@@ -260,7 +258,7 @@ def _broadcasting_reader(body: Body, broadcast: str, source: TensorRef, op: dict
     if len(readers) != 1:
         return None
     reader, position = readers[0]
-    if op.get(reader) not in BROADCASTING or reader in (broadcast, source.node):
+    if op[reader] not in BROADCASTING or reader in (broadcast, source.node):
         return None
     node = body.nodes[reader]
     if len(node.data_inputs) != 2:
