@@ -14,7 +14,13 @@ is traced in float32 and again under the ``mixed_float16`` and
   on the float32 step (as in ``vs_grappler.py``: ``auto_mixed_precision_cpu``
   really retyping to half, ``auto_mixed_precision_onednn_bfloat16``);
 * ``tfamp float16`` / ``tfamp bfloat16``: ``rewrite_graph_def`` of the float32
-  step (``--device-type``, GPU by default: the kernels a GPU has).
+  step (``--device-type``, GPU by default: the kernels a GPU has), Casts placed
+  for TensorFlow's executor (``AmpConfig.runtime="executor"``, what "auto" is
+  for a bare GraphDef);
+* ``tfamp float16 xla`` / ``tfamp bfloat16 xla``: the same, placed for XLA
+  (``runtime="xla"``, what "auto" is for a step compiled with ``jit_compile``,
+  Keras 3's default on a GPU). The summary compares these by the XLA cost and
+  the executor-placed rows by the other two estimates.
 
 Columns: tfamp's traffic estimate (float bytes written + read per step,
 ``tfamp.rewrite.traffic``) as a share of the float32 step's, what a GPU pays
@@ -256,12 +262,16 @@ def compare(key: str, args, cluster) -> list[dict]:
             verbose=False, cluster=cluster)
         rows.append({"mode": f"grappler {dtype}",
                      **measure(grappled, shapes, flops, trips, time.perf_counter() - start)})
-        start = time.perf_counter()
-        rewritten, _ = tfamp.rewrite_graph_def(
-            graph_def, tfamp.AmpConfig(dtype=dtype, device_type=args.device_type),
-            outputs=outputs, function_name=key)
-        rows.append({"mode": f"tfamp {dtype}",
-                     **measure(rewritten, shapes, flops, trips, time.perf_counter() - start)})
+        # Placed for each runtime (AmpConfig.runtime): a bare GraphDef's "auto"
+        # is the executor; a Keras 3 step compiled by XLA gets "xla".
+        for runtime, suffix in (("executor", ""), ("xla", " xla")):
+            start = time.perf_counter()
+            rewritten, _ = tfamp.rewrite_graph_def(
+                graph_def, tfamp.AmpConfig(dtype=dtype, device_type=args.device_type,
+                                           runtime=runtime),
+                outputs=outputs, function_name=key)
+            rows.append({"mode": f"tfamp {dtype}{suffix}", **measure(
+                rewritten, shapes, flops, trips, time.perf_counter() - start)})
     base = rows[0]["traffic_bytes"]
     for cost in ("executor_cost", "xla_cost"):  # what a GPU pays (runtime_cost), vs float32
         first = rows[0][cost]
@@ -303,15 +313,16 @@ def markdown(rows: list[dict]) -> str:
 def summary(rows: list[dict]) -> str:
     """Per estimate, model and dtype: is tfamp at or below Keras's policy and grappler?"""
     lines = []
-    for field, label in (("traffic_share", "traffic"), ("executor_share", "executor cost"),
-                         ("xla_share", "XLA cost")):
+    for field, label, placed in (("traffic_share", "traffic", ""),
+                                 ("executor_share", "executor cost", ""),
+                                 ("xla_share", "XLA cost (placed for XLA)", " xla")):
         by = collections.defaultdict(dict)
         for r in rows:
             by[r["model"]][r["mode"]] = r.get(field)
         parts = []
         for model, modes in by.items():
             for dtype in ("float16", "bfloat16"):
-                t = modes.get(f"tfamp {dtype}")
+                t = modes.get(f"tfamp {dtype}{placed}")
                 others = {"keras": modes.get(f"keras {POLICIES[dtype]}"),
                           "grappler": modes.get(f"grappler {dtype}")}
                 if t is None:

@@ -129,7 +129,7 @@ def test_stuck_at_floor_warning_names_the_op():
     ("loss", False, ""),
 ])
 def test_scopes(name, gradient, scope):
-    assert nonfinite._is_gradient(name) is gradient
+    assert nonfinite.is_gradient(name) is gradient
     assert nonfinite._layer_scope(name) == scope
 
 

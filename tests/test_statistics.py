@@ -368,3 +368,78 @@ def test_a_count_is_read_from_a_constant_of_any_float_type(dtype):
                             ).get_concrete_function().graph.as_graph_def()
     node = build_view(graph_def).bodies[0].nodes["count"]
     assert coloring._scalar_constant(node) == 1568.0
+
+
+def _dense_step():
+    """A step with weight gradients that TensorFlow reduces with Sum: a 3-D x
+    times a 2-D kernel (BatchMatMulV2 broadcasts the kernel; its gradient sums
+    the per-example products), a bias added by broadcasting (its gradient is a
+    Sum), a second kernel that goes through softplus first and multiplies two
+    tensors (its two gradient Sums over examples are added, then feed softplus's
+    gradient: steps inside the backward pass), and a forward Sum.
+    The weights are arguments (watched), so the graph runs without variables."""
+    seq, width, units = 16, 8, 8
+
+    def step(x, kernel, bias, raw_mix):
+        weights = [kernel, bias, raw_mix]
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            h = tf.add(tf.matmul(x, kernel, name="proj"), bias, name="biased")
+            mix = tf.nn.softplus(raw_mix)
+            h = tf.add(tf.matmul(h, mix, name="mix"),
+                       tf.matmul(tf.nn.relu(h), mix, name="mix_relu"), name="both")
+            pooled = tf.reduce_sum(tf.nn.relu(h), axis=1, name="pooled_sum")
+            out = tf.matmul(pooled, tf.transpose(kernel), name="head")
+            loss = tf.reduce_mean(tf.square(out))
+        return [loss] + tape.gradient(loss, weights)
+
+    specs = [tf.TensorSpec([B, seq, width]), tf.TensorSpec([width, units]),
+             tf.TensorSpec([units]), tf.TensorSpec([units, units])]
+    values = {"x": RNG.standard_normal((B, seq, width)).astype(np.float32),
+              "kernel": RNG.standard_normal((width, units)).astype(np.float32) / 3,
+              "bias": RNG.standard_normal((units,)).astype(np.float32),
+              "raw_mix": RNG.standard_normal((units, units)).astype(np.float32) / 3}
+    return step, specs, values
+
+
+@pytest.mark.parametrize("runtime", ["xla", "executor"])
+def test_a_weight_gradient_sum_reads_16bit_under_xla(runtime):
+    """Under XLA (which accumulates a 16-bit Sum in float32) a Sum whose result
+    is a weight's gradient reads its float16 input as it is; on the executor
+    (TensorFlow's GPU Sum kernel for half accumulates in half) it reads a
+    float32 Cast. Sums inside the backward pass (their sum goes on to
+    softplus's gradient) and a forward Sum stay float32 on both."""
+    step, specs, values = _dense_step()
+    graph_def, new_graph_def, report = _rewrite(step, specs, runtime=runtime)
+    sums = {n.name: n for n in report.nodes if n.op == "Sum"}
+    # (TensorFlow's gradient names: the kernel's Sum over examples, and the
+    # second kernel's two, one per product)
+    weight_grads = ["gradient_tape/proj/Sum_1"]
+    inner = ["gradient_tape/mix/Sum_1", "gradient_tape/mix_relu/Sum_1"]
+    assert set(weight_grads + inner) <= set(sums), sorted(sums)
+    readers = _consumers(graph_def)
+    nodes = {n.name: n for n in graph_def.node}
+    # (the tape adds the second kernel's two gradients with an AddN under no
+    # gradient scope; what reads the sum is softplus's gradient)
+    added = {r.name for name in inner for view in readers[name] for r in readers[view.name]}
+    assert [nodes[name].op for name in added] == ["AddN"], added
+    for name in inner:  # (16-bit products: only the rule keeps these Sums float32)
+        assert _input_dtype(new_graph_def, nodes[name].input[0].split(":")[0]) == "float16"
+    for name in weight_grads:
+        node = sums[name]
+        if runtime == "xla":
+            assert node.converted and node.kind == rk.KIND_ACCUMULATES_FP32, node.reason
+            assert _input_dtype(new_graph_def, name) == "float16"
+        else:
+            assert not node.converted and node.kind == rk.KIND_DENY_LIST, node.reason
+            assert _input_dtype(new_graph_def, name) == "float32"
+    for name in inner + ["pooled_sum"]:
+        assert not sums[name].converted, (name, sums[name].reason)
+        assert _input_dtype(new_graph_def, name) == "float32", name
+    names = [t.name for t in tf.function(step, autograph=False).get_concrete_function(
+        *specs).graph.outputs]
+    want = run_graph_def(graph_def, values, names)
+    got = run_graph_def(new_graph_def, values, names)
+    for w, g in zip(want, got):
+        assert g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())

@@ -257,6 +257,15 @@ CENTRING_OPS = frozenset({"Sub", "SquaredDifference"})
 # and a sum can leave float16's range where its terms do not.
 FLOAT32_ACCUMULATING_ON_GPU = frozenset({"Mean"})
 
+# Reductions that XLA accumulates in float32 whatever their 16-bit input (its
+# TensorFlow lowering sums half and bfloat16 in float32 and rounds the result
+# once), but whose result can leave float16's range where no term does. Under
+# XLA one may read a float16 input as it is where its result is a weight's
+# gradient (coloring._read_16bit_statistics): a 16-bit MatMul or convolution
+# weight gradient is rounded the same way, and an overflow there is one the
+# loss scale sees and answers.
+FLOAT32_ACCUMULATING_UNDER_XLA = frozenset({"Sum"})
+
 # Ops whose dtype is bound to their data: the type attribute describes a value
 # that already exists elsewhere (a typed constant, a feed, a stored tensor, what a
 # Python callable returns), so retyping the node would misread that value. They

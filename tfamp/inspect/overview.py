@@ -24,18 +24,10 @@ from typing import Any
 from tfamp.inspect.names import short_function_names
 from tfamp.rewrite.reasons import KIND_LOSS_SCALE, KIND_NO_FLOAT, KIND_VARIABLE
 from tfamp.rewrite.report import RewriteReport
+from tfamp.rewrite.scopes import forward_scope
 
-_GRADIENT_PREFIXES = ("gradient_tape/", "gradients/")
 # Float32 by design, not by a decision worth a reader's time: not counted per layer.
 _NOT_COUNTED = frozenset({KIND_NO_FLOAT, KIND_VARIABLE, KIND_LOSS_SCALE})
-
-
-def _forward_scope(name: str) -> tuple[str, bool]:
-    """(the op's name scope with gradient prefixes dropped, is it a gradient op)."""
-    for prefix in _GRADIENT_PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix):].rsplit("/", 1)[0], True
-    return name, False
 
 
 def _scope_parts(name: str) -> list[str]:
@@ -52,7 +44,7 @@ def layer_of_names(nodes: list[tuple[str, str]]) -> dict[str, str]:
     """
     from tfamp.inspect.flops import MATRIX_OPS
 
-    parts = {name: _scope_parts(_forward_scope(name)[0]) for name, _ in nodes}
+    parts = {name: _scope_parts(forward_scope(name)[0]) for name, _ in nodes}
     ops = dict(nodes)
     while True:
         layers_with_math: dict[str, set[str]] = collections.defaultdict(set)

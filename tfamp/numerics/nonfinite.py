@@ -39,6 +39,7 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 from tfamp.config import AmpConfig
 from tfamp.rewrite import rewrite_graph_def
 from tfamp.rewrite.graph import FLOAT_TYPES, TensorRef, build_view, dtype_name
+from tfamp.rewrite.scopes import GRADIENT_PREFIXES, is_gradient
 from tfamp.numerics.run_graph import run_imported
 
 log = logging.getLogger("tfamp")
@@ -173,13 +174,13 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     dtype = body.nodes[node].outputs[port].dtype
     inserted = "/tfamp_cast_" in node
     feeds = tuple(sorted({consumer for consumer, _ in body.consumers.get(
-        _ref(node, port), ())}, key=lambda n: (_is_gradient(n), n))) if inserted else ()
+        _ref(node, port), ())}, key=lambda n: (is_gradient(n), n))) if inserted else ()
     scope_source = feeds[0] if inserted and feeds else node
     layer = _layer_scope(scope_source)
     op = body.nodes[feeds[0]].op if inserted and feeds else body.nodes[node].op
     return NonFiniteOp(
         node=node, op=body.nodes[node].op, output=port, value=value,
-        phase="backward" if _is_gradient(node) else "forward", layer=layer,
+        phase="backward" if is_gradient(node) else "forward", layer=layer,
         dtype=dtype_name(dtype), ran_16bit=dtype in _SIXTEEN_BIT, inserted_cast=inserted,
         feeds=feeds, inputs=inputs, loss_scale=float(loss_scale),
         **_fixes(layer, op, config))
@@ -329,15 +330,11 @@ def _ref(node: str, port: int) -> TensorRef:
     return TensorRef(node, port)
 
 
-def _is_gradient(name: str) -> bool:
-    return name.startswith(("gradient_tape/", "gradients/")) or "/gradients/" in name
-
-
 def _layer_scope(name: str) -> str:
     """The name scope of the forward op: gradient ops are named
     "gradient_tape/<forward op>/<gradient op>", so they lose one more part."""
-    if _is_gradient(name):
-        for prefix in ("gradient_tape/", "gradients/"):
+    if is_gradient(name):
+        for prefix in GRADIENT_PREFIXES:
             name = name.removeprefix(prefix)
         name = name.rsplit("/", 1)[0] if "/" in name else name
     return name.rsplit("/", 1)[0] if "/" in name else ""

@@ -48,8 +48,9 @@ from tensorflow.python.framework import tensor_util
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
     BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
+    FLOAT32_ACCUMULATING_UNDER_XLA,
     GROWING_OPS, STATISTIC_REDUCTIONS)
-from tfamp.rewrite import boundaries, kernels, runtime_cost
+from tfamp.rewrite import boundaries, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import (
     DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name)
@@ -247,6 +248,7 @@ class _BodyColoring:
                  skeletons: dict[str, _Skeleton] | None = None,
                  runtime: str = "executor"):
         self.body = body
+        self.runtime = runtime
         # What a Cast costs beyond its bytes in the byte choices (_costs): a
         # launch, in byte-equivalents; under XLA none next to an element-wise
         # op (see runtime_cost), where _fusible says which nodes are.
@@ -755,21 +757,38 @@ class _BodyColoring:
 
     def _read_16bit_statistics(self) -> None:
         """A statistic reduction whose kernel accumulates in float32 anyway reads
-        its 16-bit input as it is (oplists.FLOAT32_ACCUMULATING_ON_GPU: a GPU
-        Mean), instead of through a Cast of that input to float32.
+        its 16-bit input as it is, instead of through a Cast of that input to
+        float32. Only in float16 on a GPU, and never a reduction that centres
+        a tensor (x - mean): rounded to float16 its result would be one error
+        shared by every element of x - mean (see _hold_centring). Its small
+        consumers (the statistics) stay float32 and cast its result.
 
-        Only in float16 on a GPU: the result, a mean, lies within its input's
-        range, so it cannot overflow, and it is rounded to float16 once. Its
-        small consumers (the statistics) stay float32 and cast it. A mean that
-        centres a tensor (x - mean) stays float32: rounded to float16 it would
-        be one error shared by every element of x - mean (see _hold_centring).
+        - A Mean (oplists.FLOAT32_ACCUMULATING_ON_GPU): TensorFlow's GPU kernel
+          and XLA both accumulate it in float32, and a mean lies within its
+          input's range, so it cannot overflow; it is rounded to float16 once.
+        - Under XLA, a Sum whose result is a weight's gradient
+          (oplists.FLOAT32_ACCUMULATING_UNDER_XLA, _is_weight_gradient): XLA
+          accumulates it in float32 and rounds once, as a 16-bit MatMul or
+          convolution weight gradient is rounded, and an overflow there is a
+          gradient overflow, which the loss scale sees and answers. Keeping it
+          float32 costs a float32 copy of its input; under XLA that copy is a
+          kernel of its own where the input comes from a matrix product (a
+          BatchMatMul's per-example weight gradients).
         """
         if self.target != DT_HALF:
             return
         for slot in self._statistics:
             node = self.body.nodes[self.slot_node[slot]]
-            if (node.op not in FLOAT32_ACCUMULATING_ON_GPU or slot in self.blocked
-                    or slot in self._centring):
+            if slot in self.blocked or slot in self._centring:
+                continue
+            if node.op in FLOAT32_ACCUMULATING_ON_GPU:
+                why = "its GPU kernel accumulates in float32 and a mean stays within its input's range"
+            elif (node.op in FLOAT32_ACCUMULATING_UNDER_XLA and self.runtime == "xla"
+                    and self._is_weight_gradient(node)):
+                why = ("XLA accumulates it in float32, and its result is a weight's gradient, "
+                       "rounded once like a 16-bit weight gradient, where the loss scale "
+                       "sees an overflow")
+            else:
                 continue
             if kernels.node_device_type(node.node_def.device, self.device_type) != "GPU":
                 continue
@@ -779,8 +798,31 @@ class _BodyColoring:
             self.deny.pop(slot, None)
             self.allow[slot] = (
                 f"{node.op}: reads the {self.target_name} value of {source.node!r} as it is; "
-                f"its GPU kernel accumulates in float32 and a mean stays within its "
-                f"input's range", source.node, rk.KIND_ACCUMULATES_FP32)
+                f"{why}", source.node, rk.KIND_ACCUMULATES_FP32)
+
+    def _is_weight_gradient(self, node) -> bool:
+        """Is `node` a gradient op whose result, through views (Reshape,
+        Identity, ...) and sums of gradients (AddN: the tape adds up the
+        gradients of a tensor read in several places, under no gradient
+        scope), leaves the backward pass: read only by ops that are not
+        gradient ops (the optimizer, the loss scale's check) or returned?
+        Then it is a weight's gradient, not a step inside the backward pass."""
+        if not scopes.is_gradient(node.name):
+            return False
+        nodes, consumers = self.body.nodes, self.body.consumers
+        stack, seen = [TensorRef(node.name, 0)], set()
+        while stack:
+            ref = stack.pop()
+            if ref in seen:
+                continue
+            seen.add(ref)
+            for consumer, _ in consumers.get(ref, ()):
+                reader = nodes[consumer]
+                if reader.op in NO_COPY_OPS or reader.op == "AddN":
+                    stack.extend(TensorRef(consumer, i) for i in range(len(reader.outputs)))
+                elif scopes.is_gradient(consumer):
+                    return False
+        return True
 
     def _statistic_input(self, node) -> tuple[int, int] | None:
         """The elements of `node`'s input if it reduces it to a small statistic, else None."""

@@ -20,7 +20,7 @@ KIND_AFTER_16BIT = "after a 16-bit op"  # infer op right after one, saving casts
 KIND_NEXT_TO_16BIT = "next to a 16-bit op"  # clear op following a neighbour
 KIND_CAST_RETARGETED = "Cast retargeted"  # an existing Cast meets 16-bit directly
 KIND_COMBINES_STATISTICS = "combines statistics"  # LayerNorm's full-size scale/shift
-KIND_ACCUMULATES_FP32 = "accumulates in float32"  # a GPU Mean reading its 16-bit input
+KIND_ACCUMULATES_FP32 = "accumulates in float32"  # a GPU Mean / XLA gradient Sum reading 16-bit
 KIND_BOUNDARY = "boundary group"  # a loop/call/TensorList value 16-bit on every side
 
 # -- kept float32 -------------------------------------------------------------
