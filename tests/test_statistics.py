@@ -225,17 +225,25 @@ def test_layer_and_group_norm_chain_is_16bit(norm):
         assert {n.op for n in combined} >= {"Mul", "AddV2"}, combined
 
 
-def test_a_reduction_that_keeps_its_size_is_no_statistic():
-    """A Mean over an axis of one element is not a statistic: deny spreads after it."""
+def test_a_reduction_that_keeps_its_size_is_a_copy():
+    """A Mean over an axis of one element copies its input: a clear op (no
+    deny spreads from it), exact in 16-bit; the Add after it runs in 16-bit
+    between the two MatMuls, and so does the reduction. (TensorFlow's
+    gradients of broadcasting ops sum over no axis at all.)"""
     def fn(x, w):
         y = tf.matmul(x, w, name="mm")
         m = tf.reduce_mean(tf.reshape(y, [4, 4, 1]), axis=2, name="same_size")  # 16 -> 16
         return tf.matmul(tf.add(m, 1.0, name="after"), w, name="mm2")
 
     spec = tf.TensorSpec([4, 4])
-    _, _, report = _rewrite(fn, [spec, spec])
-    after = next(n for n in report.nodes if n.name == "after")
-    assert not after.converted and after.kind == rk.KIND_DOWNSTREAM_OF_DENY
+    graph_def, new_graph_def, report = _rewrite(fn, [spec, spec])
+    by_name = {n.name: n for n in report.nodes}
+    assert by_name["same_size"].list == "clear" and by_name["same_size"].converted
+    assert by_name["after"].converted, by_name["after"].reason
+    x = RNG.standard_normal((4, 4)).astype(np.float32)
+    want, = run_graph_def(graph_def, {"x": x, "w": x}, ["Identity:0"])
+    got, = run_graph_def(new_graph_def, {"x": x, "w": x}, ["Identity:0"])
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
 def test_a_sum_is_not_cast_to_16bit_before_it_is_scaled_back():
@@ -371,34 +379,36 @@ def test_a_count_is_read_from_a_constant_of_any_float_type(dtype):
 
 
 def _dense_step():
-    """A step with weight gradients that TensorFlow reduces with Sum: a 3-D x
-    times a 2-D kernel (BatchMatMulV2 broadcasts the kernel; its gradient sums
-    the per-example products), a bias added by broadcasting (its gradient is a
-    Sum), a second kernel that goes through softplus first and multiplies two
-    tensors (its two gradient Sums over examples are added, then feed softplus's
-    gradient: steps inside the backward pass), and a forward Sum.
-    The weights are arguments (watched), so the graph runs without variables."""
+    """A step with Sums in its backward pass that are no per-example products
+    (tfamp.rewrite.contract makes those one MatMul): a bias added by
+    broadcasting after a dense layer on a 3-D input (its gradient is a Sum of
+    the 16-bit gradient the next layer's MatMul writes), a shift that goes
+    through softplus first and is added twice (its two gradient Sums are
+    added, then feed softplus's gradient: steps inside the backward pass), and
+    a forward Sum. The weights are arguments (watched), so the graph runs
+    without variables."""
     seq, width, units = 16, 8, 8
 
-    def step(x, kernel, bias, raw_mix):
-        weights = [kernel, bias, raw_mix]
+    def step(x, kernel, bias, head, raw_shift):
+        weights = [kernel, bias, head, raw_shift]
         with tf.GradientTape() as tape:
             tape.watch(weights)
             h = tf.add(tf.matmul(x, kernel, name="proj"), bias, name="biased")
-            mix = tf.nn.softplus(raw_mix)
-            h = tf.add(tf.matmul(h, mix, name="mix"),
-                       tf.matmul(tf.nn.relu(h), mix, name="mix_relu"), name="both")
-            pooled = tf.reduce_sum(tf.nn.relu(h), axis=1, name="pooled_sum")
-            out = tf.matmul(pooled, tf.transpose(kernel), name="head")
+            shift = tf.nn.softplus(raw_shift)
+            u = tf.add(tf.matmul(h, head, name="mix"), shift, name="shift_a")
+            v = tf.add(tf.matmul(tf.nn.relu(u), head, name="mix2"), shift, name="shift_b")
+            pooled = tf.reduce_sum(tf.nn.relu(v), axis=1, name="pooled_sum")
+            out = tf.matmul(pooled, tf.transpose(kernel), name="out")
             loss = tf.reduce_mean(tf.square(out))
         return [loss] + tape.gradient(loss, weights)
 
     specs = [tf.TensorSpec([B, seq, width]), tf.TensorSpec([width, units]),
-             tf.TensorSpec([units]), tf.TensorSpec([units, units])]
+             tf.TensorSpec([units]), tf.TensorSpec([units, units]), tf.TensorSpec([units])]
     values = {"x": RNG.standard_normal((B, seq, width)).astype(np.float32),
               "kernel": RNG.standard_normal((width, units)).astype(np.float32) / 3,
               "bias": RNG.standard_normal((units,)).astype(np.float32),
-              "raw_mix": RNG.standard_normal((units, units)).astype(np.float32) / 3}
+              "head": RNG.standard_normal((units, units)).astype(np.float32) / 3,
+              "raw_shift": RNG.standard_normal((units,)).astype(np.float32)}
     return step, specs, values
 
 
@@ -412,19 +422,19 @@ def test_a_weight_gradient_sum_reads_16bit_under_xla(runtime):
     step, specs, values = _dense_step()
     graph_def, new_graph_def, report = _rewrite(step, specs, runtime=runtime)
     sums = {n.name: n for n in report.nodes if n.op == "Sum"}
-    # (TensorFlow's gradient names: the kernel's Sum over examples, and the
-    # second kernel's two, one per product)
-    weight_grads = ["gradient_tape/proj/Sum_1"]
-    inner = ["gradient_tape/mix/Sum_1", "gradient_tape/mix_relu/Sum_1"]
+    # (TensorFlow's gradient names: the bias's Sum, the shift's two)
+    weight_grads = ["gradient_tape/biased/Sum"]
+    inner = ["gradient_tape/shift_a/Sum", "gradient_tape/shift_b/Sum"]
     assert set(weight_grads + inner) <= set(sums), sorted(sums)
     readers = _consumers(graph_def)
     nodes = {n.name: n for n in graph_def.node}
-    # (the tape adds the second kernel's two gradients with an AddN under no
-    # gradient scope; what reads the sum is softplus's gradient)
+    # (the tape adds the shift's two gradients with an AddN under no gradient
+    # scope; what reads the sum is softplus's gradient)
     added = {r.name for name in inner for view in readers[name] for r in readers[view.name]}
     assert [nodes[name].op for name in added] == ["AddN"], added
-    for name in inner:  # (16-bit products: only the rule keeps these Sums float32)
-        assert _input_dtype(new_graph_def, nodes[name].input[0].split(":")[0]) == "float16"
+    # (a 16-bit input: only the rule keeps that Sum float32)
+    source = nodes[inner[0]].input[0].split(":")[0]
+    assert next(n for n in report.nodes if n.name == source).converted
     for name in weight_grads:
         node = sums[name]
         if runtime == "xla":

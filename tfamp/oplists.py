@@ -266,6 +266,13 @@ FLOAT32_ACCUMULATING_ON_GPU = frozenset({"Mean"})
 # loss scale sees and answers.
 FLOAT32_ACCUMULATING_UNDER_XLA = frozenset({"Sum"})
 
+# Reductions that copy their input when they keep its size (they reduce no
+# axis, or only axes of one element): there they are clear ops, whatever their
+# list says (coloring._BodyColoring._copies). TensorFlow's gradient of a
+# broadcasting op (BatchMatMulV2, AddV2) sums over the axes it broadcast, often
+# none: a deny Sum there would hold a whole activation gradient in float32.
+SIZE_KEEPING_COPIES = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
+
 # Ops whose dtype is bound to their data: the type attribute describes a value
 # that already exists elsewhere (a typed constant, a feed, a stored tensor, what a
 # Python callable returns), so retyping the node would misread that value. They

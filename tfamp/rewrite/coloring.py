@@ -48,7 +48,7 @@ from tensorflow.python.framework import tensor_util
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
     BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
-    FLOAT32_ACCUMULATING_UNDER_XLA,
+    FLOAT32_ACCUMULATING_UNDER_XLA, SIZE_KEEPING_COPIES,
     GROWING_OPS, STATISTIC_REDUCTIONS)
 from tfamp.rewrite import boundaries, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
@@ -350,6 +350,8 @@ class _BodyColoring:
         no_block = ("", "")
         for name, node in self.body.nodes.items():
             list_name = list_of(node.op)
+            if list_name != "clear" and node.op in SIZE_KEEPING_COPIES and self._copies(node):
+                list_name = "clear"
             attrs = node.float_type_attrs
             call_block = self._call_block(node) if node.called_functions else no_block
             node_block = node_blocks[name] = node_block_of(name, node, call_block)
@@ -379,6 +381,17 @@ class _BodyColoring:
                     self.blocked.setdefault(slot, (
                         "kept float32: a graph output keeps its dtype", rk.KIND_GRAPH_OUTPUT))
                     self.hard_blocked[(name, port.type_attr)] = self.blocked[slot]
+
+    def _copies(self, node) -> bool:
+        """Does a reduction keep its input's size (it reduces no axis, or only
+        axes of one element: TensorFlow's gradients of broadcasting ops sum over
+        whatever axes BroadcastGradientArgs names, often none)? Then it copies
+        its input, exact in any precision: a clear op, not a deny one."""
+        if not node.data_inputs:
+            return False
+        reduced = self.counts.get(node.data_inputs[0][0])
+        result = self.counts.get(TensorRef(node.name, 0))
+        return reduced is not None and reduced == result and not reduced[0]
 
     def _add_slot(self, name: str, attr: str, list_name: str) -> int:
         slot = len(self.slot_node)
@@ -1497,6 +1510,8 @@ class _BodyColoring:
                         Decision, (list_name, False, reason, (), cause, kind))
                 decisions[(body_name, name)] = decision
                 continue
+            if op in SIZE_KEEPING_COPIES and self.slot_list[slots[0]] == "clear":
+                list_name = "clear"  # (a reduction that copies: see _copies)
             converted = [s for s in slots if s in allow]
             if converted:
                 reason, cause, kind = allow[converted[0]]

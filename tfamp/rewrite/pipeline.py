@@ -15,6 +15,7 @@ from tfamp.rewrite.casts import insert_casts
 from tfamp.rewrite import runtime_cost
 from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
 from tfamp.rewrite.coloring import color
+from tfamp.rewrite.contract import contract_weight_gradients
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.hoist import hoist_broadcasts
 from tfamp.rewrite.report import NodeReport, RewriteReport
@@ -110,8 +111,14 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
     shapes = tensor_shapes(graph_def, view)
     original = (view, shapes)
     nodes_before = view.node_count()
-    # Exact edits first (a scaling of a broadcast runs on the small tensor):
-    # the colouring then decides on the graph that will run.
+    # Exact edits first (per-example weight-gradient products summed are one
+    # MatMul; a scaling of a broadcast runs on the small tensor): the colouring
+    # then decides on the graph that will run.
+    contracted = contract_weight_gradients(graph_def, view, shapes, outputs)
+    if contracted is not None:
+        graph_def = contracted.graph_def
+        view = build_view(graph_def, earlier=view, written=contracted.written)
+        shapes = contracted.shapes
     hoisted = hoist_broadcasts(graph_def, view, shapes, outputs)
     if hoisted is not None:
         graph_def = hoisted.graph_def
@@ -143,7 +150,8 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
                  len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
         keep.update(added)
     traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view,
-                              (hoisted, *original) if hoisted is not None else None)
+                              (hoisted, contracted, *original)
+                              if hoisted is not None or contracted is not None else None)
     traffic["runtime"] = runtime
     # Copies of functions whose callers disagree (boundaries.py) are reported
     # under their new names, after the original bodies.
@@ -163,7 +171,8 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
         nodes_before=nodes_before,
         nodes_after=len(nodes) + len(casts),
         nodes=nodes, casts=casts, **traffic,
-        broadcast_edits=hoisted.edits() if hoisted is not None else [])
+        broadcast_edits=[*(contracted.edits() if contracted is not None else []),
+                         *(hoisted.edits() if hoisted is not None else [])])
     if log.isEnabledFor(logging.DEBUG):  # (walks every node)
         # What the INFO summary line does not say (callers log that line).
         kept = ", ".join(f"{kind} x{n}" for kind, n in report.kept_fp32.items()) or "none"
@@ -220,8 +229,9 @@ def _unrepairable(problems: list[Problem]) -> GraphCheckError:
 def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=None) -> dict:
     """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown.
 
-    `original`: (Hoisted, view, shapes of the graph as given) where the pass
-    edited it before colouring: "before" is always the caller's graph."""
+    `original`: (Hoisted or None, Contracted or None, view, shapes of the graph
+    as given) where the pass edited it before colouring: "before" is always
+    the caller's graph."""
     if not shapes.any_known():
         return dict(traffic_note="no shapes")
     weights = body_weights(view, shapes=shapes)
@@ -259,9 +269,12 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=No
                 runtime_estimates=_runtime_estimates(before, after))
 
 
-def _before_the_edits(before, weights, hoisted, first_view, first_shapes):
+def _before_the_edits(before, weights, hoisted, contracted, first_view, first_shapes):
     """The traffic of the graph as given, from that of the edited graph."""
-    delta = hoisted.traffic_delta(first_shapes)
+    # A contraction changes kernels and what the fused model materialises:
+    # measure the graph as given (only where one was made).
+    delta = (None if contracted is not None or hoisted is None
+             else hoisted.traffic_delta(first_shapes))
     if delta is None or before.total is None:  # (sizes unknown: measure it)
         return estimate_traffic(first_view, first_shapes,
                                 body_weights(first_view, shapes=first_shapes))

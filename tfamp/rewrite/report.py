@@ -16,11 +16,13 @@ executor: every tensor; XLA: the tensors materialised at fusion boundaries),
 kernels_before / kernels_after, launch_bytes (what one launch is counted as),
 cost_before / cost_after (bytes + kernels x launch_bytes) and share (cost after
 / before; None where unknown). broadcast_edits: the exact edits made
-before colouring (``tfamp.rewrite.hoist``), each {"edit", "function", "node",
-"op", "into"}: "moved", a scaling ``node`` (its ``op``: a RealDiv/Mul/Neg by a
-scalar) now runs on the small tensor in node ``into`` and ``node`` broadcasts
-the result; "dropped", the broadcast ``node`` (``op`` Tile/BroadcastTo) is
-gone and ``into``, an op that broadcasts, reads its input. Reports saved before ``kind``, the traffic, the runtime keys or the
+before colouring (``tfamp.rewrite.contract``, ``tfamp.rewrite.hoist``), each
+{"edit", "function", "node", "op", "into"}: "contracted", the ``Sum`` ``node``
+of per-example products is now one MatMul and the BatchMatMulV2 ``into`` the
+Reshape of its first operand; "moved", a scaling ``node`` (its ``op``: a
+RealDiv/Mul/Neg by a scalar) now runs on the small tensor in node ``into`` and
+``node`` broadcasts the result; "dropped", the broadcast ``node`` (``op``
+Tile/BroadcastTo) is gone and ``into``, an op that broadcasts, reads its input. Reports saved before ``kind``, the traffic, the runtime keys or the
 moves existed still load (with None / empty values for those keys).
 Optional: matrix_flops (total, in_16bit, degree, not_counted; set by ``tfamp
 inspect``, which counts them on the live graph), batch_size (the batch the graph
@@ -185,18 +187,26 @@ class RewriteReport:
         """What the exact edits before colouring did (``broadcast_edits``), e.g.
         '2 scalings (RealDiv x1, Mul x1) moved before their broadcasts; 1 broadcast
         (Tile x1) left to the op that reads it (values unchanged)', or ''."""
-        parts = []
-        for edit, text in (("moved", "{n} scaling{s} ({ops}) moved before {its} broadcast{s}"),
-                           ("dropped", "{n} broadcast{s} ({ops}) left to the op that reads "
-                                       "{it}")):
-            ops = collections.Counter(e["op"] for e in self.broadcast_edits if e["edit"] == edit)
-            n = sum(ops.values())
-            if n:
-                parts.append(text.format(n=f"{n:,}", s="" if n == 1 else "s",
-                                         it="it" if n == 1 else "them",
-                                         its="its" if n == 1 else "their", ops=", ".join(
-                                             f"{op} x{k}" for op, k in ops.most_common())))
-        return "; ".join(parts) + " (values unchanged)" if parts else ""
+        phrases = []
+        for edits, suffix in (
+                ((("contracted", "{n} weight-gradient sum{s} over examples computed as "
+                                 "one MatMul each"),), " (the same sums in another order)"),
+                ((("moved", "{n} scaling{s} ({ops}) moved before {its} broadcast{s}"),
+                  ("dropped", "{n} broadcast{s} ({ops}) left to the op that reads {it}")),
+                 " (values unchanged)")):
+            parts = []
+            for edit, text in edits:
+                ops = collections.Counter(
+                    e["op"] for e in self.broadcast_edits if e["edit"] == edit)
+                n = sum(ops.values())
+                if n:
+                    parts.append(text.format(n=f"{n:,}", s="" if n == 1 else "s",
+                                             it="it" if n == 1 else "them",
+                                             its="its" if n == 1 else "their", ops=", ".join(
+                                                 f"{op} x{k}" for op, k in ops.most_common())))
+            if parts:
+                phrases.append("; ".join(parts) + suffix)
+        return "; ".join(phrases)
 
     def runtime_line(self) -> str:
         """Per runtime, bytes + kernels before -> after and the cost share, e.g.
