@@ -25,7 +25,7 @@ batch axes of a ``BatchMatMulV2`` with ``adj_x`` and not ``adj_y`` (the
 contracted axis sits next to the batch axes on both sides, so flattening needs
 no transpose), read by nothing else; both operands have those batch axes
 (no broadcasting between them); ``keep_dims`` is false. Top graph only (a
-Keras step's gradients live there).
+Keras step's gradients live there), and not one with TF1 loops.
 
 ``contract_weight_gradients(graph_def, view, shapes, outputs) -> Contracted | None``:
 pure; None when nothing changes.
@@ -44,6 +44,9 @@ from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, TensorRef
 from tfamp.rewrite.shapes import TensorShapes
 
 _SUFFIX = "/tfamp_contract"
+# TF1 control flow: a node's frame follows its inputs, and the new shape
+# constants have none. A top graph with it is left alone.
+_FRAME_OPS = frozenset({"Enter", "Exit", "NextIteration"})
 
 
 @dataclasses.dataclass
@@ -74,6 +77,8 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
                               shapes: TensorShapes, outputs: list[str]) -> Contracted | None:
     """Per-example products summed over the batch become one MatMul (module doc)."""
     top = view.bodies[0]
+    if top.ops & _FRAME_OPS:  # (a new Const would sit outside a TF1 loop's frame)
+        return None
     fetched = {name.split(":")[0] for name in outputs}
     found = _find(top, shapes.shapes.get(top.name, {}), fetched)
     if not found:
