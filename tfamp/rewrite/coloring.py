@@ -795,7 +795,8 @@ class _BodyColoring:
             if slot in self.blocked or slot in self._centring:
                 continue
             if node.op in FLOAT32_ACCUMULATING_ON_GPU:
-                why = "its GPU kernel accumulates in float32 and a mean stays within its input's range"
+                why = ("its GPU kernel accumulates in float32 and a mean stays within its "
+                       "input's range")
             elif (node.op in FLOAT32_ACCUMULATING_UNDER_XLA and self.runtime == "xla"
                     and self._is_weight_gradient(node)):
                 why = ("XLA accumulates it in float32, and its result is a weight's gradient, "

@@ -22,8 +22,9 @@ of per-example products is now one MatMul and the BatchMatMulV2 ``into`` the
 Reshape of its first operand; "moved", a scaling ``node`` (its ``op``: a
 RealDiv/Mul/Neg by a scalar) now runs on the small tensor in node ``into`` and
 ``node`` broadcasts the result; "dropped", the broadcast ``node`` (``op``
-Tile/BroadcastTo) is gone and ``into``, an op that broadcasts, reads its input. Reports saved before ``kind``, the traffic, the runtime keys or the
-moves existed still load (with None / empty values for those keys).
+Tile/BroadcastTo) is gone and ``into``, an op that broadcasts, reads its input.
+Reports saved before ``kind``, the traffic, the runtime keys or the edits
+existed still load (with None / empty values for those keys).
 Optional: matrix_flops (total, in_16bit, degree, not_counted; set by ``tfamp
 inspect``, which counts them on the live graph), batch_size (the batch the graph
 was traced at, when known) and the derived verdict (``tfamp.rewrite.verdict``: is
