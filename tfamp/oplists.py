@@ -273,6 +273,14 @@ FLOAT32_ACCUMULATING_UNDER_XLA = frozenset({"Sum"})
 # none: a deny Sum there would hold a whole activation gradient in float32.
 SIZE_KEEPING_COPIES = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
 
+# Ops whose result is never negative, whatever their input. The exponential of
+# the negation of one of them lies in (0, 1]: it cannot overflow float16 and
+# only underflows to 0 where the true value is below 6e-8 (coloring's
+# _bounded_exp, an infer op there instead of a deny one). TensorFlow's
+# gradients of erf and erfc (GELU's backward) are exp(-square(x)).
+NON_NEGATIVE_OPS = frozenset({"Square", "Abs", "Relu", "Relu6", "Exp", "Sigmoid",
+                              "Softplus", "Sqrt", "Rsqrt", "Softmax"})
+
 # Ops whose dtype is bound to their data: the type attribute describes a value
 # that already exists elsewhere (a typed constant, a feed, a stored tensor, what a
 # Python callable returns), so retyping the node would misread that value. They

@@ -48,7 +48,7 @@ from tensorflow.python.framework import tensor_util
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
     BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
-    FLOAT32_ACCUMULATING_UNDER_XLA, SIZE_KEEPING_COPIES,
+    FLOAT32_ACCUMULATING_UNDER_XLA, NON_NEGATIVE_OPS, SIZE_KEEPING_COPIES,
     GROWING_OPS, STATISTIC_REDUCTIONS)
 from tfamp.rewrite import boundaries, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
@@ -352,6 +352,8 @@ class _BodyColoring:
             list_name = list_of(node.op)
             if list_name != "clear" and node.op in SIZE_KEEPING_COPIES and self._copies(node):
                 list_name = "clear"
+            elif list_name == "deny" and node.op == "Exp" and self._bounded_exp(node):
+                list_name = "infer"
             attrs = node.float_type_attrs
             call_block = self._call_block(node) if node.called_functions else no_block
             node_block = node_blocks[name] = node_block_of(name, node, call_block)
@@ -392,6 +394,25 @@ class _BodyColoring:
         reduced = self.counts.get(node.data_inputs[0][0])
         result = self.counts.get(TensorRef(node.name, 0))
         return reduced is not None and reduced == result and not reduced[0]
+
+    def _bounded_exp(self, node) -> bool:
+        """Is `node` (an Exp) the exponential of minus something never negative
+        (Neg of oplists.NON_NEGATIVE_OPS, through views)? Then its result lies in
+        (0, 1]: it follows its neighbours (infer) like any bounded op."""
+        ref = node.data_inputs[0][0] if node.data_inputs else None
+        seen_neg = False
+        for _ in range(8):
+            producer = None if ref is None or ref.is_arg else self.body.nodes.get(ref.node)
+            if producer is None or not producer.data_inputs:
+                return False
+            if producer.op in NO_COPY_OPS:
+                ref = producer.data_inputs[0][0]
+            elif producer.op == "Neg" and not seen_neg:
+                seen_neg = True
+                ref = producer.data_inputs[0][0]
+            else:
+                return seen_neg and producer.op in NON_NEGATIVE_OPS
+        return False
 
     def _add_slot(self, name: str, attr: str, list_name: str) -> int:
         slot = len(self.slot_node)
@@ -1511,8 +1532,10 @@ class _BodyColoring:
                         Decision, (list_name, False, reason, (), cause, kind))
                 decisions[(body_name, name)] = decision
                 continue
-            if op in SIZE_KEEPING_COPIES and self.slot_list[slots[0]] == "clear":
-                list_name = "clear"  # (a reduction that copies: see _copies)
+            if list_name != self.slot_list[slots[0]] and self.slot_list[slots[0]] in (
+                    "clear", "infer"):
+                # (a reduction that copies, a bounded Exp: _copies, _bounded_exp)
+                list_name = self.slot_list[slots[0]]
             converted = [s for s in slots if s in allow]
             if converted:
                 reason, cause, kind = allow[converted[0]]

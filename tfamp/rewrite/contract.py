@@ -11,7 +11,7 @@ the kernel's size), then a ``Sum`` over the batch axes. The same value is one
 is the sum over both. Made before colouring, the edit
 
 * never writes the per-example tensor (BERT-base, batch 32: 38 MB per kernel
-  in float16, 76 MB in float32, for each of 84 kernels);
+  in float16, 76 MB in float32, for each of its 48 attention projections);
 * accumulates the whole contraction inside one matrix kernel (in float32 on a
   GPU for 16-bit inputs) and rounds once, where the colouring would otherwise
   round each example's product to 16-bit and cast them all to float32 for a
