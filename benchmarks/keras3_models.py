@@ -224,12 +224,13 @@ def sixteen_bit_share(graph_def, flops: dict) -> float | None:
     return done / total
 
 
-def measure(graph_def, reference_shapes, flops: dict, trips: int,
+def measure(graph_def, reference_shapes, flops: dict, trips: int, fetches,
             seconds: float | None = None) -> dict:
     """Traffic (with `reference_shapes` where a node has none), Casts, 16-bit FLOP share.
 
-    `trips`: how often a loop without a static trip count runs."""
-    traffic = vs_grappler.traffic_of(graph_def, reference_shapes, trips)
+    `trips`: how often a loop without a static trip count runs; `fetches`: the
+    step's fetched nodes (what never runs is not counted)."""
+    traffic = vs_grappler.traffic_of(graph_def, reference_shapes, trips, fetches)
     return {"traffic_bytes": traffic["traffic_bytes"], "cast_bytes": traffic["cast_bytes"],
             "executor_cost": traffic.get("executor_cost"), "xla_cost": traffic.get("xla_cost"),
             "casts": float_casts(graph_def), "flops_16bit_share": sixteen_bit_share(
@@ -244,24 +245,26 @@ def compare(key: str, args, cluster) -> list[dict]:
     shapes = tensor_shapes(graph_def, build_view(graph_def))
     flops, unknown_flops, _ = graph_def_flops(graph_def)
     trips = size["lstm_seq"] if key == "lstm" else 1
-    rows = [{"mode": "float32", **measure(graph_def, shapes, flops, trips)}]
+    rows = [{"mode": "float32", **measure(graph_def, shapes, flops, trips, fetches)}]
     metagraph = vs_grappler.metagraph_for(graph_def, fetches)
     for dtype in ("float16", "bfloat16"):
         start = time.perf_counter()
-        policy_graph, _, _ = trace_step(key, size, POLICIES[dtype])
+        policy_graph, _, policy_fetches = trace_step(key, size, POLICIES[dtype])
         log.info("%s: %s step traced in %.1f s", key, POLICIES[dtype],
                  time.perf_counter() - start)
         policy_shapes = tensor_shapes(policy_graph, build_view(policy_graph))
         policy_flops, _, _ = graph_def_flops(policy_graph)
         rows.append({"mode": f"keras {POLICIES[dtype]}",
-                     **measure(policy_graph, policy_shapes, policy_flops, trips)})
+                     **measure(policy_graph, policy_shapes, policy_flops, trips,
+                               policy_fetches)})
         del policy_graph, policy_shapes
         start = time.perf_counter()
         grappled = tf_optimizer.OptimizeGraph(
             vs_grappler.grappler_config([vs_grappler.GRAPPLER_OPTIMIZER[dtype]]), metagraph,
             verbose=False, cluster=cluster)
         rows.append({"mode": f"grappler {dtype}",
-                     **measure(grappled, shapes, flops, trips, time.perf_counter() - start)})
+                     **measure(grappled, shapes, flops, trips, fetches,
+                               time.perf_counter() - start)})
         # Placed for each runtime (AmpConfig.runtime): a bare GraphDef's "auto"
         # is the executor; a Keras 3 step compiled by XLA gets "xla".
         for runtime, suffix in (("executor", ""), ("xla", " xla")):
@@ -271,7 +274,7 @@ def compare(key: str, args, cluster) -> list[dict]:
                                            runtime=runtime),
                 outputs=outputs, function_name=key)
             rows.append({"mode": f"tfamp {dtype}{suffix}", **measure(
-                rewritten, shapes, flops, trips, time.perf_counter() - start)})
+                rewritten, shapes, flops, trips, fetches, time.perf_counter() - start)})
     base = rows[0]["traffic_bytes"]
     for cost in ("executor_cost", "xla_cost"):  # what a GPU pays (runtime_cost), vs float32
         first = rows[0][cost]

@@ -507,7 +507,7 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
     flops = flop_table(concrete, graph_def, trips)
     original_view = build_view(graph_def)
     original_shapes = tensor_shapes(graph_def, original_view)
-    fp32_traffic = traffic_of(graph_def, original_shapes, trips)
+    fp32_traffic = traffic_of(graph_def, original_shapes, trips, fetch_nodes)
     before = bodies(graph_def)
     casts_before = cast_count(before)
     log.info("%s: traced %d nodes in %.1fs", key, _common.node_count(graph_def),
@@ -561,7 +561,7 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
                 out, report = out
             results[tool] = measure(out, before, casts_before, flops, target, best[tool][0])
             results[tool]["cpu_seconds"] = best[tool][1]
-            results[tool].update(traffic_of(out, original_shapes, trips))
+            results[tool].update(traffic_of(out, original_shapes, trips, fetch_nodes))
             if report is not None:
                 results[tool]["decisions"] = {
                     (n.function, n.name): (n.op, n.reason) for n in report.nodes}
@@ -594,8 +594,12 @@ def compare(key: str, title: str, builder, dtypes, args, cluster) -> list[dict]:
     return rows
 
 
-def traffic_of(graph_def, original_shapes, trips: int) -> dict:
+def traffic_of(graph_def, original_shapes, trips: int, fetches=None) -> dict:
     """tfamp's traffic estimate of any version of the step, on the original's shapes.
+
+    `fetches`: the step's fetched nodes; then nodes that neither they nor a
+    stateful op need are not counted (TensorFlow never runs them:
+    ``traffic.dead_nodes``).
 
     Nodes keep their names through both rewrites, so a node without its own
     ``_output_shapes`` takes the original's; new Casts take their input's; a
@@ -608,7 +612,8 @@ def traffic_of(graph_def, original_shapes, trips: int) -> dict:
     if copies:
         original_shapes = TensorShapes({**original_shapes.shapes, **copies})
     shapes = tensor_shapes(graph_def, view, fallback=original_shapes)
-    traffic = estimate_traffic(view, shapes, body_weights(view, default_trips=trips, shapes=shapes))
+    traffic = estimate_traffic(view, shapes, body_weights(view, default_trips=trips, shapes=shapes),
+                               outputs=fetches)
     if traffic.total is None:
         return {"traffic_bytes": None, "cast_bytes": None,
                 "traffic_unknown_tensors": traffic.unknown_tensors}

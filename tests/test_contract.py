@@ -99,7 +99,8 @@ def test_the_rewrite_reports_it_and_counts_before_from_the_graph_as_given():
     graph_def, outputs = _traced(_step, SPECS)
     view = build_view(graph_def)
     shapes = tensor_shapes(graph_def, view)
-    original = estimate_traffic(view, shapes, body_weights(view, shapes=shapes))
+    original = estimate_traffic(view, shapes, body_weights(view, shapes=shapes),
+                                outputs=outputs)
     new_graph_def, report = tfamp.rewrite_graph_def(
         graph_def, tfamp.AmpConfig(device_type="GPU"), outputs=outputs)
     assert [e["edit"] for e in report.broadcast_edits].count("contracted") == 2

@@ -141,7 +141,8 @@ def test_report_counts_traffic_from_the_graph_as_given(fn):
     graph_def, outputs = _traced(fn, SPEC, SPEC)
     view = build_view(graph_def)
     shapes = tensor_shapes(graph_def, view)
-    original = estimate_traffic(view, shapes, body_weights(view, shapes=shapes))
+    original = estimate_traffic(view, shapes, body_weights(view, shapes=shapes),
+                                outputs=outputs)
     _, report = tfamp.rewrite_graph_def(graph_def, tfamp.AmpConfig(device_type="GPU"),
                                         outputs=outputs)
     assert report.broadcast_edits

@@ -12,7 +12,7 @@ from tfamp import cli
 from tfamp.rewrite.graph import TensorRef, build_view
 from tfamp.rewrite.report import RewriteReport
 from tfamp.rewrite.shapes import Bytes, tensor_shapes
-from tfamp.rewrite.traffic import body_weights
+from tfamp.rewrite.traffic import body_weights, dead_nodes, estimate_traffic
 
 
 def traced(fn, *specs, add_shapes=True):
@@ -103,6 +103,39 @@ def test_traffic_figure_by_hand():
     assert report.traffic_after_bytes == (4 * x + 2 * x + 4 * w + 2 * w
                                           + 2 * y + 2 * y + 2 * y + casts)
     assert "est. float traffic" in report.summary_line()
+
+
+def test_nodes_that_never_run_are_not_counted():
+    """A value nothing fetched reads (Keras 3's silu gradient computes one for
+    its constant beta) never runs: with the outputs known it is not counted;
+    a variable update nothing reads runs anyway and is counted."""
+    v = tf.Variable(tf.zeros([4, 16]))
+
+    def fn(x, w):
+        y = tf.nn.relu(tf.matmul(x, w, name="mm"), name="relu")
+        unused = tf.reduce_sum(tf.square(y, name="unused_square") * 3.0, name="unused_sum")
+        del unused
+        v.assign_add(y, name="update")
+        return tf.identity(y, name="out")
+
+    concrete = tf.function(fn, autograph=False).get_concrete_function(
+        tf.TensorSpec([4, 8]), tf.TensorSpec([8, 16]))
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    outputs = [t.name for t in concrete.graph.outputs]
+    view = build_view(graph_def)
+    shapes = tensor_shapes(graph_def, view)
+    dead = dead_nodes(view.bodies[0], outputs)
+    assert {"unused_square", "unused_sum"} <= dead
+    assert not dead & {"mm", "relu", "update", "out"}
+    weights = body_weights(view, shapes=shapes)
+    everything = estimate_traffic(view, shapes, weights)
+    running = estimate_traffic(view, shapes, weights, outputs=outputs)
+    y = 4 * 16
+    # Not counted: relu's read by the Square, the Square written and read by
+    # the Mul, the Mul written and read by the Sum (and the 3.0), the Sum.
+    assert everything.total_bytes() - running.total_bytes() == 4 * (y + 2 * y + 2 * y + 2 + 1)
+    _, report = tfamp.rewrite_graph_def(graph_def, tfamp.AmpConfig(), outputs=outputs)
+    assert report.traffic_before_bytes == running.total_bytes()
 
 
 def test_traffic_figure_through_a_function_call():

@@ -98,6 +98,12 @@ class Hoisted:
             delta[body] = (sums, len(self.removed.get(body, {})))
         return delta
 
+    def touches(self, top_nodes: frozenset[str]) -> bool:
+        """Did an edit of the top graph change one of `top_nodes`?"""
+        return bool(top_nodes) and any(
+            node in top_nodes for nodes in (self.resized.get("", {}), self.removed.get("", {}))
+            for node in nodes)
+
     def edits(self) -> list[dict[str, str]]:
         """The report's ``broadcast_edits`` (see ``RewriteReport``)."""
         return [{"edit": edit, "function": function, "node": node, "op": op, "into": into}

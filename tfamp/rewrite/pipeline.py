@@ -22,6 +22,7 @@ from tfamp.rewrite.report import NodeReport, RewriteReport
 from tfamp.rewrite.shapes import Bytes, TensorShapes, tensor_shapes
 from tfamp.rewrite.traffic import (
     body_weights,
+    dead_nodes,
     estimate_traffic,
     estimate_traffic_before_after,
 )
@@ -149,7 +150,7 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
         log.info("tfamp: keeping %d node(s) float32 so the graph stays valid: %s",
                  len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
         keep.update(added)
-    traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view,
+    traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
                               (hoisted, contracted, *original)
                               if hoisted is not None or contracted is not None else None)
     traffic["runtime"] = runtime
@@ -226,9 +227,11 @@ def _unrepairable(problems: list[Problem]) -> GraphCheckError:
         f"{hint.strip()}")
 
 
-def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=None) -> dict:
+def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
+                    original=None) -> dict:
     """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown.
 
+    `outputs`: the top graph's fetched tensors (what runs: ``dead_nodes``).
     `original`: (Hoisted or None, Contracted or None, view, shapes of the graph
     as given) where the pass edited it before colouring: "before" is always
     the caller's graph."""
@@ -239,9 +242,9 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=No
                  for function, nodes in coloring.converted_by_body.items()
                  for node, attrs in nodes.items()}
     before, after = estimate_traffic_before_after(
-        view, shapes, weights, converted, coloring.target)
+        view, shapes, weights, converted, coloring.target, outputs)
     if original is not None:
-        before = _before_the_edits(before, weights, *original)
+        before = _before_the_edits(before, weights, outputs, *original)
     if coloring.signatures or coloring.clones:
         # Boundary groups changed signatures or copied functions, which the
         # estimate from decisions does not model: measure the graph written.
@@ -250,7 +253,7 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=No
             for clone, original in coloring.clones.items()}})
         new_shapes = tensor_shapes(new_graph_def, new_view, fallback=known)
         after = estimate_traffic(new_view, new_shapes,
-                                 body_weights(new_view, shapes=new_shapes))
+                                 body_weights(new_view, shapes=new_shapes), outputs=outputs)
     notes = []
     if after.total is None:
         notes.append(f"shapes unknown for {after.unknown_tensors} of "
@@ -269,15 +272,18 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, original=No
                 runtime_estimates=_runtime_estimates(before, after))
 
 
-def _before_the_edits(before, weights, hoisted, contracted, first_view, first_shapes):
+def _before_the_edits(before, weights, outputs, hoisted, contracted, first_view,
+                      first_shapes):
     """The traffic of the graph as given, from that of the edited graph."""
-    # A contraction changes kernels and what the fused model materialises:
-    # measure the graph as given (only where one was made).
+    # A contraction changes kernels and what the fused model materialises, and
+    # an edit of a node that never runs changes nothing: measure the graph as
+    # given (only where one was made).
     delta = (None if contracted is not None or hoisted is None
+             or hoisted.touches(dead_nodes(first_view.bodies[0], outputs))
              else hoisted.traffic_delta(first_shapes))
     if delta is None or before.total is None:  # (sizes unknown: measure it)
         return estimate_traffic(first_view, first_shapes,
-                                body_weights(first_view, shapes=first_shapes))
+                                body_weights(first_view, shapes=first_shapes), outputs=outputs)
     total, kernels, tensors = before.total, before.kernels, before.known_tensors
     for body, (sums, removed) in delta.items():
         weight = weights.weights.get(body, 0)

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterable
 
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import op_def_registry
 
 from tfamp.oplists import NO_KERNEL_OPS
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
@@ -380,7 +382,7 @@ def _const_value(node: Node | None) -> _IntValue:
 
 def estimate_traffic(view: GraphView, shapes: TensorShapes, weights: CallWeights,
                      converted: dict[tuple[str, str], tuple[str, ...]] | None = None,
-                     target: int = 0) -> Traffic:
+                     target: int = 0, outputs: Iterable[str] | None = None) -> Traffic:
     """Estimated float bytes written and read per step (see the module docstring).
 
     Args:
@@ -393,18 +395,25 @@ def estimate_traffic(view: GraphView, shapes: TensorShapes, weights: CallWeights
         edge's two ends disagree, one per (tensor, dtype), as ``insert_casts``
         adds them.
       target: the 16-bit DataType enum `converted` switches to.
+      outputs: the top graph's fetched tensors or nodes ("node:0" or "node"),
+        if known: then its nodes that neither a fetch nor a stateful op needs
+        are not counted (``dead_nodes``: TensorFlow never runs them).
 
     Returns:
       A Traffic.
     """
-    return estimate_traffic_before_after(view, shapes, weights, converted or {}, target)[1]
+    return estimate_traffic_before_after(view, shapes, weights, converted or {}, target,
+                                         outputs)[1]
 
 
 def estimate_traffic_before_after(
         view: GraphView, shapes: TensorShapes, weights: CallWeights,
         converted: dict[tuple[str, str], tuple[str, ...]], target: int,
+        outputs: Iterable[str] | None = None,
 ) -> tuple[Traffic, Traffic]:
-    """(traffic of `view` as it is, traffic with `converted` applied), in one pass."""
+    """(traffic of `view` as it is, traffic with `converted` applied), in one pass
+    (`outputs`: see ``estimate_traffic``)."""
+    dead = dead_nodes(view.bodies[0], outputs) if outputs is not None else frozenset()
     by_body: dict[str, dict[str, tuple[str, ...]]] = {}
     for (function, node), attrs in converted.items():
         if attrs:
@@ -416,7 +425,8 @@ def estimate_traffic_before_after(
         weight = weights.weights.get(body.name, 0)
         if not weight:
             continue
-        acc = _BodyTraffic(body, shapes, by_body.get(body.name, {}), target)
+        acc = _BodyTraffic(body, shapes, by_body.get(body.name, {}), target,
+                           dead if not body.is_function else frozenset())
         acc.run()
         unknown += acc.unknown
         counted += acc.known
@@ -433,6 +443,36 @@ def estimate_traffic_before_after(
                 kernels, fused if known else None, fused_kernels)
         for total, cast, casts, kernels, fused, fused_kernels in totals)
     return before, after
+
+
+def dead_nodes(body: Body, outputs: Iterable[str]) -> frozenset[str]:
+    """The nodes of the top graph `body` that TensorFlow never runs when
+    `outputs` ("node:0" or "node") are fetched: neither a fetch, nor a stateful
+    op (a variable update, an optimizer's apply: they run in a tf.function
+    whatever is fetched), nor an input (data or control) of one that runs.
+    TensorFlow prunes them before running a function (and grappler's pruner
+    in a graph). Keras 3's ``silu`` gradient, for one, computes a gradient
+    for its constant ``beta`` at every activation that nothing reads."""
+    nodes = body.nodes
+    stateful: dict[str, bool] = {}
+
+    def is_stateful(op: str) -> bool:
+        known = stateful.get(op)
+        if known is None:
+            op_def = op_def_registry.get(op)  # (a function call: None, kept)
+            known = stateful[op] = op_def is None or op_def.is_stateful
+        return known
+
+    stack = [name.split(":")[0].lstrip("^") for name in outputs]
+    stack += [name for name, node in nodes.items() if is_stateful(node.op)]
+    live: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in live or name not in nodes:
+            continue
+        live.add(name)
+        stack.extend(text.split(":")[0].lstrip("^") for text in nodes[name].node_def.input)
+    return frozenset(nodes.keys() - live)
 
 
 def _scale(sums: dict[int, int], factor: int) -> Bytes:
@@ -456,8 +496,10 @@ class _BodyTraffic:
     """
 
     def __init__(self, body: Body, shapes: TensorShapes,
-                 converted: dict[str, tuple[str, ...]], target: int):
+                 converted: dict[str, tuple[str, ...]], target: int,
+                 dead: frozenset[str] = frozenset()):
         self.body = body
+        self.dead = dead  # nodes TensorFlow never runs (dead_nodes): not counted
         self.counts = shapes.counts(body.name)
         self.converted = converted
         self.target = target
@@ -537,6 +579,7 @@ class _BodyTraffic:
         fused0, fused1 = self.fused_sums
         fused_kernels, folded = self.fused_kernels, self.folded
         kinds, producer_kind, kind_memo = self.kinds, self._producer_kind, {}
+        dead = self.dead
         known = unknown = 0
 
         def fused(sums, mode, pk, degree, count, have, reads, forced, reduced,
@@ -576,6 +619,8 @@ class _BodyTraffic:
             """`port` is the producing output port, or None for a function argument."""
             nonlocal known, unknown
             consumers = consumers_of(ref, ())
+            if dead and consumers:
+                consumers = [c for c in consumers if c[0] not in dead]
             elements = counts(ref)
             if elements is None:
                 if consumers or (write and port is not None):
@@ -667,6 +712,8 @@ class _BodyTraffic:
         new = tuple.__new__  # (TensorRef(name, index) without its Python-level __new__)
         kernels = boundary_kernels = 0
         for name, node in nodes.items():
+            if dead and name in dead:
+                continue
             cast_source = None
             if node.op == "Cast" and node.data_inputs and node.inputs:
                 cast_source = node.data_inputs[0][0]
