@@ -65,6 +65,14 @@ def test_mean_gradient_scalings_move_and_values_are_bit_identical():
     (want,) = run_graph_def(graph_def, feeds, ["dx:0"])
     (got,) = run_graph_def(hoisted.graph_def, feeds, ["dx:0"])
     assert np.array_equal(got, want)
+    # The view patched from the edits knows the same control edges as one
+    # read afresh (the constant that waited on a moved node waits elsewhere).
+    patched = build_view(hoisted.graph_def, earlier=build_view(graph_def),
+                         written=hoisted.written).bodies[0]
+    fresh = build_view(hoisted.graph_def).bodies[0]
+    assert patched.edited and {k: sorted(v) for k, v in patched.waiters().items()} == {
+        k: sorted(v) for k, v in fresh.waiters().items()}
+    assert build_view(graph_def).bodies[0].waiters() != fresh.waiters()
 
 
 def test_inside_a_library_function_readers_are_renamed():

@@ -105,6 +105,24 @@ class Body:
     # between two such others, reads exactly as before). None when the body is
     # not compared (no `earlier`, a new function, or a changed signature).
     edited: frozenset[str] | None = None
+    # source node -> the nodes with a control input on it ("^source"); built
+    # while reading the top graph and kept up to date by _patch_top_body, else
+    # read from the NodeDefs on first use (see waiters()).
+    _waiters: dict[str, list[str]] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
+
+    def waiters(self) -> dict[str, list[str]]:
+        """Source node name -> names of the nodes that wait on it (control inputs)."""
+        if self._waiters is None:
+            waiters: dict[str, list[str]] = {}
+            for name, node in self.nodes.items():
+                texts = node.node_def.input
+                if len(texts) > len(node.data_inputs):
+                    for text in texts:
+                        if text.startswith("^"):
+                            waiters.setdefault(text[1:], []).append(name)
+            self._waiters = waiters
+        return self._waiters
 
     def producer_port(self, ref: TensorRef) -> Port | None:
         """The port that produces `ref`, or None if its producer is unknown."""
@@ -409,6 +427,30 @@ def _patch_top_body(earlier: Body, same: dict[str, Node], written: dict[str, obj
             consumers[ref] = list(consumers.get(ref, ()))
         return consumers[ref]
 
+    waiters = None
+    if earlier._waiters is not None:  # (control edges: the old ones out, the new in)
+        waiters = dict(earlier._waiters)
+        waited: set[str] = set()  # lists already copied
+
+        def waiter_list(source: str) -> list:
+            if source not in waited:
+                waited.add(source)
+                waiters[source] = list(waiters.get(source, ()))
+            return waiters[source]
+
+        for name, node_def in redo.items():
+            old = earlier.nodes.get(name)
+            if old is not None:
+                for text in old.node_def.input:
+                    if text.startswith("^"):
+                        waiter_list(text[1:]).remove(name)
+            if node_def is not None:
+                for text in node_def.input:
+                    if text.startswith("^"):
+                        waiter_list(text[1:]).append(name)
+        for source in waited:
+            if not waiters[source]:
+                del waiters[source]
     removed = [name for name, node_def in redo.items() if node_def is None]
     for name in removed:  # (nothing reads a removed node: its readers were rewritten)
         del redo[name]
@@ -433,7 +475,7 @@ def _patch_top_body(earlier: Body, same: dict[str, Node], written: dict[str, obj
         if not consumers[ref]:
             del consumers[ref]
     return Body(name="", is_function=False, nodes=nodes, arg_dtypes={}, rets={},
-                consumers=consumers, edited=frozenset(redo))
+                consumers=consumers, edited=frozenset(redo), _waiters=waiters)
 
 
 def _read_top_body(node_defs, resolver: _PortResolver) -> Body | None:
@@ -448,6 +490,7 @@ def _read_top_body(node_defs, resolver: _PortResolver) -> Body | None:
     consumers: dict[TensorRef, list[tuple[str, int]]] = {}
     add_consumer = consumers.setdefault
     refs: dict[str, TensorRef] = {}
+    waiters: dict[str, list[str]] = {}
     new_node = _new_node
     new = tuple.__new__  # (TensorRef(...) without its Python-level __new__)
     for node_def in node_defs:
@@ -459,6 +502,7 @@ def _read_top_body(node_defs, resolver: _PortResolver) -> Body | None:
             ref = refs.get(text)
             if ref is None:
                 if text.startswith("^"):
+                    waiters.setdefault(text[1:], []).append(node_name)
                     continue
                 source, _, index = text.partition(":")
                 ref = refs[text] = new(TensorRef, (source, int(index) if index else 0, False))
@@ -467,7 +511,7 @@ def _read_top_body(node_defs, resolver: _PortResolver) -> Body | None:
     if len(nodes) != len(node_defs):
         return None
     return Body(name="", is_function=False, nodes=nodes, arg_dtypes={}, rets={},
-                consumers=consumers)
+                consumers=consumers, _waiters=waiters)
 
 
 def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,

@@ -233,9 +233,7 @@ def _plan(body: Body, fetched: set[str], shapes: TensorShapes) -> _Plan:
         if reader is not None:
             drops.append((broadcast, *reader))
     if drops:  # (a broadcast something waits on stays: the waiter would lose it)
-        waited_on = {text[1:] for node in body.nodes.values()
-                     if len(node.node_def.input) > len(node.data_inputs)
-                     for text in node.node_def.input if text.startswith("^")}
+        waited_on = body.waiters()
         drops = [drop for drop in drops if drop[0] not in waited_on]
     return _Plan(moves, drops, new_shapes if new_shapes is not None else dict(body_shapes))
 

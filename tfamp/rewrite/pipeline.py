@@ -241,10 +241,11 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
     converted = {(function, node): attrs
                  for function, nodes in coloring.converted_by_body.items()
                  for node, attrs in nodes.items()}
+    dead = dead_nodes(view.bodies[0], outputs)
     before, after = estimate_traffic_before_after(
-        view, shapes, weights, converted, coloring.target, outputs)
+        view, shapes, weights, converted, coloring.target, dead=dead)
     if original is not None:
-        before = _before_the_edits(before, weights, outputs, *original)
+        before = _before_the_edits(before, weights, outputs, dead, *original)
     if coloring.signatures or coloring.clones:
         # Boundary groups changed signatures or copied functions, which the
         # estimate from decisions does not model: measure the graph written.
@@ -272,14 +273,15 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
                 runtime_estimates=_runtime_estimates(before, after))
 
 
-def _before_the_edits(before, weights, outputs, hoisted, contracted, first_view,
+def _before_the_edits(before, weights, outputs, dead, hoisted, contracted, first_view,
                       first_shapes):
-    """The traffic of the graph as given, from that of the edited graph."""
+    """The traffic of the graph as given, from that of the edited graph (`dead`:
+    its nodes that never run; an edited node keeps its name)."""
     # A contraction changes kernels and what the fused model materialises, and
     # an edit of a node that never runs changes nothing: measure the graph as
     # given (only where one was made).
     delta = (None if contracted is not None or hoisted is None
-             or hoisted.touches(dead_nodes(first_view.bodies[0], outputs))
+             or hoisted.touches(dead)
              else hoisted.traffic_delta(first_shapes))
     if delta is None or before.total is None:  # (sizes unknown: measure it)
         return estimate_traffic(first_view, first_shapes,

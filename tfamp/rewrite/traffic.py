@@ -409,11 +409,12 @@ def estimate_traffic(view: GraphView, shapes: TensorShapes, weights: CallWeights
 def estimate_traffic_before_after(
         view: GraphView, shapes: TensorShapes, weights: CallWeights,
         converted: dict[tuple[str, str], tuple[str, ...]], target: int,
-        outputs: Iterable[str] | None = None,
+        outputs: Iterable[str] | None = None, dead: frozenset[str] | None = None,
 ) -> tuple[Traffic, Traffic]:
     """(traffic of `view` as it is, traffic with `converted` applied), in one pass
-    (`outputs`: see ``estimate_traffic``)."""
-    dead = dead_nodes(view.bodies[0], outputs) if outputs is not None else frozenset()
+    (`outputs`: see ``estimate_traffic``; or `dead`, ``dead_nodes``' answer)."""
+    if dead is None:
+        dead = dead_nodes(view.bodies[0], outputs) if outputs is not None else frozenset()
     by_body: dict[str, dict[str, tuple[str, ...]]] = {}
     for (function, node), attrs in converted.items():
         if attrs:
@@ -452,27 +453,44 @@ def dead_nodes(body: Body, outputs: Iterable[str]) -> frozenset[str]:
     whatever is fetched), nor an input (data or control) of one that runs.
     TensorFlow prunes them before running a function (and grappler's pruner
     in a graph). Keras 3's ``silu`` gradient, for one, computes a gradient
-    for its constant ``beta`` at every activation that nothing reads."""
-    nodes = body.nodes
+    for its constant ``beta`` at every activation that nothing reads.
+
+    Found from the graph's loose ends (nodes nothing reads), walking up while
+    every reader of a node is dead: the cost is one look at each node and
+    the dead region, not a walk of the whole graph."""
+    nodes, consumers = body.nodes, body.consumers
+    kept = {name.split(":")[0].lstrip("^") for name in outputs}
+    kept.update(body.waiters())  # (what something waits on is never dead: its waiter may run)
     stateful: dict[str, bool] = {}
 
-    def is_stateful(op: str) -> bool:
-        known = stateful.get(op)
+    def removable(name: str, node: Node) -> bool:
+        if name in kept:
+            return False
+        known = stateful.get(node.op)
         if known is None:
-            op_def = op_def_registry.get(op)  # (a function call: None, kept)
-            known = stateful[op] = op_def is None or op_def.is_stateful
-        return known
+            op_def = op_def_registry.get(node.op)  # (a function call: None, kept)
+            known = stateful[node.op] = op_def is None or op_def.is_stateful
+        return not known
 
-    stack = [name.split(":")[0].lstrip("^") for name in outputs]
-    stack += [name for name, node in nodes.items() if is_stateful(node.op)]
-    live: set[str] = set()
+    readers = dict.fromkeys(nodes, 0)
+    for ref, edges in consumers.items():
+        if not ref.is_arg and ref.node in readers:
+            readers[ref.node] += len(edges)
+    stack = [name for name, count in readers.items()
+             if not count and removable(name, nodes[name])]
+    dead: set[str] = set()
     while stack:
         name = stack.pop()
-        if name in live or name not in nodes:
+        if name in dead:
             continue
-        live.add(name)
-        stack.extend(text.split(":")[0].lstrip("^") for text in nodes[name].node_def.input)
-    return frozenset(nodes.keys() - live)
+        dead.add(name)
+        for ref, _ in nodes[name].data_inputs:
+            if ref.is_arg or ref.node not in nodes:
+                continue
+            readers[ref.node] -= 1
+            if not readers[ref.node] and removable(ref.node, nodes[ref.node]):
+                stack.append(ref.node)
+    return frozenset(dead)
 
 
 def _scale(sums: dict[int, int], factor: int) -> Bytes:
