@@ -37,10 +37,12 @@ import dataclasses
 import math
 
 import numpy as np
-from tensorflow.core.framework import graph_pb2, types_pb2
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, TensorRef
+from tfamp.rewrite.node_edits import (
+    add_output_shape, bool_attr, copy_message, rewrite_node, split_inputs, type_attr)
 from tfamp.rewrite.shapes import TensorShapes
 
 _SUFFIX = "/tfamp_contract"
@@ -90,41 +92,40 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
     written: dict[str, object] = {}
     for total, product, rows, left, right in found:
         product_def, total_def = node_defs[product], node_defs[total]
-        dtype = product_def.attr["T"].type
-        lhs, rhs = _split(product_def.input)[0]
-        controls = _split(product_def.input)[1]
+        dtype = type_attr(product_def.attr["T"].type)
+        (lhs, rhs), controls = split_inputs(product_def.input)
         shape_names = []
         for side, width in (("lhs", left), ("rhs", right)):
             const = new_graph_def.node.add()
             const.name = f"{product}{_SUFFIX}/{side}_shape"
-            const.op = "Const"
-            const.attr["dtype"].type = types_pb2.DT_INT32
-            const.attr["value"].tensor.CopyFrom(
-                tensor_util.make_tensor_proto(np.array([rows, width], np.int32)))
-            _set_shapes(const, [[2]])
+            rewrite_node(const, "Const", {
+                "dtype": type_attr(types_pb2.DT_INT32),
+                "value": attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(
+                    np.array([rows, width], np.int32)))}, [])
+            add_output_shape(const, [2])
             body_shapes[TensorRef(const.name, 0)] = (2,)
             written[const.name] = const
             shape_names.append(const.name)
+        reshape_attrs = {"T": dtype, "Tshape": type_attr(types_pb2.DT_INT32)}
         # The product's node flattens the left operand; a new node the right.
-        _reset(product_def, "Reshape", [lhs, shape_names[0], *controls],
-               {"T": dtype, "Tshape": types_pb2.DT_INT32})
-        _set_shapes(product_def, [[rows, left]])
+        rewrite_node(product_def, "Reshape", reshape_attrs, [lhs, shape_names[0], *controls])
+        add_output_shape(product_def, [rows, left])
         body_shapes[TensorRef(product, 0)] = (rows, left)
         written[product] = product_def
         flat_right = new_graph_def.node.add()
         flat_right.name = f"{product}{_SUFFIX}/rhs"
-        _reset(flat_right, "Reshape", [rhs, shape_names[1]],
-               {"T": dtype, "Tshape": types_pb2.DT_INT32})
-        _set_shapes(flat_right, [[rows, right]])
+        rewrite_node(flat_right, "Reshape", reshape_attrs, [rhs, shape_names[1]])
+        add_output_shape(flat_right, [rows, right])
         body_shapes[TensorRef(flat_right.name, 0)] = (rows, right)
         written[flat_right.name] = flat_right
         # The Sum's node is the MatMul: its readers read the same [d, f] value.
-        total_controls = _split(total_def.input)[1]
-        output_shapes = [_copy(shape) for shape in total_def.attr["_output_shapes"].list.shape]
-        _reset(total_def, "MatMul", [product, flat_right.name, *total_controls],
-               {"T": dtype, "transpose_a": True, "transpose_b": False})
-        if output_shapes:
-            total_def.attr["_output_shapes"].list.shape.extend(output_shapes)
+        output_shapes = (copy_message(total_def.attr["_output_shapes"])
+                         if "_output_shapes" in total_def.attr else None)
+        rewrite_node(total_def, "MatMul", {"T": dtype, "transpose_a": bool_attr(True),
+                                           "transpose_b": bool_attr(False)},
+                     [product, flat_right.name, *split_inputs(total_def.input)[1]])
+        if output_shapes is not None:
+            total_def.attr["_output_shapes"].CopyFrom(output_shapes)
         written[total] = total_def
     new_shapes = dict(shapes.shapes)
     new_shapes[top.name] = body_shapes
@@ -162,35 +163,3 @@ def _find(body: Body, shapes: dict, fetched: set[str]) -> list[tuple[str, str, i
 
 def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) and d >= 0 for d in shape)
-
-
-def _split(inputs) -> tuple[list[str], list[str]]:
-    return ([t for t in inputs if not t.startswith("^")],
-            [t for t in inputs if t.startswith("^")])
-
-
-def _reset(node_def, op: str, inputs: list[str], attrs: dict) -> None:
-    """`node_def` becomes `op` with `inputs` and `attrs` (device and name kept)."""
-    node_def.op = op
-    del node_def.input[:]
-    node_def.input.extend(inputs)
-    node_def.ClearField("attr")
-    for key, value in attrs.items():
-        if isinstance(value, bool):
-            node_def.attr[key].b = value
-        else:
-            node_def.attr[key].type = value
-
-
-def _copy(message):
-    copy = type(message)()
-    copy.CopyFrom(message)
-    return copy
-
-
-def _set_shapes(node_def, shapes: list[list[int]]) -> None:
-    node_def.attr["_output_shapes"].list.ClearField("shape")
-    for dims in shapes:
-        shape = node_def.attr["_output_shapes"].list.shape.add()
-        for size in dims:
-            shape.dim.add().size = size

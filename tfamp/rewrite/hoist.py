@@ -35,6 +35,8 @@ import dataclasses
 from tensorflow.core.framework import graph_pb2
 
 from tfamp.rewrite.graph import Body, GraphView, TensorRef
+from tfamp.rewrite.node_edits import (
+    add_output_shape, attrs_of, copy_message, rewrite_node, split_inputs)
 from tfamp.rewrite.shapes import TensorShapes, dtype_bytes
 
 # Broadcasts whose first input is the value copied (the second says how).
@@ -306,20 +308,19 @@ class _Editor:
     def swap(self, scaling: str, broadcast: str, small_shape) -> None:
         """`broadcast` := scaling op (small input, scalar); `scaling` := broadcast of it."""
         b, s = self.node_defs[broadcast], self.node_defs[scaling]
-        b_data, b_controls = _split(b.input)
-        s_data, s_controls = _split(s.input)
+        b_data, b_controls = split_inputs(b.input)
+        s_data, s_controls = split_inputs(s.input)
         big = next(i for i, text in enumerate(s_data) if text.split(":")[0] == broadcast)
         scaled = [b_data[0] if i == big else self._scalar(text, broadcast, scaling, b_data[0])
                   for i, text in enumerate(s_data)]
-        b_op, b_attrs = b.op, _attrs(b)
-        s_op, s_attrs = s.op, _attrs(s)
-        big_shapes = _copy(s.attr["_output_shapes"]) if "_output_shapes" in s.attr else None
-        _rewrite(b, s_op, s_attrs, scaled + b_controls)
+        b_op, b_attrs = b.op, attrs_of(b)
+        s_op, s_attrs = s.op, attrs_of(s)
+        big_shapes = (copy_message(s.attr["_output_shapes"]) if "_output_shapes" in s.attr
+                      else None)
+        rewrite_node(b, s_op, s_attrs, scaled + b_controls)
         if small_shape is not None and self.fdef is None and min(small_shape, default=0) >= 0:
-            shape = b.attr["_output_shapes"].list.shape.add()
-            for size in small_shape:
-                shape.dim.add().size = size
-        _rewrite(s, b_op, b_attrs, [self.ref(broadcast), b_data[1]] + s_controls)
+            add_output_shape(b, small_shape)
+        rewrite_node(s, b_op, b_attrs, [self.ref(broadcast), b_data[1]] + s_controls)
         if big_shapes is not None:
             s.attr["_output_shapes"].CopyFrom(big_shapes)
         self.written[broadcast] = b
@@ -345,7 +346,7 @@ class _Editor:
 
     def drop(self, broadcast: str, reader: str, position: int) -> None:
         """`reader` reads `broadcast`'s input instead; `broadcast` goes."""
-        source = _split(self.node_defs[broadcast].input)[0][0]
+        source = split_inputs(self.node_defs[broadcast].input)[0][0]
         node_def = self.node_defs[reader]
         texts = list(node_def.input)
         data = [i for i, text in enumerate(texts) if not text.startswith("^")]
@@ -383,28 +384,3 @@ class _Editor:
 
 def _arg_names(fdef) -> set[str]:
     return {arg.name for arg in fdef.signature.input_arg}
-
-
-def _split(inputs) -> tuple[list[str], list[str]]:
-    return ([t for t in inputs if not t.startswith("^")],
-            [t for t in inputs if t.startswith("^")])
-
-
-def _attrs(node_def) -> dict:
-    return {key: _copy(value) for key, value in node_def.attr.items()
-            if key != "_output_shapes"}
-
-
-def _copy(message):
-    copy = type(message)()
-    copy.CopyFrom(message)
-    return copy
-
-
-def _rewrite(node_def, op: str, attrs: dict, inputs: list[str]) -> None:
-    node_def.op = op
-    node_def.ClearField("attr")
-    for key, value in attrs.items():
-        node_def.attr[key].CopyFrom(value)
-    del node_def.input[:]
-    node_def.input.extend(inputs)

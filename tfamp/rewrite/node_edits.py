@@ -1,0 +1,50 @@
+"""Editing one NodeDef in place: the few steps the edits before colouring share
+(``hoist``, ``contract``)."""
+
+from __future__ import annotations
+
+from tensorflow.core.framework import attr_value_pb2
+
+
+def split_inputs(inputs) -> tuple[list[str], list[str]]:
+    """(data inputs, control inputs "^name") of a NodeDef's input list."""
+    return ([t for t in inputs if not t.startswith("^")],
+            [t for t in inputs if t.startswith("^")])
+
+
+def copy_message(message):
+    copy = type(message)()
+    copy.CopyFrom(message)
+    return copy
+
+
+def attrs_of(node_def) -> dict:
+    """Copies of `node_def`'s attributes, its recorded output shapes apart."""
+    return {key: copy_message(value) for key, value in node_def.attr.items()
+            if key != "_output_shapes"}
+
+
+def type_attr(dtype: int) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(type=dtype)
+
+
+def bool_attr(value: bool) -> attr_value_pb2.AttrValue:
+    return attr_value_pb2.AttrValue(b=value)
+
+
+def rewrite_node(node_def, op: str, attrs: dict, inputs: list[str]) -> None:
+    """`node_def` becomes `op` with `attrs` ({name: AttrValue}) and `inputs`;
+    its name and device stay. Its recorded output shapes go with the old attrs."""
+    node_def.op = op
+    node_def.ClearField("attr")
+    for key, value in attrs.items():
+        node_def.attr[key].CopyFrom(value)
+    del node_def.input[:]
+    node_def.input.extend(inputs)
+
+
+def add_output_shape(node_def, dims) -> None:
+    """Records one more output shape (static `dims`) in ``_output_shapes``."""
+    shape = node_def.attr["_output_shapes"].list.shape.add()
+    for size in dims:
+        shape.dim.add().size = size
