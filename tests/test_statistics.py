@@ -154,7 +154,10 @@ def _residual_step(flavour, fused=None):
 def test_batchnorm_chain_is_16bit_and_statistics_are_cast(flavour):
     fused = None if flavour is keras else False  # (tf_keras's fused op: next test)
     step = _residual_step(flavour, fused=fused)
-    graph_def, new_graph_def, report = _rewrite(step, [tf.TensorSpec([B, H, W, C])])
+    # Placed for XLA, where the separate ops stay (on TensorFlow's executor they
+    # are one FusedBatchNormV3: test_fuse_norm.py).
+    graph_def, new_graph_def, report = _rewrite(step, [tf.TensorSpec([B, H, W, C])],
+                                                runtime="xla")
     _check_statistics_are_cast(graph_def, new_graph_def, report, "bn")
     by_name = {n.name: n for n in report.nodes if not n.function}
     for name in ("relu1", "residual", "relu2"):
@@ -166,7 +169,8 @@ def test_batchnorm_chain_is_16bit_and_statistics_are_cast(flavour):
 def test_a_mean_reads_16bit_only_where_its_kernel_accumulates_in_float32(
         device_type, converted, kind):
     """A global average pool (a Mean nothing is centred on) reads float16 on a GPU;
-    the BatchNorm means, which centre their input, stay float32 everywhere."""
+    the BatchNorm means, which centre their input, stay float32 everywhere (on the
+    executor they come from the fused kernel, in float32: test_fuse_norm.py)."""
     conv = keras.layers.Conv2D(C, 3, padding="same", name="conv")
     bn = keras.layers.BatchNormalization(name="bn")
     dense = keras.layers.Dense(3, name="head")
@@ -186,8 +190,11 @@ def test_a_mean_reads_16bit_only_where_its_kernel_accumulates_in_float32(
     assert (pool.converted, pool.kind) == (converted, kind), pool.reason
     assert _input_dtype(new_graph_def, "pool") == ("float16" if converted else "float32")
     bn_mean = next(n for n in report.nodes if n.name.endswith("moments/mean"))
-    assert not bn_mean.converted and bn_mean.kind == rk.KIND_DENY_LIST, bn_mean.reason
-    assert _input_dtype(new_graph_def, bn_mean.name) == "float32"
+    assert not bn_mean.converted, bn_mean.reason
+    fused = [n for n in new_graph_def.node if n.op == "FusedBatchNormV3"]
+    assert len(fused) == 1  # (the executor: one fused kernel, statistics in float32)
+    assert fused[0].attr["U"].type == tf.float32.as_datatype_enum
+    assert bn_mean.kind == rk.KIND_STATISTIC and bn_mean.op == "Reshape", bn_mean.reason
 
 
 def test_tf_keras_fused_batchnorm_still_computes_in_16bit():
@@ -339,7 +346,9 @@ def _bn_step(x, w, gamma, beta):
     return [out] + tape.gradient(loss, [w, gamma, beta])
 
 
-def test_batchnorm_step_matches_float32_where_squares_overflow_float16():
+@pytest.mark.parametrize("runtime", ["executor", "xla"])
+def test_batchnorm_step_matches_float32_where_squares_overflow_float16(runtime):
+    """The decomposed statistics (XLA placement) and the fused kernel (the executor)."""
     # Activations of magnitude 100-200 with a few at +-400: (x - mean)^2 goes past
     # 65504 (a float16 variance would be inf), and so does x^2.
     x = RNG.uniform(100, 200, size=(B, H, W, C)).astype("float32")
@@ -352,9 +361,12 @@ def test_batchnorm_step_matches_float32_where_squares_overflow_float16():
     centred = x - x.mean(axis=(0, 1, 2))
     assert (centred ** 2).max() > 65504  # (the case this test is about)
     specs = [tf.TensorSpec(v.shape) for v in (x, w, gamma, beta)]
-    graph_def, new_graph_def, report = _rewrite(_bn_step, specs, device_type="CPU")
-    assert any(n.converted and n.op in ("Mul", "AddV2") and "batchnorm" in n.name
-               for n in report.nodes)  # (the normalise chain did go 16-bit)
+    graph_def, new_graph_def, report = _rewrite(_bn_step, specs, device_type="CPU",
+                                                runtime=runtime)
+    forward = [n for n in report.nodes if n.converted and "gradient" not in n.name and (
+        n.op == "FusedBatchNormV3" or n.op in ("Mul", "AddV2") and "batchnorm" in n.name)]
+    assert forward  # (the normalisation did go 16-bit)
+    assert any(n.op == "FusedBatchNormV3" for n in forward) == (runtime == "executor")
     inputs = dict(zip(["x", "w", "gamma", "beta"], (x, w, gamma, beta), strict=True))
     outputs = [f"Identity{'_' + str(i) if i else ''}:0" for i in range(4)]
     want = run_graph_def(graph_def, inputs, outputs)

@@ -228,6 +228,11 @@ STATISTIC_REDUCTIONS = frozenset({
     "Mean", "Sum", "Prod", "EuclideanNorm", "L2Loss",
 })
 
+# Fused normalisations whose "U" outputs (1, 2: a training batch's mean and
+# variance, always float32) are statistics of their input 0, as a Mean's
+# result is: what reads them follows the same rules (coloring._propagate_deny).
+FUSED_NORMALISATION_OPS = frozenset({"FusedBatchNormV2", "FusedBatchNormV3"})
+
 # Ops whose result can outgrow their input's range: a Mean of their output
 # (a variance) is no more bounded than a Sum is.
 GROWING_OPS = frozenset({"Square", "SquaredDifference", "Pow", "Exp", "Expm1"})

@@ -48,8 +48,8 @@ from tensorflow.python.framework import tensor_util
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
     BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
-    FLOAT32_ACCUMULATING_UNDER_XLA, NON_NEGATIVE_OPS, SIZE_KEEPING_COPIES,
-    GROWING_OPS, STATISTIC_REDUCTIONS)
+    FLOAT32_ACCUMULATING_UNDER_XLA, FUSED_NORMALISATION_OPS, NON_NEGATIVE_OPS,
+    SIZE_KEEPING_COPIES, GROWING_OPS, STATISTIC_REDUCTIONS)
 from tfamp.rewrite import boundaries, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import (
@@ -331,6 +331,14 @@ class _BodyColoring:
         self._statistics: list[int] = []  # deny reductions with a small output
         self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
         self._bounded: set[int] = set()  # statistics within their input's range (means)
+        # FusedBatchNorm nodes in training mode: their "U" outputs are
+        # statistics, held as a Mean's are where the lists hold a Mean (float16;
+        # bfloat16 has float32's range, and Mean and Sum are infer there).
+        self._fused_normalisations = [
+            name for name, node in body.nodes.items()
+            if node.op in FUSED_NORMALISATION_OPS and node.node_def.attr["is_training"].b
+        ] if (body.ops & FUSED_NORMALISATION_OPS
+              and self.lists.list_of("Mean") == "deny") else []
 
     # -- building -------------------------------------------------------------
 
@@ -688,23 +696,39 @@ class _BodyColoring:
                 f"deny: accumulates in float32; its output is a statistic of its "
                 f"{format_elements(reduced)}-element input, so only ops as small "
                 f"as it stay float32 after it", "", rk.KIND_DENY_LIST)
-            statistics = _dfs([root], self.fanout, lambda s: (
-                s not in self.deny and s in leads_to_deny_or_infer
-                and lists[s] in ("infer", "clear") and self._small_next_to(s, reduced)))
-            for slot in statistics:
-                if slot != root:
-                    self.deny[slot] = (
-                        f"float32 statistic: computed from {cause}, a float32 reduction; "
-                        f"small, so it is cast where a {self.target_name} op reads it",
-                        root_node.name, rk.KIND_STATISTIC)
-            self._hold_centring(statistics, reduced, root_node.name)
-            if self._bounded_statistic(root_node):
-                self._bounded.update(statistics)
-                continue
-            means = self._divided_by_count(root_node, statistics, reduced)
-            self._bounded.update(means)
-            self._hold_broadcast_sums([s for s in statistics if s not in means],
-                                      reduced, root_node.name)
+            self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer)
+        # A fused normalisation's batch mean and variance (its float32 "U"
+        # outputs) are statistics of its input too.
+        for name in self._fused_normalisations:
+            root = self.slot_index.get((name, "U"))
+            root_node = self.body.nodes[name]
+            reduced = self.counts.get(root_node.data_inputs[0][0])
+            if root is not None and reduced is not None:
+                self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer)
+
+    def _after_statistic(self, root: int, root_node, reduced: tuple[int, int],
+                         leads_to_deny_or_infer: set[int]) -> None:
+        """The rules after a statistic (`root`, a slot of `root_node`, whose input
+        has `reduced` elements): see _propagate_deny."""
+        lists = self.slot_list
+        cause = f"{root_node.op} {root_node.name!r}"
+        statistics = _dfs([root], self.fanout, lambda s: (
+            s not in self.deny and s in leads_to_deny_or_infer
+            and lists[s] in ("infer", "clear") and self._small_next_to(s, reduced)))
+        for slot in statistics:
+            if slot != root:
+                self.deny[slot] = (
+                    f"float32 statistic: computed from {cause}, a float32 reduction; "
+                    f"small, so it is cast where a {self.target_name} op reads it",
+                    root_node.name, rk.KIND_STATISTIC)
+        self._hold_centring(statistics, reduced, root_node.name)
+        if self._bounded_statistic(root_node):
+            self._bounded.update(statistics)
+            return
+        means = self._divided_by_count(root_node, statistics, reduced)
+        self._bounded.update(means)
+        self._hold_broadcast_sums([s for s in statistics if s not in means],
+                                  reduced, root_node.name)
 
     def _bounded_statistic(self, node) -> bool:
         """Does a statistic reduction's result lie within its input's range?
@@ -726,7 +750,8 @@ class _BodyColoring:
         range (the broadcast sum's hold below then has nothing to hold: where
         the division ran after the broadcast, ``hoist`` moved it before)."""
         result = self.counts.get(TensorRef(root_node.name, 0))
-        if reduced[0] or result is None or result[0] or not result[1]:
+        if (root_node.op not in STATISTIC_REDUCTIONS or reduced[0] or result is None
+                or result[0] or not result[1]):
             return set()
         terms = reduced[1] / result[1]
         members = set(statistics)

@@ -42,13 +42,11 @@ from tensorflow.python.framework import tensor_util
 
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
-    add_output_shape, bool_attr, copy_message, rewrite_node, split_inputs, type_attr)
+    TF1_FRAME_OPS, add_output_shape, bool_attr, copy_message, rewrite_node, split_inputs,
+    type_attr)
 from tfamp.rewrite.shapes import TensorShapes
 
 _SUFFIX = "/tfamp_contract"
-# TF1 control flow: a node's frame follows its inputs, and the new shape
-# constants have none. A top graph with it is left alone.
-_FRAME_OPS = frozenset({"Enter", "Exit", "NextIteration"})
 
 
 @dataclasses.dataclass
@@ -79,7 +77,7 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
                               shapes: TensorShapes, outputs: list[str]) -> Contracted | None:
     """Per-example products summed over the batch become one MatMul (module doc)."""
     top = view.bodies[0]
-    if top.ops & _FRAME_OPS:  # (a new Const would sit outside a TF1 loop's frame)
+    if top.ops & TF1_FRAME_OPS:  # (a new Const would sit outside a TF1 loop's frame)
         return None
     fetched = {name.split(":")[0] for name in outputs}
     found = _find(top, shapes.shapes.get(top.name, {}), fetched)

@@ -36,7 +36,7 @@ from tensorflow.core.framework import graph_pb2
 
 from tfamp.rewrite.graph import Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
-    add_output_shape, attrs_of, copy_message, rewrite_node, split_inputs)
+    TF1_FRAME_OPS, add_output_shape, attrs_of, copy_message, rewrite_node, split_inputs)
 from tfamp.rewrite.shapes import TensorShapes, dtype_bytes
 
 # Broadcasts whose first input is the value copied (the second says how).
@@ -119,9 +119,6 @@ _OUTPUT_ARG = {"Tile": "output", "BroadcastTo": "output", "RealDiv": "z", "Mul":
 # Element-wise binary ops that broadcast their operands (TensorFlow's BCast).
 BROADCASTING = frozenset({"Mul", "AddV2", "Add", "Sub", "RealDiv", "DivNoNan", "Maximum",
                           "Minimum", "SquaredDifference"})
-# TF1 control flow: a node's frame follows its inputs, and a constant copied
-# without control inputs would leave the loop's frame. Bodies with it are left alone.
-_FRAME_OPS = frozenset({"Enter", "Exit", "NextIteration"})
 
 
 class _Ops(dict):
@@ -149,7 +146,7 @@ def hoist_broadcasts(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
     """Moves scalings before broadcasts and drops broadcasts (see the module doc)."""
     fetched = {name.split(":")[0] for name in outputs}
     plans = {body.name: _plan(body, set() if body.is_function else fetched, shapes)
-             for body in view.bodies if not body.ops & _FRAME_OPS}
+             for body in view.bodies if not body.ops & TF1_FRAME_OPS}
     plans = {name: plan for name, plan in plans.items() if plan.moves or plan.drops}
     if not plans:
         return None

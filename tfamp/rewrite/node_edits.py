@@ -1,9 +1,13 @@
 """Editing one NodeDef in place: the few steps the edits before colouring share
-(``hoist``, ``contract``)."""
+(``hoist``, ``contract``, ``fuse_norm``)."""
 
 from __future__ import annotations
 
 from tensorflow.core.framework import attr_value_pb2
+
+# TF1 control flow: a node's frame follows its inputs, and a new constant has
+# none. The edits leave a body with these ops alone.
+TF1_FRAME_OPS = frozenset({"Enter", "Exit", "NextIteration"})
 
 
 def split_inputs(inputs) -> tuple[list[str], list[str]]:
@@ -44,7 +48,11 @@ def rewrite_node(node_def, op: str, attrs: dict, inputs: list[str]) -> None:
 
 
 def add_output_shape(node_def, dims) -> None:
-    """Records one more output shape (static `dims`) in ``_output_shapes``."""
+    """Records one more output shape (static `dims`; None: unknown rank) in
+    ``_output_shapes``."""
     shape = node_def.attr["_output_shapes"].list.shape.add()
+    if dims is None:
+        shape.unknown_rank = True
+        return
     for size in dims:
         shape.dim.add().size = size

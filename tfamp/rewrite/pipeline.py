@@ -16,6 +16,7 @@ from tfamp.rewrite import runtime_cost
 from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
 from tfamp.rewrite.coloring import color
 from tfamp.rewrite.contract import contract_weight_gradients
+from tfamp.rewrite.fuse_norm import fuse_batch_norms
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, TensorRef, build_view
 from tfamp.rewrite.hoist import hoist_broadcasts
 from tfamp.rewrite.report import NodeReport, RewriteReport
@@ -112,14 +113,22 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
     shapes = tensor_shapes(graph_def, view)
     original = (view, shapes)
     nodes_before = view.node_count()
-    # Exact edits first (per-example weight-gradient products summed are one
-    # MatMul; a scaling of a broadcast runs on the small tensor): the colouring
-    # then decides on the graph that will run.
+    # Exact edits first (on the executor, a batch normalisation is one fused
+    # kernel; per-example weight-gradient products summed are one MatMul; a
+    # scaling of a broadcast runs on the small tensor): the colouring then
+    # decides on the graph that will run.
+    fused = (fuse_batch_norms(graph_def, view, shapes, outputs)
+             if runtime == runtime_cost.EXECUTOR.name else None)
+    if fused is not None:
+        graph_def = fused.graph_def
+        view = build_view(graph_def, earlier=view, written=fused.written)
+        shapes = fused.shapes
     contracted = contract_weight_gradients(graph_def, view, shapes, outputs)
     if contracted is not None:
         graph_def = contracted.graph_def
         view = build_view(graph_def, earlier=view, written=contracted.written)
         shapes = contracted.shapes
+    reordered = [edit for edit in (fused, contracted) if edit is not None]
     hoisted = hoist_broadcasts(graph_def, view, shapes, outputs)
     if hoisted is not None:
         graph_def = hoisted.graph_def
@@ -151,8 +160,8 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
                  len(added), ", ".join(repr(node) for _, node in list(added)[:5]))
         keep.update(added)
     traffic = _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
-                              (hoisted, contracted, *original)
-                              if hoisted is not None or contracted is not None else None)
+                              (hoisted, bool(reordered), *original)
+                              if hoisted is not None or reordered else None)
     traffic["runtime"] = runtime
     # Copies of functions whose callers disagree (boundaries.py) are reported
     # under their new names, after the original bodies.
@@ -172,8 +181,8 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
         nodes_before=nodes_before,
         nodes_after=len(nodes) + len(casts),
         nodes=nodes, casts=casts, **traffic,
-        broadcast_edits=[*(contracted.edits() if contracted is not None else []),
-                         *(hoisted.edits() if hoisted is not None else [])])
+        broadcast_edits=[edit for made in (*reordered, hoisted) if made is not None
+                         for edit in made.edits()])
     if log.isEnabledFor(logging.DEBUG):  # (walks every node)
         # What the INFO summary line does not say (callers log that line).
         kept = ", ".join(f"{kind} x{n}" for kind, n in report.kept_fp32.items()) or "none"
@@ -232,9 +241,9 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
     """traffic_before_bytes, traffic_after_bytes, cast_bytes and a note on what is unknown.
 
     `outputs`: the top graph's fetched tensors (what runs: ``dead_nodes``).
-    `original`: (Hoisted or None, Contracted or None, view, shapes of the graph
-    as given) where the pass edited it before colouring: "before" is always
-    the caller's graph."""
+    `original`: (Hoisted or None, whether an edit changed kernels (fused,
+    contracted), view, shapes of the graph as given) where the pass edited it
+    before colouring: "before" is always the caller's graph."""
     if not shapes.any_known():
         return dict(traffic_note="no shapes")
     weights = body_weights(view, shapes=shapes)
@@ -273,14 +282,14 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
                 runtime_estimates=_runtime_estimates(before, after))
 
 
-def _before_the_edits(before, weights, outputs, dead, hoisted, contracted, first_view,
+def _before_the_edits(before, weights, outputs, dead, hoisted, reordered, first_view,
                       first_shapes):
     """The traffic of the graph as given, from that of the edited graph (`dead`:
     its nodes that never run; an edited node keeps its name)."""
-    # A contraction changes kernels and what the fused model materialises, and
-    # an edit of a node that never runs changes nothing: measure the graph as
-    # given (only where one was made).
-    delta = (None if contracted is not None or hoisted is None
+    # A fused batch norm or a contraction (`reordered`) changes kernels and what
+    # the fused model materialises, and an edit of a node that never runs
+    # changes nothing: measure the graph as given (only where one was made).
+    delta = (None if reordered or hoisted is None
              or hoisted.touches(dead)
              else hoisted.traffic_delta(first_shapes))
     if delta is None or before.total is None:  # (sizes unknown: measure it)

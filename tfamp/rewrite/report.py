@@ -16,8 +16,10 @@ executor: every tensor; XLA: the tensors materialised at fusion boundaries),
 kernels_before / kernels_after, launch_bytes (what one launch is counted as),
 cost_before / cost_after (bytes + kernels x launch_bytes) and share (cost after
 / before; None where unknown). broadcast_edits: the exact edits made
-before colouring (``tfamp.rewrite.contract``, ``tfamp.rewrite.hoist``), each
-{"edit", "function", "node", "op", "into"}: "contracted", the ``Sum`` ``node``
+before colouring (``fuse_norm``, ``contract``, ``hoist`` in ``tfamp.rewrite``), each
+{"edit", "function", "node", "op", "into"}: "fused" (``tfamp.rewrite.fuse_norm``,
+on the executor), the normalised output ``node`` of a BatchNorm (op "BatchNorm") is
+now an Identity of the FusedBatchNormV3 ``into``; "contracted", the ``Sum`` ``node``
 of per-example products is now one MatMul and the BatchMatMulV2 ``into`` the
 Reshape of its first operand; "moved", a scaling ``node`` (its ``op``: a
 RealDiv/Mul/Neg by a scalar) now runs on the small tensor in node ``into`` and
@@ -190,6 +192,9 @@ class RewriteReport:
         (Tile x1) left to the op that reads it (values unchanged)', or ''."""
         phrases = []
         for edits, suffix in (
+                ((("fused", "{n} batch normalisation{s} (moments and normalise) computed "
+                            "as one FusedBatchNormV3 each"),),
+                 " (the same statistics in another order)"),
                 ((("contracted", "{n} weight-gradient sum{s} over examples computed as "
                                  "one MatMul each"),), " (the same sums in another order)"),
                 ((("moved", "{n} scaling{s} ({ops}) moved before {its} broadcast{s}"),

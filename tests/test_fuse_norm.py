@@ -1,0 +1,190 @@
+"""On TensorFlow's executor a batch normalisation is one FusedBatchNormV3.
+
+Keras 3's BatchNormalization (tf.nn.moments + tf.nn.batch_normalization) is ten
+ops and two float32 reductions of a float32 copy of the activation; the edit
+(``tfamp.rewrite.fuse_norm``) makes it one fused kernel that reads the 16-bit
+activation and accumulates in float32, and hands the batch statistics to
+everything else that read them. The gradient the tape built is unchanged.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tfamp
+from tests.graphs import run_graph_def
+from tests.test_statistics import _residual_step
+from tfamp.rewrite import reasons as rk
+from tfamp.rewrite.fuse_norm import fuse_batch_norms
+from tfamp.rewrite.graph import build_view
+from tfamp.rewrite.shapes import tensor_shapes
+
+B, H, W, C = 4, 6, 6, 8
+RNG = np.random.default_rng(7)
+OUTPUTS = ["out", "batch_mean", "batch_var", "d_w", "d_gamma", "d_beta"]
+
+
+def _bn_step(epsilon=1e-3):
+    """conv -> moments + batch_normalization (as Keras 3 computes a training
+    BatchNorm) -> ReLU -> conv; returns the output, the batch statistics and the
+    gradients of w, gamma and beta."""
+    def step(x, w, gamma, beta):
+        with tf.GradientTape() as tape:
+            tape.watch([w, gamma, beta])
+            h = tf.nn.conv2d(x, w, 1, "SAME", name="conv")
+            mean, var = tf.nn.moments(h, [0, 1, 2], keepdims=True)
+            y = tf.nn.relu(tf.nn.batch_normalization(h, mean, var, beta, gamma, epsilon))
+            out = tf.nn.conv2d(y, w, 1, "SAME", name="conv_out")
+            loss = tf.reduce_mean(tf.square(out))
+        return [out, tf.identity(mean), tf.identity(var)] + tape.gradient(loss, [w, gamma, beta])
+    return step
+
+
+def _trace(fn, specs):
+    concrete = tf.function(fn, autograph=False).get_concrete_function(*specs)
+    return (concrete.graph.as_graph_def(add_shapes=True),
+            [t.name for t in concrete.graph.outputs])
+
+
+def _values(mean=3.0):
+    x = (mean + RNG.normal(size=(B, H, W, C))).astype("float32")
+    w = (np.eye(C, dtype="float32")[None, None]
+         + RNG.normal(scale=0.1, size=(1, 1, C, C)).astype("float32"))
+    gamma = RNG.uniform(0.5, 1.5, size=C).astype("float32")
+    beta = RNG.normal(size=C).astype("float32")
+    return dict(zip(["x", "w", "gamma", "beta"], (x, w, gamma, beta), strict=True))
+
+
+def _specs(values):
+    return [tf.TensorSpec(v.shape) for v in values.values()]
+
+
+def test_the_edit_alone_computes_the_same_values_in_float32():
+    """fuse_batch_norms on the float32 graph: one FusedBatchNormV3, no squares,
+    and every output (y, the biased batch variance, the gradients) equal to float32
+    rounding."""
+    values = _values()
+    graph_def, outputs = _trace(_bn_step(), _specs(values))
+    view = build_view(graph_def)
+    fused = fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view), outputs)
+    assert fused is not None and len(fused.fused) == 1
+    ops = [n.op for n in fused.graph_def.node]
+    assert ops.count("FusedBatchNormV3") == 1
+    assert "SquaredDifference" not in ops
+    moments = [n for n in fused.graph_def.node if n.name.startswith("moments/")]
+    assert {n.op for n in moments if n.name in ("moments/mean", "moments/variance")} == {
+        "Reshape"}  # (the statistics are views of the fused kernel's)
+    assert [n.op for n in graph_def.node].count("SquaredDifference") == 1  # (input untouched)
+    assert tfamp.check_graph_def(fused.graph_def) == []
+    want = run_graph_def(graph_def, values, outputs)
+    got = run_graph_def(fused.graph_def, values, outputs)
+    for name, a, b in zip(OUTPUTS, got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max(),
+                                   err_msg=name)
+
+
+def test_float16_on_the_executor_reads_the_activation_once_and_matches_float32():
+    values = _values(mean=30.0)  # (|mean| >> std: x - mean must not be rounded to 16-bit)
+    graph_def, outputs = _trace(_bn_step(), _specs(values))
+    new_graph_def, report = tfamp.rewrite_graph_def(
+        graph_def, tfamp.AmpConfig(dtype="float16", device_type="GPU", runtime="executor"),
+        outputs=outputs)
+    assert tfamp.check_graph_def(new_graph_def) == []
+    assert [e["edit"] for e in report.broadcast_edits].count("fused") == 1
+    assert "1 batch normalisation (moments and normalise) computed as one FusedBatchNormV3" \
+        in report.edits_line()
+    fused = [n for n in new_graph_def.node if n.op == "FusedBatchNormV3"]
+    assert len(fused) == 1
+    assert fused[0].attr["T"].type == tf.float16.as_datatype_enum
+    assert fused[0].attr["U"].type == tf.float32.as_datatype_enum
+    by_name = {n.name: n for n in report.nodes}
+    # The statistics are float32 statistics, and the gradient's x - mean stays
+    # float32 on them (its rounding would be one error shared by every element).
+    centred = [n for n in report.nodes if n.kind == rk.KIND_CENTRED]
+    assert centred and all(not n.converted for n in centred)
+    assert any(n.kind == rk.KIND_STATISTIC for n in by_name.values())
+    got = run_graph_def(new_graph_def, values, outputs)
+    want = run_graph_def(graph_def, values, outputs)
+    for name, a, b in zip(OUTPUTS, got, want, strict=True):
+        assert np.isfinite(a).all(), name
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.abs(b).max(), err_msg=name)
+    assert not np.array_equal(got[0], want[0])  # (16-bit math did run)
+
+
+def test_under_xla_the_normalisation_stays_as_it_was():
+    """XLA fuses the separate ops itself: no edit there."""
+    graph_def, outputs = _trace(_bn_step(), _specs(_values()))
+    _, report = tfamp.rewrite_graph_def(
+        graph_def, tfamp.AmpConfig(dtype="float16", device_type="GPU", runtime="xla"),
+        outputs=outputs)
+    assert not [e for e in report.broadcast_edits if e["edit"] == "fused"]
+    assert any(n.op == "SquaredDifference" for n in report.nodes)
+
+
+@pytest.mark.parametrize("flavour", [keras, tf_keras], ids=["keras3", "tf_keras"])
+def test_keras_batchnorm_layers_are_fused(flavour):
+    """Keras 3's BatchNormalization and tf_keras's with fused=False, in a residual
+    step with their variables: both layers fused, their moving averages still read
+    the batch statistics, no activation cast to float32 for them."""
+    fused_kw = None if flavour is keras else False
+    step = _residual_step(flavour, fused=fused_kw)
+    concrete = tf.function(step, autograph=False).get_concrete_function(
+        tf.TensorSpec([B, H, W, C]))
+    graph_def = concrete.graph.as_graph_def(add_shapes=True)
+    new_graph_def, report = tfamp.rewrite_graph_def(
+        graph_def, tfamp.AmpConfig(dtype="float16", device_type="GPU", runtime="executor"),
+        outputs=[t.name for t in concrete.graph.outputs])
+    assert tfamp.check_graph_def(new_graph_def) == []
+    fused = [n for n in new_graph_def.node if n.op == "FusedBatchNormV3"]
+    assert len(fused) == 2 and all(
+        n.attr["T"].type == tf.float16.as_datatype_enum for n in fused)
+    nodes = {n.name: n for n in new_graph_def.node}
+    assert not [n for n in new_graph_def.node if n.op == "SquaredDifference"]
+    # Each moving average still reads the batch statistics (through the Means,
+    # now views of the fused kernel's outputs).
+    assigns = [n for n in new_graph_def.node if n.op in ("AssignVariableOp", "AssignSubVariableOp")
+               and "bn" in n.name and "sgd" not in n.name]
+    assert len(assigns) >= 4
+
+    def reaches_fused(name, depth=8):
+        node = nodes[name.split(":")[0].lstrip("^")]
+        if node.op == "FusedBatchNormV3":
+            return True
+        return depth > 0 and any(reaches_fused(i, depth - 1) for i in node.input
+                                 if not i.startswith("^"))
+    assert all(reaches_fused(a.input[1]) for a in assigns), [a.name for a in assigns]
+
+
+@pytest.mark.parametrize("change", ["small epsilon", "open batch", "mul read elsewhere",
+                                    "2-D input"])
+def test_what_is_not_fused(change):
+    """The edit needs the pattern exactly: anything else is left as it was."""
+    epsilon = 1e-6 if change == "small epsilon" else 1e-3
+
+    def step(x, gamma, beta):
+        if change == "2-D input":
+            x = tf.reshape(x, [-1, C])
+        axes = [0] if change == "2-D input" else [0, 1, 2]
+        mean, var = tf.nn.moments(x, axes, keepdims=True)
+        inv = tf.math.rsqrt(var + epsilon) * gamma
+        scaled = x * inv
+        y = tf.nn.relu(scaled + (beta - mean * inv))
+        return [y, scaled] if change == "mul read elsewhere" else [y]
+
+    batch = None if change == "open batch" else B
+    graph_def, outputs = _trace(step, [tf.TensorSpec([batch, H, W, C]), tf.TensorSpec([C]),
+                                       tf.TensorSpec([C])])
+    view = build_view(graph_def)
+    assert fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view), outputs) is None
+    # (and the same step with none of the changes is fused)
+    if change == "small epsilon":
+        epsilon = 1e-3
+        graph_def, outputs = _trace(step, [tf.TensorSpec([B, H, W, C]), tf.TensorSpec([C]),
+                                           tf.TensorSpec([C])])
+        view = build_view(graph_def)
+        assert fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view),
+                                outputs) is not None

@@ -1,0 +1,360 @@
+"""Which batch normalisations are one FusedBatchNormV3 (on TensorFlow's executor).
+
+Keras 3's ``BatchNormalization`` (and tf_keras's with ``fused=False``) computes a
+training batch's statistics with ``tf.nn.moments`` and normalises with
+``tf.nn.batch_normalization``, as separate ops::
+
+    mean = Mean(x, [0, 1, 2], keep_dims)            # moments
+    var  = Mean(SquaredDifference(x, StopGradient(mean)), [0, 1, 2], keep_dims)
+    inv  = Rsqrt(view(var) + eps) * gamma           # small, per channel
+    y    = x * inv + (beta - view(mean) * inv)      # batch_normalization
+
+On TensorFlow's executor every one of them is a kernel, and in mixed precision
+the two reductions must read x in float32 (a Cast of the 16-bit activation) and
+the squares stay float32 (they overflow float16 past |x - mean| = 256). One
+``FusedBatchNormV3(x, gamma, beta, is_training=True)`` computes the same y and
+the same statistics: it reads x as it is (16-bit once coloured: the GPU kernel,
+cuDNN's, and the CPU kernel accumulate in float32, ``U``) and writes 16-bit y.
+The edit, made before colouring on the float32 graph:
+
+* the ``FusedBatchNormV3`` node (named ``<y's node>/tfamp_batch_norm``) reads x,
+  gamma and beta (reshaped to ``[C]``);
+* y's node becomes an ``Identity`` of its output 0, so every reader of y reads it;
+* the ``Mean`` nodes of the mean and the variance become ``Reshape``s of its
+  batch mean and of its batch variance (which the kernel returns with Bessel's
+  correction, n / (n - 1): multiplied back by (n - 1) / n), so everything else
+  that reads the statistics (the moving averages, the gradient the tape built
+  from them) reads the same values;
+* the squares and ``x * inv`` (and ``beta - mean * inv`` and ``mean * inv``
+  where nothing else reads them) are removed: nothing reads them any more.
+
+The gradient is untouched: the tape computed it from the ops above, and it
+reads x and the small per-channel tensors, which are all still there with the
+same values. The statistics are the same sums in another order: equal to
+float32 rounding, not bit-identical.
+
+Only on TensorFlow's executor (``runtime_cost``): under XLA the separate ops
+fuse anyway, and XLA lowers ``FusedBatchNormV3`` to the same reductions. Only
+where the shapes are static and say it: x is a float32 4-D NHWC tensor, the
+reductions are over axes 0, 1 and 2 with ``keep_dims``, inv, gamma, beta and
+the mean broadcast per channel, gamma and beta are variables or constants
+(read through views), eps is a scalar constant of at least 1.001e-5 (cuDNN
+refuses less than 1e-5: tf_keras's fused layer raises its epsilon to this
+value), no node of the pattern has a control input or is waited on where it
+would be removed, and the squares and ``x * inv`` are read by nothing else. Top
+graph only (where a Keras step's layers run), and not one with TF1 loops.
+
+``fuse_batch_norms(graph_def, view, shapes, outputs) -> FusedNorms | None``:
+pure; None when nothing changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2
+from tensorflow.python.framework import tensor_util
+
+from tfamp.rewrite.graph import Body, GraphView, TensorRef
+from tfamp.rewrite.node_edits import (
+    TF1_FRAME_OPS, add_output_shape, bool_attr, copy_message, rewrite_node, type_attr)
+from tfamp.rewrite.shapes import TensorShapes
+
+_SUFFIX = "/tfamp_batch_norm"
+_VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims"})
+_SOURCES = frozenset({"ReadVariableOp", "Const", "Placeholder"})
+_ADDS = frozenset({"Add", "AddV2"})
+MIN_EPSILON = 1.001e-5  # (CUDNN_BN_MIN_EPSILON is 1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    """The nodes of one moments + batch_normalization pattern (module doc)."""
+
+    x: str  # x's input string
+    shape: tuple[int, int, int, int]  # N, H, W, C
+    mean: str  # Mean of x
+    variance: str  # Mean of the squares
+    squares: str  # SquaredDifference(x, StopGradient(mean))
+    normalised: str  # x * inv
+    output: str  # x * inv + shift
+    shift: str  # beta - mean * inv
+    shifted_mean: str  # mean * inv
+    scale: str  # gamma's input string
+    offset: str  # beta's input string
+    epsilon: float
+    removable: tuple[str, ...]  # nodes nothing reads once fused
+
+
+@dataclasses.dataclass
+class FusedNorms:
+    """A graph whose batch normalisations are one FusedBatchNormV3 each.
+
+    Attributes:
+      graph_def: the new GraphDef (a copy; the input is not modified).
+      written: body name -> {node name: NodeDef written or added, or None for a
+        node removed} (build_view's ``written``).
+      fused: (body, y's node, now an Identity; the FusedBatchNormV3 node), in order.
+      shapes: the new graph's shapes.
+    """
+
+    graph_def: graph_pb2.GraphDef
+    written: dict[str, dict[str, object]]
+    fused: list[tuple[str, str, str]]
+    shapes: TensorShapes
+
+    def edits(self) -> list[dict[str, str]]:
+        """Rows of the report's ``broadcast_edits`` (edit "fused")."""
+        return [{"edit": "fused", "function": function, "node": node, "op": "BatchNorm",
+                 "into": fused} for function, node, fused in self.fused]
+
+
+def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: TensorShapes,
+                     outputs: list[str]) -> FusedNorms | None:
+    """moments + batch_normalization become one FusedBatchNormV3 (module doc)."""
+    top = view.bodies[0]
+    if top.ops & TF1_FRAME_OPS or "Mean" not in top.ops:
+        return None
+    fetched = {name.split(":")[0] for name in outputs}
+    body_shapes = shapes.shapes.get(top.name, {})
+    found = [m for m in (_match(top, body_shapes, fetched, name)
+                         for name, node in top.nodes.items() if node.op == "Mean")
+             if m is not None]
+    if not found:
+        return None
+    new_graph_def = graph_pb2.GraphDef()
+    new_graph_def.CopyFrom(graph_def)
+    node_defs = {n.name: n for n in new_graph_def.node}
+    new_shapes = dict(body_shapes)
+    written: dict[str, object] = {}
+
+    def add(name: str, op: str, attrs: dict, inputs: list[str], *output_dims, device=""):
+        node_def = new_graph_def.node.add()
+        node_def.name = name
+        node_def.device = device
+        rewrite_node(node_def, op, attrs, inputs)
+        for index, dims in enumerate(output_dims):
+            add_output_shape(node_def, dims)
+            if dims is not None:
+                new_shapes[TensorRef(name, index)] = tuple(dims)
+        written[name] = node_def
+
+    def const(name: str, value: np.ndarray, dtype: int) -> None:
+        add(name, "Const", {"dtype": type_attr(dtype), "value": attr_value_pb2.AttrValue(
+            tensor=tensor_util.make_tensor_proto(value))}, [], value.shape)
+
+    def reshape(node_def, source: str, shape_node: str, dims) -> None:
+        rewrite_node(node_def, "Reshape", {"T": type_attr(types_pb2.DT_FLOAT),
+                                           "Tshape": type_attr(types_pb2.DT_INT32)},
+                     [source, shape_node])
+        add_output_shape(node_def, dims)
+        written[node_def.name] = node_def
+
+    removed: set[str] = set()
+    for m in found:
+        n, h, w, c = m.shape
+        fused = f"{m.output}{_SUFFIX}"
+        device = node_defs[m.output].device
+        const(f"{fused}/channels", np.array([c], np.int32), types_pb2.DT_INT32)
+        const(f"{fused}/statistic_shape", np.array([1, 1, 1, c], np.int32),
+              types_pb2.DT_INT32)
+        const(f"{fused}/empty", np.zeros([0], np.float32), types_pb2.DT_FLOAT)
+        samples = n * h * w
+        const(f"{fused}/unbiased", np.array((samples - 1) / samples, np.float32),
+              types_pb2.DT_FLOAT)
+        vector_attrs = {"T": type_attr(types_pb2.DT_FLOAT),
+                        "Tshape": type_attr(types_pb2.DT_INT32)}
+        for role, source in (("scale", m.scale), ("offset", m.offset)):
+            add(f"{fused}/{role}", "Reshape", vector_attrs, [source, f"{fused}/channels"],
+                (c,), device=device)
+        add(fused, "FusedBatchNormV3", {
+            "T": type_attr(types_pb2.DT_FLOAT), "U": type_attr(types_pb2.DT_FLOAT),
+            "epsilon": attr_value_pb2.AttrValue(f=m.epsilon),
+            "exponential_avg_factor": attr_value_pb2.AttrValue(f=1.0),
+            "data_format": attr_value_pb2.AttrValue(s=b"NHWC"),
+            "is_training": bool_attr(True)},
+            [m.x, f"{fused}/scale", f"{fused}/offset", f"{fused}/empty", f"{fused}/empty"],
+            m.shape, (c,), (c,), (c,), (c,), None, device=device)  # (reserve space 3: opaque)
+        add(f"{fused}/biased_variance", "Mul", {"T": type_attr(types_pb2.DT_FLOAT)},
+            [f"{fused}:2", f"{fused}/unbiased"], (c,), device=device)
+        reshape(node_defs[m.mean], f"{fused}:1", f"{fused}/statistic_shape", (1, 1, 1, c))
+        reshape(node_defs[m.variance], f"{fused}/biased_variance",
+                f"{fused}/statistic_shape", (1, 1, 1, c))
+        output_def = node_defs[m.output]
+        output_shapes = copy_message(output_def.attr["_output_shapes"])
+        rewrite_node(output_def, "Identity", {"T": type_attr(types_pb2.DT_FLOAT)}, [fused])
+        output_def.attr["_output_shapes"].CopyFrom(output_shapes)
+        written[m.output] = output_def
+        removed.update(m.removable)
+    for name in removed:
+        written[name] = None
+        for index in range(len(view.bodies[0].nodes[name].outputs)):
+            new_shapes.pop(TensorRef(name, index), None)
+    kept = [n for n in new_graph_def.node if n.name not in removed]
+    del new_graph_def.node[:]
+    new_graph_def.node.extend(kept)
+    all_shapes = dict(shapes.shapes)
+    all_shapes[top.name] = new_shapes
+    return FusedNorms(new_graph_def, {top.name: written},
+                      [(top.name, m.output, f"{m.output}{_SUFFIX}") for m in found],
+                      TensorShapes(all_shapes))
+
+
+def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | None:
+    """The pattern whose mean is the Mean node `mean`, or None (module doc)."""
+    nodes, consumers = body.nodes, body.consumers
+    node = nodes[mean]
+    if not _reduces_nhw(body, node) or len(node.data_inputs) != 2:
+        return None
+    x, x_text = node.data_inputs[0]
+    shape = shapes.get(x)
+    port = body.producer_port(x)
+    if (port is None or port.dtype != types_pb2.DT_FLOAT or shape is None or len(shape) != 4
+            or not all(isinstance(d, int) and d > 0 for d in shape)
+            or math.prod(shape[:3]) < 2):
+        return None
+    channels = shape[3]
+    # The variance: Mean(SquaredDifference(x, StopGradient(mean))).
+    squares = variance = None
+    for stop, _ in consumers.get(TensorRef(mean, 0), ()):
+        if nodes[stop].op != "StopGradient":
+            continue
+        for candidate, index in consumers.get(TensorRef(stop, 0), ()):
+            cand = nodes[candidate]
+            if (cand.op == "SquaredDifference" and index == 1
+                    and cand.data_inputs[0][0] == x):
+                readers = consumers.get(TensorRef(candidate, 0), ())
+                if len(readers) == 1 and _reduces_nhw(body, nodes[readers[0][0]]):
+                    squares, variance = candidate, readers[0][0]
+    if squares is None:
+        return None
+    # The normalisation: x * inv + (beta - view(mean) * inv).
+    for reader, _ in consumers.get(x, ()):
+        normalised = nodes[reader]
+        if normalised.op != "Mul" or len(normalised.data_inputs) != 2:
+            continue
+        refs = [ref for ref, _ in normalised.data_inputs]
+        if refs.count(x) != 1:
+            continue
+        inv = refs[1 - refs.index(x)]
+        found = _normalisation(body, shapes, reader, inv, mean, variance, channels)
+        if found is None:
+            continue
+        output, shift, shifted_mean, scale, offset, epsilon = found
+        removable = [squares, reader]
+        if [c for c, _ in consumers.get(TensorRef(shift, 0), ())] == [output]:
+            removable.append(shift)
+            if [c for c, _ in consumers.get(TensorRef(shifted_mean, 0), ())] == [shift]:
+                removable.append(shifted_mean)
+        pattern = [mean, variance, squares, reader, output, shift, shifted_mean]
+        waiters = body.waiters()
+        if (any(len(nodes[p].node_def.input) != len(nodes[p].data_inputs) for p in pattern)
+                or any(r in waiters or r in fetched for r in removable)):
+            return None
+        return _Match(x_text, tuple(shape), mean, variance, squares, reader, output,
+                      shift, shifted_mean, scale, offset, epsilon, tuple(removable))
+    return None
+
+
+def _normalisation(body: Body, shapes: dict, normalised: str, inv: TensorRef, mean: str,
+                   variance: str, channels: int):
+    """(y's node, shift, shifted mean, gamma, beta, eps) if `normalised` = x * inv
+    is tf.nn.batch_normalization's with these statistics, else None."""
+    nodes, consumers = body.nodes, body.consumers
+    readers = consumers.get(TensorRef(normalised, 0), ())
+    if len(readers) != 1 or nodes[readers[0][0]].op not in _ADDS:
+        return None
+    output = readers[0][0]
+    shift = _other_input(nodes[output], TensorRef(normalised, 0))
+    if shift is None or shift.is_arg or nodes[shift.node].op != "Sub":
+        return None
+    (offset, offset_text), (shifted, _) = nodes[shift.node].data_inputs
+    if shifted.is_arg or nodes[shifted.node].op != "Mul":
+        return None
+    mean_view = _other_input(nodes[shifted.node], inv)
+    if mean_view is None or _through_views(body, mean_view) != TensorRef(mean, 0):
+        return None
+    # inv = Rsqrt(view(variance) + eps) * gamma
+    if inv.is_arg or nodes[inv.node].op != "Mul":
+        return None
+    root = gamma = None
+    for ref, text in nodes[inv.node].data_inputs:
+        if not ref.is_arg and nodes[ref.node].op == "Rsqrt":
+            root = ref
+        else:
+            gamma, gamma_text = ref, text
+    if root is None or gamma is None:
+        return None
+    (plus, _), = nodes[root.node].data_inputs
+    if plus.is_arg or nodes[plus.node].op not in _ADDS:
+        return None
+    epsilon = None
+    for ref, _ in nodes[plus.node].data_inputs:
+        value = _scalar_constant(body, ref)
+        if value is not None:
+            epsilon = value
+        elif _through_views(body, ref) != TensorRef(variance, 0):
+            return None
+    if epsilon is None or np.float32(epsilon) < np.float32(MIN_EPSILON):
+        return None
+    per_channel = (inv, gamma, offset, mean_view)
+    if not all(_per_channel(shapes.get(ref), channels) for ref in per_channel):
+        return None
+    if not all(_source(body, ref) for ref in (gamma, offset)):
+        return None
+    return output, shift.node, shifted.node, gamma_text, offset_text, epsilon
+
+
+def _reduces_nhw(body: Body, node) -> bool:
+    """A Mean with keep_dims over exactly axes 0, 1 and 2 of a 4-D input?"""
+    if node.op != "Mean" or not node.node_def.attr["keep_dims"].b or len(node.data_inputs) != 2:
+        return False
+    axes = _constant(body, node.data_inputs[1][0])
+    if axes is None or axes.ndim > 1:
+        return False
+    return sorted(int(a) % 4 for a in axes.reshape(-1)) == [0, 1, 2]
+
+
+def _other_input(node, ref: TensorRef) -> TensorRef | None:
+    refs = [r for r, _ in node.data_inputs]
+    if len(refs) != 2 or refs.count(ref) != 1:
+        return None
+    return refs[1 - refs.index(ref)]
+
+
+def _through_views(body: Body, ref: TensorRef) -> TensorRef:
+    """The tensor `ref` is a view of (through Identity, Reshape, Squeeze, ExpandDims)."""
+    for _ in range(8):
+        node = None if ref.is_arg else body.nodes.get(ref.node)
+        if node is None or node.op not in _VIEWS or not node.data_inputs:
+            return ref
+        ref = node.data_inputs[0][0]
+    return ref
+
+
+def _source(body: Body, ref: TensorRef) -> bool:
+    """Is `ref` a variable's value, a constant or an argument, read through views?"""
+    ref = _through_views(body, ref)
+    return ref.is_arg or body.nodes[ref.node].op in _SOURCES
+
+
+def _per_channel(shape, channels: int) -> bool:
+    """[C] or [1, ..., 1, C]: broadcasts along the last axis of NHWC."""
+    return (shape is not None and 1 <= len(shape) <= 4 and shape[-1] == channels
+            and all(d == 1 for d in shape[:-1]))
+
+
+def _constant(body: Body, ref: TensorRef) -> np.ndarray | None:
+    node = None if ref.is_arg else body.nodes.get(ref.node)
+    if node is None or node.op != "Const":
+        return None
+    return tensor_util.MakeNdarray(node.node_def.attr["value"].tensor)
+
+
+def _scalar_constant(body: Body, ref: TensorRef) -> float | None:
+    value = _constant(body, _through_views(body, ref))
+    if value is None or value.size != 1 or value.dtype.kind != "f":
+        return None
+    return float(value.reshape(()))
