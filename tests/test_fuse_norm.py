@@ -188,3 +188,46 @@ def test_what_is_not_fused(change):
         view = build_view(graph_def)
         assert fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view),
                                 outputs) is not None
+
+
+def _cnn_run(tiny: bool, enable: bool) -> tuple[np.ndarray, dict, list]:
+    """A Keras 3 conv / BatchNorm / ReLU net trained 3 steps on TensorFlow's
+    executor (jit_compile=False): (weight change, last history values, reports)."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((H, W, 3))
+    h = inputs
+    for width in (8, 16):
+        h = keras.layers.Conv2D(width, 3, padding="same", use_bias=False)(h)
+        h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inputs, outputs)
+    scale = 1e-6 if tiny else 1.0
+    model.compile(optimizer=keras.optimizers.SGD(0.05 / scale), jit_compile=False,
+                  loss=lambda y, p: scale * keras.losses.mean_squared_error(y, p))
+    if enable:
+        tfamp.enable(model)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(3 * B, H, W, 3)).astype("float32")
+    y = rng.normal(size=(3 * B, 2)).astype("float32")
+    before = [np.array(v.numpy(), copy=True) for v in model.weights]
+    history = model.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    delta = np.concatenate([(np.asarray(v.numpy()) - w).ravel()
+                            for v, w in zip(model.weights, before, strict=True)])
+    reports = list(model.train_function.reports) if enable else []
+    return delta, {k: float(v[-1]) for k, v in history.history.items()}, reports
+
+
+@pytest.mark.parametrize("tiny", [False, True], ids=["normal", "tiny-loss"])
+def test_keras3_fit_on_the_executor_trains_like_float32(tiny):
+    """The whole path: tfamp.enable on a Keras 3 model compiled without XLA fuses
+    its BatchNorms, and each weight's (and moving statistic's) change matches
+    float32's; the tiny loss (x 1e-6, learning rate x 1e6) tells a loss-scaled
+    run from an unscaled one, whose float16 gradients would underflow."""
+    from tests.patterns import compare
+    want, _, _ = _cnn_run(tiny, enable=False)
+    got, history, reports = _cnn_run(tiny, enable=True)
+    assert [e["edit"] for e in reports[0].broadcast_edits].count("fused") == 2
+    assert reports[0].runtime == "executor"
+    cosine, ratio = compare(want, got)
+    assert cosine > 0.999 and abs(ratio - 1) < 0.01, (cosine, ratio)
+    assert history["skipped_steps"] == 0
