@@ -11,7 +11,6 @@ and never writing the [batch, d, f] tensor.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tfamp
@@ -54,11 +53,11 @@ def _contract(graph_def, outputs):
 def test_kernel_gradients_become_one_matmul_with_the_same_values():
     graph_def, outputs = _traced(_step, SPECS)
     contracted = _contract(graph_def, outputs)
-    assert contracted is not None and len(contracted.contractions) == 2
+    assert contracted is not None and len(contracted.made) == 2
     assert tfamp.check_graph_def(contracted.graph_def) == []
     before = {n.name: n for n in graph_def.node}
     after = {n.name: n for n in contracted.graph_def.node}
-    for _, total, product in contracted.contractions:
+    for _, total, product in contracted.made:
         assert (before[total].op, before[product].op) == ("Sum", "BatchMatMulV2")
         assert (after[total].op, after[product].op) == ("MatMul", "Reshape")
         assert after[total].attr["transpose_a"].b
@@ -92,7 +91,7 @@ def test_what_is_not_a_sum_over_examples_stays():
 
     graph_def, outputs = _traced(fn, SPECS)
     contracted = _contract(graph_def, outputs)
-    assert [c[1:] for c in contracted.contractions] == [("control_sum", "control")]
+    assert [c[1:] for c in contracted.made] == [("control_sum", "control")]
 
 
 def test_the_rewrite_reports_it_and_counts_before_from_the_graph_as_given():

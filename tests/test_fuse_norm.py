@@ -71,7 +71,7 @@ def test_the_edit_alone_computes_the_same_values_in_float32():
     graph_def, outputs = _trace(_bn_step(), _specs(values))
     view = build_view(graph_def)
     fused = fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view), outputs)
-    assert fused is not None and len(fused.fused) == 1
+    assert fused is not None and len(fused.made) == 1
     ops = [n.op for n in fused.graph_def.node]
     assert ops.count("FusedBatchNormV3") == 1
     assert "SquaredDifference" not in ops

@@ -27,13 +27,14 @@ no transpose), read by nothing else; both operands have those batch axes
 (no broadcasting between them); ``keep_dims`` is false. Top graph only (a
 Keras step's gradients live there), and not one with TF1 loops.
 
-``contract_weight_gradients(graph_def, view, shapes, outputs) -> Contracted | None``:
-pure; None when nothing changes.
+``contract_weight_gradients(graph_def, view, shapes, outputs) -> EditedGraph | None``:
+pure; None when nothing changes. Its ``made`` rows are (body, the Sum node, now a
+MatMul; the BatchMatMulV2 node, now the Reshape of its first operand), reported
+as edit "contracted", op "Sum".
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -42,39 +43,15 @@ from tensorflow.python.framework import tensor_util
 
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
-    TF1_FRAME_OPS, add_output_shape, bool_attr, copy_message, rewrite_node, split_inputs,
+    TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, copy_message, rewrite_node, split_inputs,
     type_attr)
 from tfamp.rewrite.shapes import TensorShapes
 
 _SUFFIX = "/tfamp_contract"
 
 
-@dataclasses.dataclass
-class Contracted:
-    """A graph whose per-example weight-gradient sums are one MatMul each.
-
-    Attributes:
-      graph_def: the new GraphDef (a copy; the input is not modified).
-      written: body name -> {node name: NodeDef written or added} (build_view's
-        ``written``).
-      contractions: (body, Sum node, now a MatMul; BatchMatMulV2 node, now the
-        Reshape of its first operand), in order.
-      shapes: the new graph's shapes.
-    """
-
-    graph_def: graph_pb2.GraphDef
-    written: dict[str, dict[str, object]]
-    contractions: list[tuple[str, str, str]]
-    shapes: TensorShapes
-
-    def edits(self) -> list[dict[str, str]]:
-        """Rows of the report's ``broadcast_edits`` (edit "contracted")."""
-        return [{"edit": "contracted", "function": function, "node": node, "op": "Sum",
-                 "into": product} for function, node, product in self.contractions]
-
-
 def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
-                              shapes: TensorShapes, outputs: list[str]) -> Contracted | None:
+                              shapes: TensorShapes, outputs: list[str]) -> EditedGraph | None:
     """Per-example products summed over the batch become one MatMul (module doc)."""
     top = view.bodies[0]
     if top.ops & TF1_FRAME_OPS:  # (a new Const would sit outside a TF1 loop's frame)
@@ -127,9 +104,9 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
         written[total] = total_def
     new_shapes = dict(shapes.shapes)
     new_shapes[top.name] = body_shapes
-    return Contracted(new_graph_def, {top.name: written},
-                      [(top.name, total, product) for total, product, *_ in found],
-                      TensorShapes(new_shapes))
+    return EditedGraph(new_graph_def, {top.name: written},
+                       [(top.name, total, product) for total, product, *_ in found],
+                       TensorShapes(new_shapes), edit="contracted", op="Sum")
 
 
 def _find(body: Body, shapes: dict, fetched: set[str]) -> list[tuple[str, str, int, int, int]]:

@@ -44,8 +44,9 @@ value), no node of the pattern has a control input or is waited on where it
 would be removed, and the squares and ``x * inv`` are read by nothing else. Top
 graph only (where a Keras step's layers run), and not one with TF1 loops.
 
-``fuse_batch_norms(graph_def, view, shapes, outputs) -> FusedNorms | None``:
-pure; None when nothing changes.
+``fuse_batch_norms(graph_def, view, shapes, outputs) -> EditedGraph | None``:
+pure; None when nothing changes. Its ``made`` rows are (body, y's node, now an
+Identity; the FusedBatchNormV3 node), reported as edit "fused", op "BatchNorm".
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from tensorflow.python.framework import tensor_util
 
 from tfamp.rewrite.graph import Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
-    TF1_FRAME_OPS, add_output_shape, bool_attr, copy_message, rewrite_node, type_attr)
+    TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, copy_message, rewrite_node, type_attr)
 from tfamp.rewrite.shapes import TensorShapes
 
 _SUFFIX = "/tfamp_batch_norm"
@@ -88,31 +89,8 @@ class _Match:
     removable: tuple[str, ...]  # nodes nothing reads once fused
 
 
-@dataclasses.dataclass
-class FusedNorms:
-    """A graph whose batch normalisations are one FusedBatchNormV3 each.
-
-    Attributes:
-      graph_def: the new GraphDef (a copy; the input is not modified).
-      written: body name -> {node name: NodeDef written or added, or None for a
-        node removed} (build_view's ``written``).
-      fused: (body, y's node, now an Identity; the FusedBatchNormV3 node), in order.
-      shapes: the new graph's shapes.
-    """
-
-    graph_def: graph_pb2.GraphDef
-    written: dict[str, dict[str, object]]
-    fused: list[tuple[str, str, str]]
-    shapes: TensorShapes
-
-    def edits(self) -> list[dict[str, str]]:
-        """Rows of the report's ``broadcast_edits`` (edit "fused")."""
-        return [{"edit": "fused", "function": function, "node": node, "op": "BatchNorm",
-                 "into": fused} for function, node, fused in self.fused]
-
-
 def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: TensorShapes,
-                     outputs: list[str]) -> FusedNorms | None:
+                     outputs: list[str]) -> EditedGraph | None:
     """moments + batch_normalization become one FusedBatchNormV3 (module doc)."""
     top = view.bodies[0]
     if top.ops & TF1_FRAME_OPS or "Mean" not in top.ops:
@@ -197,9 +175,9 @@ def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
     new_graph_def.node.extend(kept)
     all_shapes = dict(shapes.shapes)
     all_shapes[top.name] = new_shapes
-    return FusedNorms(new_graph_def, {top.name: written},
-                      [(top.name, m.output, f"{m.output}{_SUFFIX}") for m in found],
-                      TensorShapes(all_shapes))
+    return EditedGraph(new_graph_def, {top.name: written},
+                       [(top.name, m.output, f"{m.output}{_SUFFIX}") for m in found],
+                       TensorShapes(all_shapes), edit="fused", op="BatchNorm")
 
 
 def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | None:

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
-from tensorflow.core.framework import attr_value_pb2
+import dataclasses
+
+from tensorflow.core.framework import attr_value_pb2, graph_pb2
+
+from tfamp.rewrite.shapes import TensorShapes
 
 # TF1 control flow: a node's frame follows its inputs, and a new constant has
 # none. The edits leave a body with these ops alone.
@@ -56,3 +60,31 @@ def add_output_shape(node_def, dims) -> None:
         return
     for size in dims:
         shape.dim.add().size = size
+
+
+@dataclasses.dataclass
+class EditedGraph:
+    """What an edit before colouring that changes kernels wrote (``contract``,
+    ``fuse_norm``).
+
+    Attributes:
+      graph_def: the new GraphDef (a copy; the input is not modified).
+      written: body name -> {node name: NodeDef written or added, or None for a
+        node removed} (build_view's ``written``).
+      made: (body, node, into) for each place edited, in order; the editing
+        module says what `node` and `into` are.
+      shapes: the new graph's shapes.
+      edit, op: the "edit" and "op" of the report's ``broadcast_edits`` rows.
+    """
+
+    graph_def: graph_pb2.GraphDef
+    written: dict[str, dict[str, object]]
+    made: list[tuple[str, str, str]]
+    shapes: TensorShapes
+    edit: str
+    op: str
+
+    def edits(self) -> list[dict[str, str]]:
+        """Rows of the report's ``broadcast_edits``."""
+        return [{"edit": self.edit, "function": function, "node": node, "op": self.op,
+                 "into": into} for function, node, into in self.made]
