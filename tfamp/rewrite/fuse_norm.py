@@ -38,11 +38,12 @@ fuse anyway, and XLA lowers ``FusedBatchNormV3`` to the same reductions. Only
 where the shapes are static and say it: x is a float32 4-D NHWC tensor, the
 reductions are over axes 0, 1 and 2 with ``keep_dims``, inv, gamma, beta and
 the mean broadcast per channel, gamma and beta are variables or constants
-(read through views), eps is a scalar constant of at least 1.001e-5 (cuDNN
-refuses less than 1e-5: tf_keras's fused layer raises its epsilon to this
-value), no node of the pattern has a control input or is waited on where it
-would be removed, and the squares and ``x * inv`` are read by nothing else. Top
-graph only (where a Keras step's layers run), and not one with TF1 loops.
+(read through views), eps is a positive scalar constant (TensorFlow hands it to
+cuDNN as it is, whose minimum, CUDNN_BN_MIN_EPSILON, is 0 since cuDNN 7.5: the
+1.001e-5 floor of tf_keras's fused layer is older), no node of the pattern has a
+control input or is waited on where it would be removed, and the squares and
+``x * inv`` are read by nothing else. Top graph only (where a Keras step's
+layers run), and not one with TF1 loops.
 
 ``fuse_batch_norms(graph_def, view, shapes, outputs) -> EditedGraph | None``:
 pure; None when nothing changes. Its ``made`` rows are (body, y's node, now an
@@ -67,7 +68,6 @@ _SUFFIX = "/tfamp_batch_norm"
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims"})
 _SOURCES = frozenset({"ReadVariableOp", "Const", "Placeholder"})
 _ADDS = frozenset({"Add", "AddV2"})
-MIN_EPSILON = 1.001e-5  # (CUDNN_BN_MIN_EPSILON is 1e-5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +275,7 @@ def _normalisation(body: Body, shapes: dict, normalised: str, inv: TensorRef, me
             epsilon = value
         elif _through_views(body, ref) != TensorRef(variance, 0):
             return None
-    if epsilon is None or np.float32(epsilon) < np.float32(MIN_EPSILON):
+    if epsilon is None or not epsilon > 0:
         return None
     per_channel = (inv, gamma, offset, mean_view)
     if not all(_per_channel(shapes.get(ref), channels) for ref in per_channel):
