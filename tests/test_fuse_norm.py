@@ -115,6 +115,27 @@ def test_float16_on_the_executor_reads_the_activation_once_and_matches_float32()
     assert not np.array_equal(got[0], want[0])  # (16-bit math did run)
 
 
+def test_an_open_batch_is_fused_and_its_variance_unbiased_where_the_step_runs():
+    """Traced with an open batch (a custom loop's input_signature, Keras's retrace
+    for a last, smaller batch): fused, (n - 1) / n computed from x's size, the
+    same values as the separate ops for two batch sizes."""
+    values = _values()
+    specs = _specs(values)
+    specs[0] = tf.TensorSpec([None, H, W, C])
+    graph_def, outputs = _trace(_bn_step(), specs)
+    view = build_view(graph_def)
+    fused = fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view), outputs)
+    assert fused is not None and len(fused.made) == 1
+    assert tfamp.check_graph_def(fused.graph_def) == []
+    for batch in (B, 1):
+        inputs = dict(values, x=values["x"][:batch])
+        want = run_graph_def(graph_def, inputs, outputs)
+        got = run_graph_def(fused.graph_def, inputs, outputs)
+        for name, a, b in zip(OUTPUTS, got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max(),
+                                       err_msg=f"{name}, batch {batch}")
+
+
 def test_under_xla_the_normalisation_stays_as_it_was():
     """XLA fuses the separate ops itself: no edit there."""
     graph_def, outputs = _trace(_bn_step(), _specs(_values()))
@@ -159,7 +180,7 @@ def test_keras_batchnorm_layers_are_fused(flavour):
     assert all(reaches_fused(a.input[1]) for a in assigns), [a.name for a in assigns]
 
 
-@pytest.mark.parametrize("change", ["epsilon fed", "open batch", "mul read elsewhere",
+@pytest.mark.parametrize("change", ["epsilon fed", "open channels", "mul read elsewhere",
                                     "2-D input"])
 def test_what_is_not_fused(change):
     """The edit needs the pattern exactly: anything else is left as it was."""
@@ -176,9 +197,9 @@ def test_what_is_not_fused(change):
         y = tf.nn.relu(scaled + (beta - mean * inv))
         return [y, scaled] if change == "mul read elsewhere" else [y]
 
-    batch = None if change == "open batch" else B
-    graph_def, outputs = _trace(step, [tf.TensorSpec([batch, H, W, C]), tf.TensorSpec([C]),
-                                       tf.TensorSpec([C])])
+    channels = None if change == "open channels" else C
+    graph_def, outputs = _trace(step, [tf.TensorSpec([B, H, W, channels]),
+                                       tf.TensorSpec([channels]), tf.TensorSpec([channels])])
     view = build_view(graph_def)
     assert fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view), outputs) is None
     # (and the same step with none of the changes is: epsilon 1e-5, below the

@@ -228,6 +228,9 @@ STATISTIC_REDUCTIONS = frozenset({
     "Mean", "Sum", "Prod", "EuclideanNorm", "L2Loss",
 })
 
+# Ops that read only a tensor's shape, not its data.
+METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
+
 # Fused normalisations whose "U" outputs (1, 2: a training batch's mean and
 # variance, always float32) are statistics of their input 0, as a Mean's
 # result is: what reads them follows the same rules (coloring._propagate_deny).

@@ -48,7 +48,7 @@ from tensorflow.python.framework import tensor_util
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
     BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
-    FLOAT32_ACCUMULATING_UNDER_XLA, FUSED_NORMALISATION_OPS, NON_NEGATIVE_OPS,
+    FLOAT32_ACCUMULATING_UNDER_XLA, FUSED_NORMALISATION_OPS, METADATA_OPS, NON_NEGATIVE_OPS,
     SIZE_KEEPING_COPIES, GROWING_OPS, STATISTIC_REDUCTIONS)
 from tfamp.rewrite import boundaries, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
@@ -87,8 +87,6 @@ FIXED_TYPE_ATTRS = {
 }
 
 
-# Ops that read only a tensor's shape, not its data.
-METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
 
 # Rounds of (infer after 16-bit, clear propagation); each is linear.
 _MAX_ROUNDS = 4

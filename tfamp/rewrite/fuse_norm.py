@@ -34,8 +34,9 @@ same values. The statistics are the same sums in another order: equal to
 float32 rounding, not bit-identical.
 
 Only on TensorFlow's executor (``runtime_cost``): under XLA the separate ops
-fuse anyway, and XLA lowers ``FusedBatchNormV3`` to the same reductions. Only
-where the shapes are static and say it: x is a float32 4-D NHWC tensor, the
+fuse anyway. Only where the shapes say it: x is a float32 4-D NHWC tensor with a
+known channel count (the batch and spatial sizes may be open: (n - 1) / n is
+then computed from x's size where the step runs), the
 reductions are over axes 0, 1 and 2 with ``keep_dims``, inv, gamma, beta and
 the mean broadcast per channel, gamma and beta are variables or constants
 (read through views), eps is a positive scalar constant (TensorFlow hands it to
@@ -59,6 +60,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
+from tfamp.oplists import METADATA_OPS
 from tfamp.rewrite.graph import Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
     TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, copy_message, rewrite_node, type_attr)
@@ -87,6 +89,9 @@ class _Match:
     offset: str  # beta's input string
     epsilon: float
     removable: tuple[str, ...]  # nodes nothing reads once fused
+    # (node, input index) of the ops that read only the shape of the squares or
+    # of x * inv (a gradient with open sizes): x has that shape, they read x
+    shape_readers: tuple[tuple[str, int], ...]
 
 
 def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: TensorShapes,
@@ -139,9 +144,24 @@ def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
         const(f"{fused}/statistic_shape", np.array([1, 1, 1, c], np.int32),
               types_pb2.DT_INT32)
         const(f"{fused}/empty", np.zeros([0], np.float32), types_pb2.DT_FLOAT)
-        samples = n * h * w
-        const(f"{fused}/unbiased", np.array((samples - 1) / samples, np.float32),
-              types_pb2.DT_FLOAT)
+        if min(n, h, w) > 0:
+            samples = n * h * w
+            const(f"{fused}/unbiased", np.array((samples - 1) / samples, np.float32),
+                  types_pb2.DT_FLOAT)
+        else:  # (an open batch: 1 - C / size(x), computed where the step runs)
+            float_attrs = {"T": type_attr(types_pb2.DT_FLOAT)}
+            add(f"{fused}/size", "Size", {"T": type_attr(types_pb2.DT_FLOAT),
+                                          "out_type": type_attr(types_pb2.DT_INT64)},
+                [m.x], (), device=device)
+            add(f"{fused}/samples", "Cast", {
+                "SrcT": type_attr(types_pb2.DT_INT64), "DstT": type_attr(types_pb2.DT_FLOAT),
+                "Truncate": bool_attr(False)}, [f"{fused}/size"], (), device=device)
+            const(f"{fused}/one", np.array(1.0, np.float32), types_pb2.DT_FLOAT)
+            const(f"{fused}/channels_f", np.array(float(c), np.float32), types_pb2.DT_FLOAT)
+            add(f"{fused}/one_sample", "RealDiv", float_attrs,
+                [f"{fused}/channels_f", f"{fused}/samples"], (), device=device)
+            add(f"{fused}/unbiased", "Sub", float_attrs,
+                [f"{fused}/one", f"{fused}/one_sample"], (), device=device)
         vector_attrs = {"T": type_attr(types_pb2.DT_FLOAT),
                         "Tshape": type_attr(types_pb2.DT_INT32)}
         for role, source in (("scale", m.scale), ("offset", m.offset)):
@@ -166,6 +186,9 @@ def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
         output_def.attr["_output_shapes"].CopyFrom(output_shapes)
         written[m.output] = output_def
         removed.update(m.removable)
+        for reader, index in m.shape_readers:
+            reader_def = written[reader] = node_defs[reader]
+            reader_def.input[index] = m.x
     for name in removed:
         written[name] = None
         for index in range(len(view.bodies[0].nodes[name].outputs)):
@@ -190,12 +213,14 @@ def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | N
     shape = shapes.get(x)
     port = body.producer_port(x)
     if (port is None or port.dtype != types_pb2.DT_FLOAT or shape is None or len(shape) != 4
-            or not all(isinstance(d, int) and d > 0 for d in shape)
-            or math.prod(shape[:3]) < 2):
-        return None
+            or shape[3] <= 0):
+        return None  # (N, H and W may be open: then the step computes (n - 1) / n)
+    if min(shape[:3]) >= 0 and math.prod(shape[:3]) < 2:
+        return None  # (one value per channel: nothing to normalise)
     channels = shape[3]
     # The variance: Mean(SquaredDifference(x, StopGradient(mean))).
     squares = variance = None
+    square_shape_readers: list[tuple[str, int]] = []
     for stop, _ in consumers.get(TensorRef(mean, 0), ()):
         if nodes[stop].op != "StopGradient":
             continue
@@ -203,9 +228,10 @@ def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | N
             cand = nodes[candidate]
             if (cand.op == "SquaredDifference" and index == 1
                     and cand.data_inputs[0][0] == x):
-                readers = consumers.get(TensorRef(candidate, 0), ())
-                if len(readers) == 1 and _reduces_nhw(body, nodes[readers[0][0]]):
-                    squares, variance = candidate, readers[0][0]
+                readers, shapes_only = _readers(body, candidate)
+                if len(readers) == 1 and _reduces_nhw(body, nodes[readers[0]]):
+                    squares, variance, square_shape_readers = (
+                        candidate, readers[0], shapes_only)
     if squares is None:
         return None
     # The normalisation: x * inv + (beta - view(mean) * inv).
@@ -221,6 +247,7 @@ def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | N
         if found is None:
             continue
         output, shift, shifted_mean, scale, offset, epsilon = found
+        shape_readers = square_shape_readers + _readers(body, reader)[1]
         removable = [squares, reader]
         if [c for c, _ in consumers.get(TensorRef(shift, 0), ())] == [output]:
             removable.append(shift)
@@ -232,7 +259,8 @@ def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | N
                 or any(r in waiters or r in fetched for r in removable)):
             return None
         return _Match(x_text, tuple(shape), mean, variance, squares, reader, output,
-                      shift, shifted_mean, scale, offset, epsilon, tuple(removable))
+                      shift, shifted_mean, scale, offset, epsilon, tuple(removable),
+                      tuple(shape_readers))
     return None
 
 
@@ -240,11 +268,11 @@ def _normalisation(body: Body, shapes: dict, normalised: str, inv: TensorRef, me
                    variance: str, channels: int):
     """(y's node, shift, shifted mean, gamma, beta, eps) if `normalised` = x * inv
     is tf.nn.batch_normalization's with these statistics, else None."""
-    nodes, consumers = body.nodes, body.consumers
-    readers = consumers.get(TensorRef(normalised, 0), ())
-    if len(readers) != 1 or nodes[readers[0][0]].op not in _ADDS:
+    nodes = body.nodes
+    readers = _readers(body, normalised)[0]
+    if len(readers) != 1 or nodes[readers[0]].op not in _ADDS:
         return None
-    output = readers[0][0]
+    output = readers[0]
     shift = _other_input(nodes[output], TensorRef(normalised, 0))
     if shift is None or shift.is_arg or nodes[shift.node].op != "Sub":
         return None
@@ -283,6 +311,18 @@ def _normalisation(body: Body, shapes: dict, normalised: str, inv: TensorRef, me
     if not all(_source(body, ref) for ref in (gamma, offset)):
         return None
     return output, shift.node, shifted.node, gamma_text, offset_text, epsilon
+
+
+def _readers(body: Body, name: str) -> tuple[list[str], list[tuple[str, int]]]:
+    """(the nodes that read output 0 of `name`'s data, the (node, input index) of
+    those that read only its shape)."""
+    readers, shape_readers = [], []
+    for reader, index in body.consumers.get(TensorRef(name, 0), ()):
+        if body.nodes[reader].op in METADATA_OPS:
+            shape_readers.append((reader, index))
+        else:
+            readers.append(reader)
+    return readers, shape_readers
 
 
 def _reduces_nhw(body: Body, node) -> bool:

@@ -59,7 +59,7 @@ def add_output_shape(node_def, dims) -> None:
         shape.unknown_rank = True
         return
     for size in dims:
-        shape.dim.add().size = size
+        shape.dim.add().size = -1 if size is None or size < 0 else size
 
 
 @dataclasses.dataclass
