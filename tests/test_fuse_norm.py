@@ -28,19 +28,23 @@ RNG = np.random.default_rng(7)
 OUTPUTS = ["out", "batch_mean", "batch_var", "d_w", "d_gamma", "d_beta"]
 
 
-def _bn_step(epsilon=1e-3):
+def _bn_step(epsilon=1e-3, scale=True, center=True):
     """conv -> moments + batch_normalization (as Keras 3 computes a training
-    BatchNorm) -> ReLU -> conv; returns the output, the batch statistics and the
-    gradients of w, gamma and beta."""
+    BatchNorm; without gamma / beta where `scale` / `center` is off) -> ReLU ->
+    conv; returns the output, the batch statistics and the gradients of w, gamma
+    and beta (zeros for one the layer does not use)."""
     def step(x, w, gamma, beta):
         with tf.GradientTape() as tape:
             tape.watch([w, gamma, beta])
             h = tf.nn.conv2d(x, w, 1, "SAME", name="conv")
             mean, var = tf.nn.moments(h, [0, 1, 2], keepdims=True)
-            y = tf.nn.relu(tf.nn.batch_normalization(h, mean, var, beta, gamma, epsilon))
+            y = tf.nn.relu(tf.nn.batch_normalization(
+                h, mean, var, beta if center else None, gamma if scale else None, epsilon))
             out = tf.nn.conv2d(y, w, 1, "SAME", name="conv_out")
             loss = tf.reduce_mean(tf.square(out))
-        return [out, tf.identity(mean), tf.identity(var)] + tape.gradient(loss, [w, gamma, beta])
+        grads = tape.gradient(loss, [w, gamma, beta],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [out, tf.identity(mean), tf.identity(var)] + grads
     return step
 
 
@@ -63,12 +67,14 @@ def _specs(values):
     return [tf.TensorSpec(v.shape) for v in values.values()]
 
 
-def test_the_edit_alone_computes_the_same_values_in_float32():
+@pytest.mark.parametrize("scale, center", [(True, True), (False, True), (True, False),
+                                           (False, False)])
+def test_the_edit_alone_computes_the_same_values_in_float32(scale, center):
     """fuse_batch_norms on the float32 graph: one FusedBatchNormV3, no squares,
     and every output (y, the biased batch variance, the gradients) equal to float32
-    rounding."""
+    rounding; with and without gamma and beta."""
     values = _values()
-    graph_def, outputs = _trace(_bn_step(), _specs(values))
+    graph_def, outputs = _trace(_bn_step(scale=scale, center=center), _specs(values))
     view = build_view(graph_def)
     fused = fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view), outputs)
     assert fused is not None and len(fused.made) == 1

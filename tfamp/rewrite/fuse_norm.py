@@ -6,8 +6,8 @@ training batch's statistics with ``tf.nn.moments`` and normalises with
 
     mean = Mean(x, [0, 1, 2], keep_dims)            # moments
     var  = Mean(SquaredDifference(x, StopGradient(mean)), [0, 1, 2], keep_dims)
-    inv  = Rsqrt(view(var) + eps) * gamma           # small, per channel
-    y    = x * inv + (beta - view(mean) * inv)      # batch_normalization
+    inv  = Rsqrt(view(var) + eps) * gamma           # small, per channel (no gamma:
+    y    = x * inv + (beta - view(mean) * inv)      #   the Rsqrt; no beta: -m * inv)
 
 On TensorFlow's executor every one of them is a kernel, and in mixed precision
 the two reductions must read x in float32 (a Cast of the 16-bit activation) and
@@ -38,8 +38,8 @@ fuse anyway. Only where the shapes say it: x is a float32 4-D NHWC tensor with a
 known channel count (the batch and spatial sizes may be open: (n - 1) / n is
 then computed from x's size where the step runs), the
 reductions are over axes 0, 1 and 2 with ``keep_dims``, inv, gamma, beta and
-the mean broadcast per channel, gamma and beta are variables or constants
-(read through views), eps is a positive scalar constant (TensorFlow hands it to
+the mean broadcast per channel, gamma and beta (where the layer has them) are
+variables or constants (read through views), eps is a positive scalar constant (TensorFlow hands it to
 cuDNN as it is, whose minimum, CUDNN_BN_MIN_EPSILON, is 0 since cuDNN 7.5: the
 1.001e-5 floor of tf_keras's fused layer is older), no node of the pattern has a
 control input or is waited on where it would be removed, and the squares and
@@ -83,10 +83,10 @@ class _Match:
     squares: str  # SquaredDifference(x, StopGradient(mean))
     normalised: str  # x * inv
     output: str  # x * inv + shift
-    shift: str  # beta - mean * inv
-    shifted_mean: str  # mean * inv
-    scale: str  # gamma's input string
-    offset: str  # beta's input string
+    shift: str  # beta - mean * inv, or -mean * inv
+    shifted_mean: str  # mean * inv, or -mean
+    scale: str | None  # gamma's input string (None: no gamma, scale=False)
+    offset: str | None  # beta's input string (None: no beta, center=False)
     epsilon: float
     removable: tuple[str, ...]  # nodes nothing reads once fused
     # (node, input index) of the ops that read only the shape of the squares or
@@ -164,9 +164,13 @@ def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
                 [f"{fused}/one", f"{fused}/one_sample"], (), device=device)
         vector_attrs = {"T": type_attr(types_pb2.DT_FLOAT),
                         "Tshape": type_attr(types_pb2.DT_INT32)}
-        for role, source in (("scale", m.scale), ("offset", m.offset)):
-            add(f"{fused}/{role}", "Reshape", vector_attrs, [source, f"{fused}/channels"],
-                (c,), device=device)
+        for role, source, missing in (("scale", m.scale, 1.0), ("offset", m.offset, 0.0)):
+            if source is None:  # (a layer without gamma / beta: ones / zeros)
+                const(f"{fused}/{role}", np.full([c], missing, np.float32),
+                      types_pb2.DT_FLOAT)
+            else:
+                add(f"{fused}/{role}", "Reshape", vector_attrs,
+                    [source, f"{fused}/channels"], (c,), device=device)
         add(fused, "FusedBatchNormV3", {
             "T": type_attr(types_pb2.DT_FLOAT), "U": type_attr(types_pb2.DT_FLOAT),
             "epsilon": attr_value_pb2.AttrValue(f=m.epsilon),
@@ -267,32 +271,44 @@ def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | N
 def _normalisation(body: Body, shapes: dict, normalised: str, inv: TensorRef, mean: str,
                    variance: str, channels: int):
     """(y's node, shift, shifted mean, gamma, beta, eps) if `normalised` = x * inv
-    is tf.nn.batch_normalization's with these statistics, else None."""
+    is tf.nn.batch_normalization's with these statistics, else None. gamma and
+    beta are input strings, or None where the layer has none (``scale=False``:
+    inv is the Rsqrt itself; ``center=False``: the shift is -mean * inv)."""
     nodes = body.nodes
     readers = _readers(body, normalised)[0]
     if len(readers) != 1 or nodes[readers[0]].op not in _ADDS:
         return None
     output = readers[0]
     shift = _other_input(nodes[output], TensorRef(normalised, 0))
-    if shift is None or shift.is_arg or nodes[shift.node].op != "Sub":
+    if shift is None or shift.is_arg or nodes[shift.node].op not in ("Sub", "Mul"):
         return None
-    (offset, offset_text), (shifted, _) = nodes[shift.node].data_inputs
-    if shifted.is_arg or nodes[shifted.node].op != "Mul":
-        return None
-    mean_view = _other_input(nodes[shifted.node], inv)
+    offset = offset_text = None
+    if nodes[shift.node].op == "Sub":  # beta - mean * inv
+        (offset, offset_text), (shifted, _) = nodes[shift.node].data_inputs
+        if shifted.is_arg or nodes[shifted.node].op != "Mul":
+            return None
+        mean_view = _other_input(nodes[shifted.node], inv)
+    else:  # -mean * inv: the shift multiplies a Neg of the mean (shifted: that Neg)
+        shifted = _other_input(nodes[shift.node], inv)
+        if shifted is None or shifted.is_arg or nodes[shifted.node].op != "Neg":
+            return None
+        mean_view = nodes[shifted.node].data_inputs[0][0]
     if mean_view is None or _through_views(body, mean_view) != TensorRef(mean, 0):
         return None
-    # inv = Rsqrt(view(variance) + eps) * gamma
-    if inv.is_arg or nodes[inv.node].op != "Mul":
+    # inv = Rsqrt(view(variance) + eps) * gamma, or Rsqrt(view(variance) + eps)
+    if inv.is_arg or nodes[inv.node].op not in ("Mul", "Rsqrt"):
         return None
-    root = gamma = None
-    for ref, text in nodes[inv.node].data_inputs:
-        if not ref.is_arg and nodes[ref.node].op == "Rsqrt":
-            root = ref
-        else:
-            gamma, gamma_text = ref, text
-    if root is None or gamma is None:
-        return None
+    root = gamma = gamma_text = None
+    if nodes[inv.node].op == "Rsqrt":
+        root = inv
+    else:
+        for ref, text in nodes[inv.node].data_inputs:
+            if not ref.is_arg and nodes[ref.node].op == "Rsqrt" and root is None:
+                root = ref
+            else:
+                gamma, gamma_text = ref, text
+        if root is None or gamma is None:
+            return None
     (plus, _), = nodes[root.node].data_inputs
     if plus.is_arg or nodes[plus.node].op not in _ADDS:
         return None
@@ -305,10 +321,10 @@ def _normalisation(body: Body, shapes: dict, normalised: str, inv: TensorRef, me
             return None
     if epsilon is None or not epsilon > 0:
         return None
-    per_channel = (inv, gamma, offset, mean_view)
-    if not all(_per_channel(shapes.get(ref), channels) for ref in per_channel):
+    given = [ref for ref in (gamma, offset) if ref is not None]
+    if not all(_per_channel(shapes.get(ref), channels) for ref in (inv, mean_view, *given)):
         return None
-    if not all(_source(body, ref) for ref in (gamma, offset)):
+    if not all(_source(body, ref) for ref in given):
         return None
     return output, shift.node, shifted.node, gamma_text, offset_text, epsilon
 
