@@ -259,3 +259,71 @@ def test_keras3_fit_on_the_executor_trains_like_float32(tiny):
     cosine, ratio = compare(want, got)
     assert cosine > 0.999 and abs(ratio - 1) < 0.01, (cosine, ratio)
     assert history["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("statistic_used", [False, True])
+def test_a_forward_is_fused_only_if_nothing_else_differentiates_its_statistics(
+        statistic_used):
+    """A forward-only graph (a model called in a custom loop's step, which
+    TensorFlow differentiates later through FusedBatchNormV3's own gradient, one
+    with nothing for the batch statistics): fused, unless a statistic is also used
+    on another path (that gradient would be lost)."""
+    def forward(x, gamma, beta):
+        mean, var = tf.nn.moments(x, [0, 1, 2], keepdims=True)
+        y = tf.nn.relu(tf.nn.batch_normalization(x, mean, var, beta, gamma, 1e-3))
+        return y + tf.reduce_mean(mean) if statistic_used else y
+
+    graph_def, outputs = _trace(forward, [tf.TensorSpec([B, H, W, C]), tf.TensorSpec([C]),
+                                          tf.TensorSpec([C])])
+    view = build_view(graph_def)
+    fused = fuse_batch_norms(graph_def, view, tensor_shapes(graph_def, view), outputs)
+    assert (fused is None) == statistic_used
+
+
+def _custom_loop_run(tiny: bool, enable: bool):
+    """A Keras 3 conv / BatchNorm net trained 3 steps by the user's own
+    tf.function step: its call is a nested rewritten forward (fused), which
+    TensorFlow differentiates through FusedBatchNormV3's gradient. Returns the
+    weight change (moving statistics included)."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((H, W, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)(inputs)
+    h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inputs, outputs)
+    scale = 1e-6 if tiny else 1.0
+    optimizer = keras.optimizers.SGD(0.05 / scale)
+    if enable:
+        tfamp.enable(model, verbose=False)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = scale * tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+        return loss
+
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(B, H, W, 3)).astype("float32")
+    y = rng.normal(size=(B, 2)).astype("float32")
+    before = [np.array(v.numpy(), copy=True) for v in model.weights]
+    for _ in range(3):
+        step(x, y)
+    graph_def = step.get_concrete_function(x, y).graph.as_graph_def()
+    ops = [n.op for f in graph_def.library.function for n in f.node_def]
+    fused = (ops.count("FusedBatchNormV3"), ops.count("FusedBatchNormGradV3"))
+    delta = np.concatenate([(np.asarray(v.numpy()) - w).ravel()
+                            for v, w in zip(model.weights, before, strict=True)])
+    return delta, fused
+
+
+@pytest.mark.parametrize("tiny", [False, True], ids=["normal", "tiny-loss"])
+def test_a_custom_loop_differentiates_the_fused_forward_like_float32(tiny):
+    from tests.patterns import compare
+    want, _ = _custom_loop_run(tiny, enable=False)
+    got, fused = _custom_loop_run(tiny, enable=True)
+    # (the nested forward's BatchNorm, in the step's library, and its gradient)
+    assert fused[0] >= 1 and fused[1] >= 1, fused
+    cosine, ratio = compare(want, got)
+    assert cosine > 0.999 and abs(ratio - 1) < 0.01, (cosine, ratio)

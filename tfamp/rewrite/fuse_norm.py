@@ -36,15 +36,18 @@ float32 rounding, not bit-identical.
 Only on TensorFlow's executor (``runtime_cost``): under XLA the separate ops
 fuse anyway. Only where the shapes say it: x is a float32 4-D NHWC tensor with a
 known channel count (the batch and spatial sizes may be open: (n - 1) / n is
-then computed from x's size where the step runs), the
-reductions are over axes 0, 1 and 2 with ``keep_dims``, inv, gamma, beta and
-the mean broadcast per channel, gamma and beta (where the layer has them) are
-variables or constants (read through views), eps is a positive scalar constant (TensorFlow hands it to
+then computed from x's size where the step runs), the reductions are over axes
+0, 1 and 2 with ``keep_dims``, inv, gamma, beta and the mean broadcast per
+channel, gamma and beta (where the layer has them) are variables or constants
+(read through views), eps is a positive scalar constant (TensorFlow hands it to
 cuDNN as it is, whose minimum, CUDNN_BN_MIN_EPSILON, is 0 since cuDNN 7.5: the
 1.001e-5 floor of tf_keras's fused layer is older), no node of the pattern has a
-control input or is waited on where it would be removed, and the squares and
-``x * inv`` are read by nothing else. Top graph only (where a Keras step's
-layers run), and not one with TF1 loops.
+control input or is waited on where it would be removed, the squares and
+``x * inv`` are read by nothing else, and, in a graph that does not hold x's
+gradient already (a forward that TensorFlow differentiates later, through the
+fused op's gradient, which has none for the statistics), the batch statistics
+are used only by the pattern and the moving averages (``_statistics_contained``).
+Top graph only (where a Keras step's layers run), and not one with TF1 loops.
 
 ``fuse_batch_norms(graph_def, view, shapes, outputs) -> EditedGraph | None``:
 pure; None when nothing changes. Its ``made`` rows are (body, y's node, now an
@@ -61,6 +64,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from tfamp.oplists import METADATA_OPS
+from tfamp.rewrite import scopes
 from tfamp.rewrite.graph import Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
     TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, copy_message, rewrite_node, type_attr)
@@ -70,6 +74,9 @@ _SUFFIX = "/tfamp_batch_norm"
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims"})
 _SOURCES = frozenset({"ReadVariableOp", "Const", "Placeholder"})
 _ADDS = frozenset({"Add", "AddV2"})
+# Readers where a use of the batch statistics ends harmlessly (_statistics_contained).
+_CONTAINED_READERS = METADATA_OPS | {"StopGradient"}
+_MAX_STATISTIC_USES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +269,12 @@ def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | N
         if (any(len(nodes[p].node_def.input) != len(nodes[p].data_inputs) for p in pattern)
                 or any(r in waiters or r in fetched for r in removable)):
             return None
+        # A graph without its own gradient of x will be differentiated later
+        # (through the fused op's gradient, which has none for the statistics).
+        differentiated = any(scopes.is_gradient(r) for r, _ in consumers.get(x, ()))
+        if not differentiated and not _statistics_contained(
+                body, (mean, variance), set(pattern), fetched):
+            return None
         return _Match(x_text, tuple(shape), mean, variance, squares, reader, output,
                       shift, shifted_mean, scale, offset, epsilon, tuple(removable),
                       tuple(shape_readers))
@@ -327,6 +340,38 @@ def _normalisation(body: Body, shapes: dict, normalised: str, inv: TensorRef, me
     if not all(_source(body, ref) for ref in given):
         return None
     return output, shift.node, shifted.node, gamma_text, offset_text, epsilon
+
+
+def _statistics_contained(body: Body, statistics: tuple[str, ...], pattern: set[str],
+                          fetched: set[str]) -> bool:
+    """Does every use of the batch statistics end inside the pattern, behind a
+    StopGradient, in a gradient op, in an op that reads only a shape, or in a
+    variable assignment (the moving averages)?
+
+    FusedBatchNormV3's registered gradient has none for its batch mean and
+    variance: were a statistic used on some other differentiable path, a graph
+    differentiated after the rewrite (a model called in a custom loop's step,
+    ``keras/custom_loop.py``) would silently lose that part of the gradient."""
+    nodes, consumers = body.nodes, body.consumers
+    stack, seen = list(statistics), set(statistics)
+    while stack:
+        name = stack.pop()
+        if name in fetched:
+            return False
+        readers = [reader for index in range(len(nodes[name].outputs))
+                   for reader, _ in consumers.get(TensorRef(name, index), ())]
+        if not readers and name not in statistics:
+            return False  # (a loose end: a value nothing here accounts for)
+        for reader in readers:
+            node = nodes[reader]
+            if (reader in pattern or reader in seen or node.op in _CONTAINED_READERS
+                    or node.op.startswith("Assign") or scopes.is_gradient(reader)):
+                continue
+            if len(seen) >= _MAX_STATISTIC_USES:
+                return False
+            seen.add(reader)
+            stack.append(reader)
+    return True
 
 
 def _readers(body: Body, name: str) -> tuple[list[str], list[tuple[str, int]]]:
