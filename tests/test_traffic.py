@@ -105,6 +105,33 @@ def test_traffic_figure_by_hand():
     assert "est. float traffic" in report.summary_line()
 
 
+def test_a_training_batch_norm_reads_its_input_twice():
+    """A training FusedBatchNorm passes over x twice (statistics, then the
+    normalisation): x's read counts twice. The same graph with is_training off
+    (which reads x once) moves exactly one read of x less."""
+    def fn(x, w, scale, offset):
+        h = tf.nn.conv2d(x, w, 1, "SAME")
+        y, _, _ = tf.compat.v1.nn.fused_batch_norm(h, scale, offset, is_training=True)
+        for _ in range(8):  # (the reserve space's size is unknown: one tensor of many)
+            y = tf.nn.conv2d(tf.nn.relu(y), w, 1, "SAME")
+        return y
+
+    graph_def, outputs = traced(fn, tf.TensorSpec([2, 5, 5, 4]), tf.TensorSpec([3, 3, 4, 4]),
+                                tf.TensorSpec([4]), tf.TensorSpec([4]))
+
+    def total(graph_def):
+        view = build_view(graph_def)
+        shapes = tensor_shapes(graph_def, view)
+        return estimate_traffic(view, shapes, body_weights(view, shapes=shapes),
+                                outputs=outputs).total_bytes()
+
+    inference = type(graph_def)()
+    inference.CopyFrom(graph_def)
+    (node,) = [n for n in inference.node if n.op == "FusedBatchNormV3"]
+    node.attr["is_training"].b = False
+    assert total(graph_def) - total(inference) == 4 * 2 * 5 * 5 * 4  # (one float32 read of h)
+
+
 def test_nodes_that_never_run_are_not_counted():
     """A value nothing fetched reads (Keras 3's silu gradient computes one for
     its constant beta) never runs: with the outputs known it is not counted;

@@ -231,6 +231,16 @@ STATISTIC_REDUCTIONS = frozenset({
 # Ops that read only a tensor's shape, not its data.
 METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
 
+# Kernels that read an input twice in training (is_training): a fused batch
+# norm reads x for its statistics, then again to normalise (cuDNN's spatial
+# mode; the CPU kernel too), and its gradient reads dy and x twice. op ->
+# input positions; the traffic estimate counts a second read of those.
+TWO_PASS_INPUTS = {
+    "FusedBatchNorm": (0,), "FusedBatchNormV2": (0,), "FusedBatchNormV3": (0,),
+    "FusedBatchNormGrad": (0, 1), "FusedBatchNormGradV2": (0, 1),
+    "FusedBatchNormGradV3": (0, 1),
+}
+
 # Fused normalisations whose "U" outputs (1, 2: a training batch's mean and
 # variance, always float32) are statistics of their input 0, as a Mean's
 # result is: what reads them follows the same rules (coloring._propagate_deny).

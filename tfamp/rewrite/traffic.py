@@ -4,6 +4,8 @@ The model (deliberately simple, the same for every graph it compares):
 
 * every float output is written once and read once per consuming input, at
   its element count x bytes of its dtype (float32 4, float16/bfloat16 2);
+  twice by a kernel that makes two passes over it (``oplists.TWO_PASS_INPUTS``:
+  a training FusedBatchNorm's x, its gradient's dy and x);
 * a Cast between float types reads its input and writes its output, and is
   read by its consumers like any tensor; ``cast_bytes`` is what the Casts
   themselves read and write;
@@ -42,7 +44,7 @@ from collections.abc import Iterable
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import op_def_registry
 
-from tfamp.oplists import NO_KERNEL_OPS
+from tfamp.oplists import NO_KERNEL_OPS, TWO_PASS_INPUTS
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
 from tfamp.rewrite.runtime_cost import (
     ELEMENTWISE, LIBRARY, PARAMETER, REDUCTION, op_kind)
@@ -536,6 +538,11 @@ class _BodyTraffic:
         # Nodes that write no bytes of their own: views of their input
         # (NO_COPY_OPS) and calls (the callee's nodes are counted). Each node's
         # kind as a reader in the fused model (runtime_cost.op_kind).
+        # node -> input positions it reads twice (oplists.TWO_PASS_INPUTS)
+        self.twice: dict[str, tuple[int, ...]] = {
+            name: TWO_PASS_INPUTS[node.op] for name, node in body.nodes.items()
+            if node.op in TWO_PASS_INPUTS and node.node_def.attr["is_training"].b
+        } if body.ops & TWO_PASS_INPUTS.keys() else {}
         self.through = through = set()
         self.kinds = kinds = {}
         known_kinds: dict[tuple[str, bool], int] = {}
@@ -597,6 +604,7 @@ class _BodyTraffic:
         fused0, fused1 = self.fused_sums
         fused_kernels, folded = self.fused_kernels, self.folded
         kinds, producer_kind, kind_memo = self.kinds, self._producer_kind, {}
+        twice = self.twice
         dead = self.dead
         known = unknown = 0
 
@@ -679,6 +687,9 @@ class _BodyTraffic:
                 if consumer not in through:
                     bytes0 += nbytes(want0, 0)
                     bytes1 += nbytes(want1, 0)
+                    if twice and index in twice.get(consumer, ()):
+                        bytes0 += nbytes(want0, 0)
+                        bytes1 += nbytes(want1, 0)
                 kind = kinds[consumer]
                 reading = kind <= PARAMETER
                 forcing = LIBRARY <= kind <= _CALL
