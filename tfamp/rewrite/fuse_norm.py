@@ -67,10 +67,12 @@ from tfamp.oplists import METADATA_OPS
 from tfamp.rewrite import scopes
 from tfamp.rewrite.graph import Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
-    TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, copy_message, rewrite_node, type_attr)
+    TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, rewrite_node, type_attr)
 from tfamp.rewrite.shapes import TensorShapes
 
 _SUFFIX = "/tfamp_batch_norm"
+_FLOAT, _INT32, _INT64 = (type_attr(t) for t in (
+    types_pb2.DT_FLOAT, types_pb2.DT_INT32, types_pb2.DT_INT64))
 _VIEWS = frozenset({"Identity", "Reshape", "Squeeze", "ExpandDims"})
 _SOURCES = frozenset({"ReadVariableOp", "Const", "Placeholder"})
 _ADDS = frozenset({"Add", "AddV2"})
@@ -116,102 +118,111 @@ def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
         return None
     new_graph_def = graph_pb2.GraphDef()
     new_graph_def.CopyFrom(graph_def)
-    node_defs = {n.name: n for n in new_graph_def.node}
-    new_shapes = dict(body_shapes)
-    written: dict[str, object] = {}
-
-    def add(name: str, op: str, attrs: dict, inputs: list[str], *output_dims, device=""):
-        node_def = new_graph_def.node.add()
-        node_def.name = name
-        node_def.device = device
-        rewrite_node(node_def, op, attrs, inputs)
-        for index, dims in enumerate(output_dims):
-            add_output_shape(node_def, dims)
-            if dims is not None:
-                new_shapes[TensorRef(name, index)] = tuple(dims)
-        written[name] = node_def
-
-    def const(name: str, value: np.ndarray, dtype: int) -> None:
-        add(name, "Const", {"dtype": type_attr(dtype), "value": attr_value_pb2.AttrValue(
-            tensor=tensor_util.make_tensor_proto(value))}, [], value.shape)
-
-    def reshape(node_def, source: str, shape_node: str, dims) -> None:
-        rewrite_node(node_def, "Reshape", {"T": type_attr(types_pb2.DT_FLOAT),
-                                           "Tshape": type_attr(types_pb2.DT_INT32)},
-                     [source, shape_node])
-        add_output_shape(node_def, dims)
-        written[node_def.name] = node_def
-
-    removed: set[str] = set()
+    writer = _Writer(new_graph_def, body_shapes)
     for m in found:
+        writer.fuse(m)
+    for name in writer.removed:
+        writer.written[name] = None
+        for index in range(len(top.nodes[name].outputs)):
+            writer.shapes.pop(TensorRef(name, index), None)
+    kept = [n for n in new_graph_def.node if n.name not in writer.removed]
+    del new_graph_def.node[:]
+    new_graph_def.node.extend(kept)
+    all_shapes = dict(shapes.shapes)
+    all_shapes[top.name] = writer.shapes
+    return EditedGraph(new_graph_def, {top.name: writer.written},
+                       [(top.name, m.output, f"{m.output}{_SUFFIX}") for m in found],
+                       TensorShapes(all_shapes), edit="fused", op="BatchNorm")
+
+
+class _Writer:
+    """Writes the fused kernels into the copy of the graph (the top graph's
+    NodeDefs), recording every NodeDef written and the new shapes."""
+
+    def __init__(self, graph_def: graph_pb2.GraphDef, shapes: dict):
+        self.graph_def = graph_def
+        self.node_defs = {n.name: n for n in graph_def.node}
+        self.shapes = dict(shapes)
+        self.written: dict[str, object] = {}
+        self.removed: set[str] = set()
+
+    def fuse(self, m: _Match) -> None:
         n, h, w, c = m.shape
         fused = f"{m.output}{_SUFFIX}"
-        device = node_defs[m.output].device
-        const(f"{fused}/channels", np.array([c], np.int32), types_pb2.DT_INT32)
-        const(f"{fused}/statistic_shape", np.array([1, 1, 1, c], np.int32),
-              types_pb2.DT_INT32)
-        const(f"{fused}/empty", np.zeros([0], np.float32), types_pb2.DT_FLOAT)
-        if min(n, h, w) > 0:
-            samples = n * h * w
-            const(f"{fused}/unbiased", np.array((samples - 1) / samples, np.float32),
-                  types_pb2.DT_FLOAT)
-        else:  # (an open batch: 1 - C / size(x), computed where the step runs)
-            float_attrs = {"T": type_attr(types_pb2.DT_FLOAT)}
-            add(f"{fused}/size", "Size", {"T": type_attr(types_pb2.DT_FLOAT),
-                                          "out_type": type_attr(types_pb2.DT_INT64)},
-                [m.x], (), device=device)
-            add(f"{fused}/samples", "Cast", {
-                "SrcT": type_attr(types_pb2.DT_INT64), "DstT": type_attr(types_pb2.DT_FLOAT),
-                "Truncate": bool_attr(False)}, [f"{fused}/size"], (), device=device)
-            const(f"{fused}/one", np.array(1.0, np.float32), types_pb2.DT_FLOAT)
-            const(f"{fused}/channels_f", np.array(float(c), np.float32), types_pb2.DT_FLOAT)
-            add(f"{fused}/one_sample", "RealDiv", float_attrs,
-                [f"{fused}/channels_f", f"{fused}/samples"], (), device=device)
-            add(f"{fused}/unbiased", "Sub", float_attrs,
-                [f"{fused}/one", f"{fused}/one_sample"], (), device=device)
-        vector_attrs = {"T": type_attr(types_pb2.DT_FLOAT),
-                        "Tshape": type_attr(types_pb2.DT_INT32)}
+        device = self.node_defs[m.output].device
+        add, const = self._add, self._const
+        const(f"{fused}/channels", np.array([c], np.int32))
+        const(f"{fused}/statistic_shape", np.array([1, 1, 1, c], np.int32))
+        const(f"{fused}/empty", np.zeros([0], np.float32))
+        self._unbiased(m, fused, device)
         for role, source, missing in (("scale", m.scale, 1.0), ("offset", m.offset, 0.0)):
             if source is None:  # (a layer without gamma / beta: ones / zeros)
-                const(f"{fused}/{role}", np.full([c], missing, np.float32),
-                      types_pb2.DT_FLOAT)
+                const(f"{fused}/{role}", np.full([c], missing, np.float32))
             else:
-                add(f"{fused}/{role}", "Reshape", vector_attrs,
+                add(f"{fused}/{role}", "Reshape", {"T": _FLOAT, "Tshape": _INT32},
                     [source, f"{fused}/channels"], (c,), device=device)
         add(fused, "FusedBatchNormV3", {
-            "T": type_attr(types_pb2.DT_FLOAT), "U": type_attr(types_pb2.DT_FLOAT),
-            "epsilon": attr_value_pb2.AttrValue(f=m.epsilon),
+            "T": _FLOAT, "U": _FLOAT, "epsilon": attr_value_pb2.AttrValue(f=m.epsilon),
             "exponential_avg_factor": attr_value_pb2.AttrValue(f=1.0),
             "data_format": attr_value_pb2.AttrValue(s=b"NHWC"),
             "is_training": bool_attr(True)},
             [m.x, f"{fused}/scale", f"{fused}/offset", f"{fused}/empty", f"{fused}/empty"],
             m.shape, (c,), (c,), (c,), (c,), None, device=device)  # (reserve space 3: opaque)
-        add(f"{fused}/biased_variance", "Mul", {"T": type_attr(types_pb2.DT_FLOAT)},
+        add(f"{fused}/biased_variance", "Mul", {"T": _FLOAT},
             [f"{fused}:2", f"{fused}/unbiased"], (c,), device=device)
-        reshape(node_defs[m.mean], f"{fused}:1", f"{fused}/statistic_shape", (1, 1, 1, c))
-        reshape(node_defs[m.variance], f"{fused}/biased_variance",
-                f"{fused}/statistic_shape", (1, 1, 1, c))
-        output_def = node_defs[m.output]
-        output_shapes = copy_message(output_def.attr["_output_shapes"])
-        rewrite_node(output_def, "Identity", {"T": type_attr(types_pb2.DT_FLOAT)}, [fused])
-        output_def.attr["_output_shapes"].CopyFrom(output_shapes)
-        written[m.output] = output_def
-        removed.update(m.removable)
+        # The Means are views of the fused kernel's statistics; y's node of its y.
+        for node, source in ((m.mean, f"{fused}:1"), (m.variance, f"{fused}/biased_variance")):
+            self._rewrite(node, "Reshape", {"T": _FLOAT, "Tshape": _INT32},
+                          [source, f"{fused}/statistic_shape"], (1, 1, 1, c))
+        self._rewrite(m.output, "Identity", {"T": _FLOAT}, [fused], tuple(m.shape))
+        self.removed.update(m.removable)
         for reader, index in m.shape_readers:
-            reader_def = written[reader] = node_defs[reader]
+            reader_def = self.written[reader] = self.node_defs[reader]
             reader_def.input[index] = m.x
-    for name in removed:
-        written[name] = None
-        for index in range(len(view.bodies[0].nodes[name].outputs)):
-            new_shapes.pop(TensorRef(name, index), None)
-    kept = [n for n in new_graph_def.node if n.name not in removed]
-    del new_graph_def.node[:]
-    new_graph_def.node.extend(kept)
-    all_shapes = dict(shapes.shapes)
-    all_shapes[top.name] = new_shapes
-    return EditedGraph(new_graph_def, {top.name: written},
-                       [(top.name, m.output, f"{m.output}{_SUFFIX}") for m in found],
-                       TensorShapes(all_shapes), edit="fused", op="BatchNorm")
+
+    def _unbiased(self, m: _Match, fused: str, device: str) -> None:
+        """(n - 1) / n for n values per channel: the kernel's batch variance
+        carries Bessel's correction n / (n - 1), the layer's does not."""
+        n, h, w, c = m.shape
+        if min(n, h, w) > 0:
+            self._const(f"{fused}/unbiased", np.array((n * h * w - 1) / (n * h * w),
+                                                      np.float32))
+            return
+        # An open size: 1 - C / size(x), computed where the step runs.
+        self._add(f"{fused}/size", "Size", {"T": _FLOAT, "out_type": _INT64}, [m.x], (),
+                  device=device)
+        self._add(f"{fused}/samples", "Cast", {"SrcT": _INT64, "DstT": _FLOAT,
+                                               "Truncate": bool_attr(False)},
+                  [f"{fused}/size"], (), device=device)
+        self._const(f"{fused}/one", np.array(1.0, np.float32))
+        self._const(f"{fused}/channels_f", np.array(float(c), np.float32))
+        self._add(f"{fused}/one_sample", "RealDiv", {"T": _FLOAT},
+                  [f"{fused}/channels_f", f"{fused}/samples"], (), device=device)
+        self._add(f"{fused}/unbiased", "Sub", {"T": _FLOAT},
+                  [f"{fused}/one", f"{fused}/one_sample"], (), device=device)
+
+    def _add(self, name: str, op: str, attrs: dict, inputs: list[str], *output_dims,
+             device: str = "") -> None:
+        node_def = self.graph_def.node.add()
+        node_def.name = name
+        node_def.device = device
+        self._set(node_def, op, attrs, inputs, output_dims)
+
+    def _const(self, name: str, value: np.ndarray) -> None:
+        dtype = types_pb2.DT_INT32 if value.dtype == np.int32 else types_pb2.DT_FLOAT
+        self._add(name, "Const", {"dtype": type_attr(dtype), "value": attr_value_pb2.AttrValue(
+            tensor=tensor_util.make_tensor_proto(value))}, [], value.shape)
+
+    def _rewrite(self, name: str, op: str, attrs: dict, inputs: list[str], dims) -> None:
+        self._set(self.node_defs[name], op, attrs, inputs, (dims,))
+
+    def _set(self, node_def, op: str, attrs: dict, inputs: list[str], output_dims) -> None:
+        rewrite_node(node_def, op, attrs, inputs)
+        for index, dims in enumerate(output_dims):
+            add_output_shape(node_def, dims)
+            if dims is not None:
+                self.shapes[TensorRef(node_def.name, index)] = tuple(dims)
+        self.written[node_def.name] = node_def
 
 
 def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | None:
