@@ -193,10 +193,10 @@ class RewriteReport:
         phrases = []
         for edits, suffix in (
                 ((("fused", "{n} batch normalisation{s} (moments and normalise) computed "
-                            "as one FusedBatchNormV3 each"),),
+                            "as one FusedBatchNormV3{each}"),),
                  " (the same statistics in another order)"),
                 ((("contracted", "{n} weight-gradient sum{s} over examples computed as "
-                                 "one MatMul each"),), " (the same sums in another order)"),
+                                 "one MatMul{each}"),), " (the same sums in another order)"),
                 ((("moved", "{n} scaling{s} ({ops}) moved before {its} broadcast{s}"),
                   ("dropped", "{n} broadcast{s} ({ops}) left to the op that reads {it}")),
                  " (values unchanged)")):
@@ -207,6 +207,7 @@ class RewriteReport:
                 n = sum(ops.values())
                 if n:
                     parts.append(text.format(n=f"{n:,}", s="" if n == 1 else "s",
+                                             each="" if n == 1 else " each",
                                              it="it" if n == 1 else "them",
                                              its="its" if n == 1 else "their", ops=", ".join(
                                                  f"{op} x{k}" for op, k in ops.most_common())))
