@@ -381,13 +381,12 @@ def test_batchnorm_step_matches_float32_where_squares_overflow_float16(runtime):
 def test_a_count_is_read_from_a_constant_of_any_float_type(dtype):
     """The divisor that makes a sum a mean is read by value, also from a 16-bit
     Const (which a GraphDef stores as its bits)."""
-    from tfamp.rewrite import coloring
-    from tfamp.rewrite.graph import build_view
+    from tfamp.rewrite.graph import build_view, scalar_constant
 
     graph_def = tf.function(lambda: tf.constant(1568.0, dtype, name="count")
                             ).get_concrete_function().graph.as_graph_def()
     node = build_view(graph_def).bodies[0].nodes["count"]
-    assert coloring._scalar_constant(node) == 1568.0
+    assert scalar_constant(node) == 1568.0
 
 
 def _dense_step():

@@ -43,7 +43,6 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from tensorflow.core.framework import types_pb2
-from tensorflow.python.framework import tensor_util
 
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
@@ -53,7 +52,7 @@ from tfamp.oplists import (
 from tfamp.rewrite import boundaries, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import (
-    DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name)
+    DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name, scalar_constant)
 from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
 from tfamp.rewrite.traffic import CONSTANT_OPS, NO_COPY_OPS
 
@@ -98,8 +97,6 @@ _MAX_REGION = 32
 # rules after a statistic hold what needs float32); it only tells the small
 # tensors that stay float32 with a statistic from the big ones that read it.
 _STATISTIC_RATIO = 2
-_FLOAT_CONSTS = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF,
-                           types_pb2.DT_BFLOAT16})
 
 
 class Decision(NamedTuple):
@@ -1615,22 +1612,10 @@ def _scales_down_by(node, nodes: dict, terms: float) -> bool:
     0 < |c| <= 1 / `terms`?"""
     if node.op not in ("RealDiv", "Mul") or len(node.data_inputs) != 2:
         return False
-    values = [_scalar_constant(nodes.get(ref.node)) for ref, _ in node.data_inputs]
+    values = [scalar_constant(nodes.get(ref.node)) for ref, _ in node.data_inputs]
     if node.op == "RealDiv":
         return values[1] is not None and values[1] >= terms * (1 - 1e-6)
     return any(v is not None and 0 < abs(v) <= (1 + 1e-6) / terms for v in values)
-
-
-def _scalar_constant(node) -> float | None:
-    """The value of a float Const of shape [], else None."""
-    if node is None or node.op != "Const":
-        return None
-    tensor = node.node_def.attr["value"].tensor
-    if tensor.tensor_shape.dim or tensor.dtype not in _FLOAT_CONSTS:
-        return None
-    # (MakeNdarray: a float16/bfloat16 value is stored as its bits in half_val)
-    value = tensor_util.MakeNdarray(tensor).reshape(-1)
-    return float(value[0]) if value.size else None
 
 
 def _smaller(elements: tuple[int, int], than: tuple[int, int]) -> bool:

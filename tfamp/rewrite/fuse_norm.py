@@ -65,7 +65,7 @@ from tensorflow.python.framework import tensor_util
 
 from tfamp.oplists import METADATA_OPS
 from tfamp.rewrite import scopes
-from tfamp.rewrite.graph import Body, GraphView, TensorRef
+from tfamp.rewrite.graph import Body, GraphView, TensorRef, scalar_constant
 from tfamp.rewrite.node_edits import (
     TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, rewrite_node, type_attr)
 from tfamp.rewrite.shapes import TensorShapes
@@ -338,7 +338,8 @@ def _normalisation(body: Body, shapes: dict, normalised: str, inv: TensorRef, me
         return None
     epsilon = None
     for ref, _ in nodes[plus.node].data_inputs:
-        value = _scalar_constant(body, ref)
+        source = _through_views(body, ref)
+        value = None if source.is_arg else scalar_constant(body.nodes.get(source.node))
         if value is not None:
             epsilon = value
         elif _through_views(body, ref) != TensorRef(variance, 0):
@@ -443,8 +444,3 @@ def _constant(body: Body, ref: TensorRef) -> np.ndarray | None:
     return tensor_util.MakeNdarray(node.node_def.attr["value"].tensor)
 
 
-def _scalar_constant(body: Body, ref: TensorRef) -> float | None:
-    value = _constant(body, _through_views(body, ref))
-    if value is None or value.size != 1 or value.dtype.kind != "f":
-        return None
-    return float(value.reshape(()))

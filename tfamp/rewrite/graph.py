@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from tensorflow.core.framework import graph_pb2, op_def_pb2, types_pb2
-from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import op_def_registry, tensor_util
 
 DT_FLOAT = types_pb2.DT_FLOAT
 DT_HALF = types_pb2.DT_HALF
@@ -613,3 +613,19 @@ def _called_functions(node_def, recipe: _OpRecipe | None) -> list[str]:
                 called.append(value.func.name)
             called.extend(f.name for f in value.list.func)
     return called
+
+
+_FLOAT_CONSTS = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT_HALF,
+                           types_pb2.DT_BFLOAT16})
+
+
+def scalar_constant(node: Node | None) -> float | None:
+    """The value of a float Const of shape [], else None."""
+    if node is None or node.op != "Const":
+        return None
+    tensor = node.node_def.attr["value"].tensor
+    if tensor.tensor_shape.dim or tensor.dtype not in _FLOAT_CONSTS:
+        return None
+    # (MakeNdarray: a float16/bfloat16 value is stored as its bits in half_val)
+    value = tensor_util.MakeNdarray(tensor).reshape(-1)
+    return float(value[0]) if value.size else None
