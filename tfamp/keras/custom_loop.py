@@ -425,12 +425,13 @@ def take_pending():
     return pending.pop(0) if pending else None
 
 
-def update_owner_scale(owner, flags) -> None:
+def update_owner_scale(owner, flags, *, count_skipped: bool = True) -> None:
     """Updates `owner`'s scale state after a step whose gradient flags are `flags`."""
     if hasattr(owner, "_update_state"):  # tfamp's Keras 3 loss-scale optimizer
-        owner._update_state(flags)
+        owner._update_state(flags, count_skipped=count_skipped)
         return
-    getattr(owner, "_loss_scale", owner).update_from_flags(flags)  # tf_keras, or a state
+    # tf_keras, or a state
+    getattr(owner, "_loss_scale", owner).update_from_flags(flags, count_skipped=count_skipped)
 
 
 def install_patches() -> None:
@@ -502,7 +503,7 @@ def _patch_tf_keras_optimizer() -> None:
             return original(self, grads_and_vars, *args, **kwargs)
         return scale_update.apply_gradients_if_finite(
             self, original, grads_and_vars, args, kwargs,
-            functools.partial(update_owner_scale, owner))
+            functools.partial(update_owner_scale, owner), skipped_steps=owner.skipped_steps)
 
     optimizer_class.apply_gradients = apply_gradients
 
@@ -528,7 +529,8 @@ def _patch_keras3_optimizer() -> None:
         if owner is None:
             return original(self, grads, trainable_variables)
         scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,
-                                            functools.partial(update_owner_scale, owner))
+                                            functools.partial(update_owner_scale, owner),
+                                            skipped_steps=owner.skipped_steps)
         return None
 
     optimizer_class.apply = apply

@@ -99,11 +99,15 @@ class _ScaleState(keras_lso._DynamicLossScaleState):
         finite, group = self.update_from_flags(flags)
         return group, finite
 
-    def update_from_flags(self, flags):
-        """The scale rules for a step whose gradient flags are `flags`: (finite, updates)."""
+    def update_from_flags(self, flags, *, count_skipped: bool = True):
+        """The scale rules for a step whose gradient flags are `flags`: (finite, updates).
+
+        `count_skipped` False: the caller's skip branch counts skipped steps.
+        """
         return update_scale(
             flags, scale=self.current_loss_scale, good_steps=self.counter,
-            skipped_steps=self.skipped_steps, floor_skips=self.floor_skips,
+            skipped_steps=self.skipped_steps if count_skipped else None,
+            floor_skips=self.floor_skips,
             first_nonfinite=self.first_nonfinite, dynamic=self.is_dynamic,
             growth_interval=self.growth_steps, min_scale=self.min_scale)
 

@@ -259,11 +259,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._variable_names = [v.path for g, v in zip(grads, variables, strict=True)
                                 if g is not None]
         apply_if_finite(grads, lambda g: self.inner_optimizer.apply(g, trainable_variables),
-                        self._update_state)
+                        self._update_state, skipped_steps=self.skipped_steps)
 
-    def _update_state(self, flags):
+    def _update_state(self, flags, *, count_skipped: bool = True):
         update_scale(flags, scale=self.dynamic_scale, good_steps=self.step_counter,
-                     skipped_steps=self.skipped_steps, floor_skips=self.floor_skips,
+                     skipped_steps=self.skipped_steps if count_skipped else None,
+                     floor_skips=self.floor_skips,
                      first_nonfinite=self.first_nonfinite, dynamic=self.is_dynamic,
                      growth_interval=int(self.dynamic_growth_steps),
                      min_scale=self.min_scale)

@@ -9,7 +9,9 @@ can use it for tf_keras and Keras 3 optimizers alike:
 * ``apply_if_finite``: run an optimizer update only when every gradient is
   finite on every replica, from a replica context (with ``merge_call`` where
   the strategy needs it: an optimizer's update calls ``merge_call`` itself,
-  which a ``tf.cond`` in a replica context cannot contain);
+  which a ``tf.cond`` in a replica context cannot contain). Its skip branch
+  counts the skipped step: a branch with work of its own is what lets XLA
+  turn the conditional into selects (see ``apply_if_finite``);
 * what the tape patches ask of a ``tape.gradient`` target: ``is_scalar_float``
   (a loss), and whether a loss-scale optimizer scaled it already
   (``mark_scaled`` / ``is_scaled``: tfamp's and Keras's own optimizers mark the
@@ -107,11 +109,15 @@ def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_
                  dynamic: bool, growth_interval: int, min_scale: float):
     """Updates the scale state after a step whose gradient flags are `flags`.
 
-    Every state argument is a variable (tf.Variable or keras.Variable). Call it
-    once per step: in a cross-replica context, or with no strategy. Written as
-    selects, not ``tf.cond``: every variable is assigned its new value (the old
-    one where nothing changes), so the step's only conditional is apply-or-skip.
-    Under XLA each conditional of the step costs a round trip that drains the GPU.
+    Every state argument is a variable (tf.Variable or keras.Variable), except
+    `skipped_steps`, which may be None when the caller's skip branch counts
+    skipped steps itself (``apply_if_finite``). Call it once per step: in a
+    cross-replica context, or with no strategy. Written as selects, not
+    ``tf.cond``: every variable is assigned its new value (the old one where
+    nothing changes), so the step's only conditional is apply-or-skip, and
+    that one XLA turns into selects too (``apply_if_finite``). Under XLA:GPU a
+    conditional left in the step copies its predicate to the host and waits
+    for it, once per step.
 
     Returns:
       (all gradients finite, the group of assignments).
@@ -132,17 +138,18 @@ def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_
         floor = tf.cast(tf.convert_to_tensor(floor_skips), tf.int64)
         new_floor = tf.where(finite, tf.zeros_like(floor),
                              tf.where(current <= min_scale, floor + 1, tf.zeros_like(floor)))
-        skipped = tf.cast(tf.convert_to_tensor(skipped_steps), tf.int64)
-        new_skipped = skipped + tf.cast(tf.logical_not(finite), tf.int64)
         new_first = tf.where(finite, tf.cast(tf.convert_to_tensor(first_nonfinite), tf.int32),
                              first_bad_indices(flags))
         updates = [
             scale.assign(tf.cast(new_scale, scale.dtype)),
             good_steps.assign(tf.cast(new_good, good_steps.dtype)),
             floor_skips.assign(tf.cast(new_floor, floor_skips.dtype)),
-            skipped_steps.assign(tf.cast(new_skipped, skipped_steps.dtype)),
             first_nonfinite.assign(tf.cast(new_first, first_nonfinite.dtype)),
         ]
+        if skipped_steps is not None:
+            skipped = tf.cast(tf.convert_to_tensor(skipped_steps), tf.int64)
+            new_skipped = skipped + tf.cast(tf.logical_not(finite), tf.int64)
+            updates.append(skipped_steps.assign(tf.cast(new_skipped, skipped_steps.dtype)))
         group = tf.group(*[u for u in updates if isinstance(u, (tf.Operation, tf.Tensor))])
     return finite, group
 
@@ -184,16 +191,29 @@ def seed(target, scale):
         return tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
 
 
-def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
+def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable, *, skipped_steps,
                     skip_fn: Callable | None = None) -> None:
     """Calls ``apply_fn(grads)`` if every gradient is finite on every replica.
+
+    The skip branch adds one to `skipped_steps` (then calls `skip_fn`), so
+    `update_fn` is told not to count skipped steps (``count_skipped=False``).
+    Why the count sits in the branch: XLA's conditional simplifier turns a
+    two-branch conditional whose branches hold only element-wise and cheap
+    ops into selects, unless one branch is empty (only parameters and
+    tuples), which it deems cheaper than a select. A skip branch that only
+    returns its inputs kept the conditional, and with it a predicate copied to
+    the host and waited for once per step on a GPU; with the count in it,
+    a momentum or Adam step compiles to selects like Keras's own
+    loss-scaled step (measured: BUILD_NOTES.md, session 12).
 
     Args:
       grads: this replica's gradients (None entries allowed).
       apply_fn: the optimizer update, called with each replica's own gradients.
-      update_fn: called once per step with the all-reduced flags (scale update).
-      skip_fn: called instead of `apply_fn` on a non-finite step (e.g. to count
-        ``iterations``); optional.
+      update_fn: called once per step as ``update_fn(flags, count_skipped=False)``
+        with the all-reduced flags (the scale update).
+      skipped_steps: the owner's skipped-step counter (a variable).
+      skip_fn: called too on a non-finite step (e.g. to count ``iterations``);
+        optional.
     """
     grads = list(grads)
     flags = all_reduce_flags(finite_flags(grads))
@@ -207,6 +227,8 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
         fn(*args)
 
     def skip():
+        with loss_scale_ops():  # a branch is a graph of its own: mark again
+            skipped_steps.assign_add(tf.ones([], skipped_steps.dtype))
         if skip_fn is not None:
             skip_fn()
 
@@ -218,7 +240,7 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
                 skip()
         else:
             tf.cond(finite, lambda: run(apply_fn, grads), skip)
-        update_fn(flags)
+        update_fn(flags, count_skipped=False)
         return
 
     def cross_replica(distribution, flags, grads):
@@ -230,13 +252,13 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable,
         with loss_scale_ops():
             finite = tf.reduce_all(flags)
         tf.cond(finite, apply, skip)
-        update_fn(flags)
+        update_fn(flags, count_skipped=False)
 
     context.merge_call(cross_replica, args=(flags, grads))
 
 
 def apply_gradients_if_finite(optimizer, original: Callable, grads_and_vars, args, kwargs,
-                              update_fn: Callable):
+                              update_fn: Callable, *, skipped_steps):
     """A tf_keras ``apply_gradients`` (`original`) that skips a non-finite step.
 
     Builds the optimizer first, so its slots exist before the conditional
@@ -258,12 +280,13 @@ def apply_gradients_if_finite(optimizer, original: Callable, grads_and_vars, arg
     def skip():
         optimizer.iterations.assign_add(1)
 
-    apply_if_finite([g for g, _ in grads_and_vars], apply, update_fn, skip)
+    apply_if_finite([g for g, _ in grads_and_vars], apply, update_fn,
+                    skipped_steps=skipped_steps, skip_fn=skip)
     return optimizer.iterations
 
 
 def apply_keras3_if_finite(optimizer, original: Callable, grads, trainable_variables,
-                           update_fn: Callable) -> None:
+                           update_fn: Callable, *, skipped_steps) -> None:
     """A Keras 3 ``apply`` (`original`) that skips a non-finite step.
 
     Builds the optimizer first, so its variables exist before the conditional
@@ -275,4 +298,5 @@ def apply_keras3_if_finite(optimizer, original: Callable, grads, trainable_varia
         if not optimizer.built:
             with tf.init_scope():
                 optimizer.build(trainable_variables)
-    apply_if_finite(grads, lambda g: original(optimizer, g, trainable_variables), update_fn)
+    apply_if_finite(grads, lambda g: original(optimizer, g, trainable_variables), update_fn,
+                    skipped_steps=skipped_steps)

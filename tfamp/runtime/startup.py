@@ -459,7 +459,8 @@ def _patch_keras3_apply(active: _Activation) -> None:
                 or getattr(self, loss_scale3.INNER_MARK, False)):
             return original(self, grads, trainable_variables)
         scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,
-                                            functools.partial(_update_process_scale, active))
+                                            functools.partial(_update_process_scale, active),
+                                            skipped_steps=_scale_state(active).skipped_steps)
         return None
 
     optimizer_class.apply = apply
@@ -477,14 +478,15 @@ def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib)
 
         return scale_update.apply_gradients_if_finite(
             self, original, grads_and_vars, args, kwargs,
-            functools.partial(_update_process_scale, active))
+            functools.partial(_update_process_scale, active),
+            skipped_steps=_scale_state(active).skipped_steps)
 
     optimizer_class.apply_gradients = apply_gradients
 
 
-def _update_process_scale(active: _Activation, flags) -> None:
+def _update_process_scale(active: _Activation, flags, *, count_skipped: bool = True) -> None:
     """The custom-loop (process-wide) scale after a step with gradient `flags`."""
-    _scale_state(active).update_from_flags(flags)
+    _scale_state(active).update_from_flags(flags, count_skipped=count_skipped)
 
 
 def _is_loss_scale_optimizer(optimizer) -> bool:
