@@ -191,6 +191,10 @@ class _Exporter:
         chosen = ranking[:count]
         final = self.attempt(attempt.config.replace(keep_fp32=(
             *base, *(locate.keep_pattern(layer, node) for layer, node, _ in chosen))))
+        allow = final.config.op_lists.allow
+        if not any(op in allow for entry in final.rewritten.values()
+                   for op in entry.report.converted):
+            return attempt, []  # no matrix op left in 16-bit: nothing worth exporting
         kept = [locate.Kept(locate.keep_pattern(layer, node), layer,
                             f"adds {gain:.2%} relative error in {attempt.config.dtype} "
                             f"(ranked {rank + 1} of {len(ranking)} converted layers)",

@@ -178,7 +178,10 @@ def _gathered_rows(flow: Flow, start: TensorRef, rows_of_read) -> list[int]:
         seen.add((where, ref))
         for use in flow.uses(where, ref).reads:
             node = flow.bodies[use.body].nodes[use.node]
-            if node.op in _INDEX_COPIES and use.index == 0:
+            # (Keras 3's Embedding wraps negative ids: select(ids < 0, ids + n, ids))
+            if (node.op in _INDEX_COPIES and use.index == 0) or (
+                    node.op in ("Select", "SelectV2") and use.index in (1, 2)) or (
+                    node.op in ("Add", "AddV2")):
                 pending.append((use.body, TensorRef(use.node, 0)))
             elif node.op == "ResourceGather" and use.index == 1:
                 if (use.body, use.node) in rows_of_read:

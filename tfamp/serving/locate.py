@@ -235,33 +235,59 @@ def error_ranking(concrete, graph_def, report: RewriteReport, body: ModelBody,
         if layer not in added or gain > added[layer][0]:
             added[layer] = (gain, name)
     ranked = sorted(added.items(), key=lambda kv: -kv[1][0])
-    return [(layer, node, gain) for layer, (gain, node) in ranked]
+    # A layer whose error jumps (a cancellation, a sum of large terms) needs the
+    # precision of its inputs too: the converted layers feeding its worst node
+    # follow it in the ranking, before the next worst layer.
+    ordered: dict[str, tuple[str, float]] = {}
+    for layer, (gain, node) in ranked:
+        ordered.setdefault(layer, (node, gain))
+        for ref, _ in body_view.nodes[node].data_inputs:
+            feeder = _converted_producer(body_view, ref, errors)
+            if feeder is not None:
+                ordered.setdefault(layer_of(feeder), (feeder, added.get(
+                    layer_of(feeder), (0.0, feeder))[0]))
+    return [(layer, node, gain) for layer, (node, gain) in ordered.items()]
+
+
+def _converted_producer(body_view, ref, errors: dict[str, float]) -> str | None:
+    """The converted node a data input comes from, looking through a few
+    unconverted ops that do no arithmetic (Identity, Reshape, ...)."""
+    for _ in range(8):
+        if ref.is_arg or ref.node not in body_view.nodes:
+            return None
+        if ref.node in errors:
+            return ref.node
+        node = body_view.nodes[ref.node]
+        if node.op not in ("Identity", "Reshape", "Cast", "ExpandDims", "Squeeze") or (
+                not node.data_inputs):
+            return None
+        ref = node.data_inputs[0][0]
+    return None
 
 
 def bisect(ranking: list[tuple[str, str, float]],
            passes: Callable[[list[str]], bool]) -> tuple[int | None, int]:
     """The shortest prefix of `ranking` whose layers, kept float32, pass.
 
+    A prefix that is the whole ranking is no answer (nothing would be left in
+    16-bit in that body): the search then fails.
+
     Args:
       ranking: (layer, node, error added), worst first.
       passes: evaluates a list of keep_fp32 patterns (one 16-bit evaluation).
 
     Returns:
-      (prefix length, or None when even the whole ranking fails; evaluations made).
+      (prefix length, or None when no shorter prefix than the whole ranking
+      passes; evaluations made).
     """
     patterns = [keep_pattern(layer, node) for layer, node, _ in ranking]
-    low, high = 0, len(patterns)   # low: known to fail; high: assumed to pass
+    low, high = 0, len(patterns)   # low: known to fail; high: passes, or the whole ranking
     evaluations = 0
-    verified = False
     while high - low > 1:
         middle = (low + high) // 2
         evaluations += 1
         if passes(patterns[:middle]):
-            high, verified = middle, True
+            high = middle
         else:
             low = middle
-    if not verified and high:
-        evaluations += 1
-        if not passes(patterns[:high]):
-            return None, evaluations
-    return (high if high else None), evaluations
+    return (high if high < len(patterns) else None), evaluations
