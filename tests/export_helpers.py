@@ -99,3 +99,34 @@ def overflow_model():
     h = keras.layers.LayerNormalization(name="norm")(h)
     h = keras.layers.Dense(16, activation="relu", name="hidden")(h)
     return keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+
+
+def bert_style_encoder(vocab: int = 500, length: int = 16, hidden: int = 64, heads: int = 4,
+                       layers: int = 2, seed: int = 0):
+    """A small BERT-style encoder from Keras 3 layers, shaped like keras-hub's
+    BertBackbone: token_ids, segment_ids and padding_mask in; sequence_output and
+    pooled_output out (random weights)."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    token_ids = keras.Input((length,), dtype="int32", name="token_ids")
+    segment_ids = keras.Input((length,), dtype="int32", name="segment_ids")
+    padding_mask = keras.Input((length,), dtype="int32", name="padding_mask")
+    positions = keras.ops.arange(length)
+    h = (keras.layers.Embedding(vocab, hidden, name="token_embedding")(token_ids)
+         + keras.layers.Embedding(length, hidden, name="position_embedding")(positions)[None]
+         + keras.layers.Embedding(2, hidden, name="segment_embedding")(segment_ids))
+    h = keras.layers.LayerNormalization(epsilon=1e-12, name="embeddings_layer_norm")(h)
+    mask = keras.ops.cast(padding_mask, "bool")[:, None, :]
+    for i in range(layers):
+        attention = keras.layers.MultiHeadAttention(heads, hidden // heads,
+                                                    name=f"layer_{i}_attention")
+        a = attention(h, h, attention_mask=mask)
+        h = keras.layers.LayerNormalization(epsilon=1e-12, name=f"layer_{i}_attention_norm")(h + a)
+        f = keras.layers.Dense(4 * hidden, activation="gelu", name=f"layer_{i}_ffn_in")(h)
+        f = keras.layers.Dense(hidden, name=f"layer_{i}_ffn_out")(f)
+        h = keras.layers.LayerNormalization(epsilon=1e-12, name=f"layer_{i}_ffn_norm")(h + f)
+    pooled = keras.layers.Dense(hidden, activation="tanh", name="pooled_dense")(h[:, 0])
+    return keras.Model({"token_ids": token_ids, "segment_ids": segment_ids,
+                        "padding_mask": padding_mask},
+                       {"sequence_output": h, "pooled_output": pooled})
