@@ -143,7 +143,9 @@ def _index_rows(signature: Signature) -> dict[str, int]:
     graph = signature.function.graph
     captured = {id(internal) for _, internal in graph.captures}
     arguments = [t for t in graph.inputs if id(t) not in captured]
-    names = list(signature.input_specs)
+    # the graph's argument placeholders follow the flat (keyword) call order
+    names = list(getattr(signature.function, "_arg_keywords", None) or
+                 sorted(signature.input_specs))
     if len(arguments) != len(names):
         return {}
     view = build_view(graph.as_graph_def(add_shapes=True))
