@@ -26,6 +26,7 @@ _EXPORTS = {
     "check_graph_def": "tfamp.rewrite.check",
     "disable": "tfamp.keras.activation",
     "enable": "tfamp.keras.activation",
+    "export": "tfamp.serving.api",
     "function": "tfamp.runtime.runner",
     "rewrite_concrete_function": "tfamp.runtime.runner",
     "rewrite_function": "tfamp.runtime.runner",
@@ -44,6 +45,7 @@ __all__ = [
     "check_graph_def",
     "disable",
     "enable",
+    "export",
     "function",
     "rewrite_concrete_function",
     "rewrite_function",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from tfamp.rewrite.report import RewriteReport
     from tfamp.rewrite.pipeline import rewrite_graph_def
     from tfamp.runtime.runner import function, rewrite_concrete_function, rewrite_function
+    from tfamp.serving.api import export
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ _EPILOG = """examples:
   tfamp inspect graph.pbtxt --dtype bfloat16 --format json
   tfamp inspect report.json           render a saved tfamp report again
   tfamp rewrite model.keras -o step_amp.pb   write the rewritten graph (for tfamp diff)
+  tfamp export saved_model_dir -o served     a 16-bit SavedModel for serving, checked
   tfamp run train.py --epochs 3       run a script with mixed precision on
 """
 
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("after", help="a GraphDef file (.pb or .pbtxt)")
     diff.add_argument("--format", choices=["text", "json"], default="text")
 
+    _add_export_command(commands)
+
     run = commands.add_parser(
         "run", help="run a Python script with mixed precision on (as TFAMP_ENABLE=1)",
         epilog="examples:\n  tfamp run train.py --epochs 3\n"
@@ -122,6 +125,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_export_command(commands) -> None:
+    export = commands.add_parser(
+        "export", help="write a mixed-precision SavedModel for serving, checked against "
+                       "float32",
+        epilog="examples:\n  tfamp export saved_model_dir -o served_fp16\n"
+               "  tfamp export model.keras -o served_bf16 --dtype bfloat16\n"
+               "  tfamp export saved_model_dir -o served --inputs batch.npz --tolerance 0.02\n"
+               "  tfamp export saved_model_dir -o served --format json --overwrite",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    export.add_argument("path", metavar="SRC",
+                        help="a SavedModel directory or a Keras model file (.keras, .h5)")
+    export.add_argument("-o", "--output", required=True, metavar="DST",
+                        help="the SavedModel folder to write")
+    export.add_argument("--signature", dest="signatures", action="append", default=[],
+                        metavar="NAME", help="export this signature (repeatable; default: all)")
+    export.add_argument("--inputs", action="append", default=[], metavar="FILE.npz",
+                        help="a batch to check on, arrays keyed by input name (repeatable; "
+                             "default: random inputs of the signature's shapes)")
+    export.add_argument("--tolerance", type=_positive_float, metavar="REL",
+                        help="largest relative error accepted per output (default: 0.0078 "
+                             "for float16, 0.0625 for bfloat16)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace DST if it is a SavedModel")
+    export.add_argument("--batch-size", type=_positive_int, default=2, metavar="N",
+                        help="open batch dimension of random inputs (2)")
+    export.add_argument("--length", type=_positive_int, default=16, metavar="N",
+                        help="other open dimensions of random inputs, e.g. sequence "
+                             "length (16)")
+    export.add_argument("--format", choices=["text", "json"], default="text")
+    _add_import_option(export)
+    _add_rewrite_options(export)
+
+
 def _add_model_arguments(command, *, reports: bool = True) -> None:
     """The arguments of commands that read a model and rewrite it (inspect, rewrite)."""
     kinds = "a SavedModel directory, a Keras model file (.keras, .h5), a GraphDef (.pb, .pbtxt)"
@@ -130,10 +166,22 @@ def _add_model_arguments(command, *, reports: bool = True) -> None:
     command.add_argument("--graph", choices=["train", "predict"],
                          help="Keras file: training step (default when saved compiled) or "
                               "forward pass")
+    _add_import_option(command)
+    _add_rewrite_options(command)
+    command.add_argument("--batch-size", type=_positive_int, metavar="N",
+                         help="trace a Keras file at batch N (default 8); also the batch "
+                              "of --ranges' synthetic inputs")
+
+
+def _add_import_option(command) -> None:
     command.add_argument("--import", dest="imports", action="append", default=[],
                          metavar="MODULE",
                          help="import MODULE first, e.g. the package that registers a Keras "
                               "file's custom layers (repeatable)")
+
+
+def _add_rewrite_options(command) -> None:
+    """The rewrite's settings (an AmpConfig): dtype, runtime, keep_fp32, op lists."""
     command.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     command.add_argument("--runtime", choices=["auto", "executor", "xla"], default="auto",
                          help="whose costs place the Casts: TensorFlow's executor (every op "
@@ -147,9 +195,6 @@ def _add_model_arguments(command, *, reports: bool = True) -> None:
                                  help=f"comma-separated op names to {verb} "
                                       f"{'to' if verb == 'add' else 'from'} the "
                                       f"{list_name} list")
-    command.add_argument("--batch-size", type=_positive_int, metavar="N",
-                         help="trace a Keras file at batch N (default 8); also the batch "
-                              "of --ranges' synthetic inputs")
 
 
 def _version() -> str:
@@ -165,6 +210,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -189,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "diff":
             return _diff(args)
+        if args.command == "export":
+            return _export(args)
     except (UserError, GraphFileError) as err:
         print(f"tfamp: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -364,6 +421,26 @@ def _emit(text: str, output: str | None) -> None:
         Path(output).write_text(text + "\n")
     else:
         print(text)
+
+
+def _export(args) -> int:
+    from tfamp.serving.api import export
+    from tfamp.serving.errors import ExportError
+
+    config = _config_from_args(args)
+    _import_modules(args.imports)
+    try:
+        report = export(args.path, args.output, config=config, signatures=args.signatures,
+                        inputs=args.inputs, tolerance=args.tolerance,
+                        overwrite=args.overwrite, batch_size=args.batch_size,
+                        length=args.length)
+    except ExportError as err:
+        report = getattr(err, "report", None)
+        if report is not None:
+            print(report.to_json() if args.format == "json" else report.render_text())
+        raise UserError(str(err)) from None
+    print(report.to_json() if args.format == "json" else report.render_text())
+    return 0
 
 
 def _diff(args) -> int:

@@ -374,3 +374,12 @@ NO_KERNEL_OPS = frozenset({
     "Const", "HostConst", "Placeholder", "PlaceholderWithDefault", "_Arg", "_Retval",
     "VarHandleOp", "ReadVariableOp", "VariableV2", "Variable", "NoOp",
 })
+
+# Ops that only move, select or repeat the elements of their one float input
+# (the other inputs are indices, shapes or permutations). Casting to 16-bit
+# commutes with them exactly, so ``tfamp export`` stores a weight in 16-bit
+# when it reaches 16-bit ops only through these and a Cast, and retypes them.
+VALUE_COPIES = frozenset({
+    "Identity", "Snapshot", "Reshape", "Transpose", "Squeeze", "ExpandDims",
+    "Gather", "GatherV2", "GatherNd", "StridedSlice", "Slice", "Tile", "BroadcastTo",
+})

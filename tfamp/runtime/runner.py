@@ -112,18 +112,46 @@ def rewrite_concrete_function(
         jit_compile=bool(getattr(jit, "b", jit)))
     if check:
         assert_valid_graph_def(new_graph_def)
-    library = _register_renamed_library(new_graph_def, f"_tfamp{next(_rename_counter)}")
-    new_graph = _import_as_func_graph(new_graph_def, old)
+    rewritten = _rebuild(new_graph_def, concrete, {})  # (new_graph_def is ours to consume)
+    log.info("%s", report.summary_line())
+    return rewritten, report
+
+
+def concrete_from_graph_def(graph_def: graph_pb2.GraphDef, concrete: Any, *,
+                            captures: dict[str, Any] | None = None) -> Any:
+    """A ConcreteFunction that runs `graph_def` with `concrete`'s call signature.
+
+    Args:
+      graph_def: `concrete`'s graph or an edit of it (a rewrite) that keeps the
+        names of its argument placeholders, captured placeholders and outputs.
+        Not modified (its library is registered from a copy, under new names).
+      concrete: the traced (or loaded) ConcreteFunction it was made from.
+      captures: captured placeholder name ("unknown_0:0") -> the external
+        tensor to bind it to (e.g. the handle of a new variable); the others
+        are bound to `concrete`'s own captures.
+
+    Returns:
+      a ConcreteFunction taking and returning what `concrete` does.
+    """
+    graph_def_copy = graph_pb2.GraphDef()
+    graph_def_copy.CopyFrom(graph_def)
+    return _rebuild(graph_def_copy, concrete, captures or {})
+
+
+def _rebuild(graph_def: graph_pb2.GraphDef, concrete: Any, captures: dict[str, Any]) -> Any:
+    """concrete_from_graph_def, moving `graph_def`'s library out of it."""
+    library = _register_renamed_library(graph_def, f"_tfamp{next(_rename_counter)}")
+    new_graph = _import_as_func_graph(graph_def, concrete.graph, captures)
     for fn in library:  # the graph's children: saved and compiled along with it
         new_graph._add_function(fn)
-    rewritten = concrete_lib.ConcreteFunction.from_func_graph(
+    attrs = dict(getattr(concrete, "_attrs", {}) or {})
+    rebuilt = concrete_lib.ConcreteFunction.from_func_graph(
         new_graph, concrete.function_type, attrs)
     # Set by tracing, not by from_func_graph: the flat (keyword) call signature
     # that signatures= and SavedModel loading use.
-    rewritten._arg_keywords = concrete._arg_keywords
-    rewritten._num_positional_args = concrete._num_positional_args
-    log.info("%s", report.summary_line())
-    return rewritten, report
+    rebuilt._arg_keywords = concrete._arg_keywords
+    rebuilt._num_positional_args = concrete._num_positional_args
+    return rebuilt
 
 
 def _display_name(graph_name: str) -> str:
@@ -197,11 +225,13 @@ def _rename_attr(key: str, value, names: dict[str, str]) -> None:
         value.s = names[value.s.decode()].encode()
 
 
-def _import_as_func_graph(graph_def: graph_pb2.GraphDef, old) -> func_graph_lib.FuncGraph:
+def _import_as_func_graph(graph_def: graph_pb2.GraphDef, old,
+                          replaced: dict[str, Any]) -> func_graph_lib.FuncGraph:
     new = func_graph_lib.FuncGraph(old.name + "_tfamp")
     with new.as_default():
         importer.import_graph_def(graph_def, name="")
-    external_of = {id(internal): external for external, internal in old.captures}
+    external_of = {id(internal): replaced.get(internal.name, external)
+                   for external, internal in old.captures}
     new.inputs = []
     for placeholder in old.inputs:  # same order: arguments, then captures
         mirror = new.get_tensor_by_name(placeholder.name)
@@ -227,8 +257,15 @@ def _import_as_func_graph(graph_def: graph_pb2.GraphDef, old) -> func_graph_lib.
             return new.get_operation_by_name(value.name)
         return value
 
-    new.structured_outputs = nest.map_structure(
-        mirror_output, old.structured_outputs, expand_composites=True)
+    leaves = nest.flatten(old.structured_outputs, expand_composites=True)
+    if leaves and all(isinstance(leaf, tf.TensorSpec) for leaf in leaves):
+        # A loaded SavedModel signature records its outputs as specs, one per
+        # graph output, in order.
+        new.structured_outputs = nest.pack_sequence_as(
+            old.structured_outputs, new.outputs, expand_composites=True)
+    else:
+        new.structured_outputs = nest.map_structure(
+            mirror_output, old.structured_outputs, expand_composites=True)
     new.structured_input_signature = old.structured_input_signature
     new.variables = old.variables
     return new
