@@ -182,6 +182,32 @@ def test_a_graph_output_from_a_call_keeps_its_dtype():
         assert _types(call.attr["Tin"]) == ["float16", "float16"]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_statistic_a_forward_function_returns_for_its_gradient(dtype):
+    # Issue 28.2: the forward function of `inner` returns its Sum for the
+    # gradient; while its result's group was tried 16-bit, the statistic rules
+    # looked up that result's pseudo-slot ("<ret sum>") as a node: KeyError.
+    w = tf.Variable(np.eye(8, dtype="float32") / 4)
+
+    @tf.function
+    def inner(a):
+        h = tf.matmul(a, w)
+        return h * tf.reduce_sum(h, axis=-1, keepdims=True)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.matmul(inner(x), w))
+        return tape.gradient(loss, w)
+
+    x = tf.constant(np.arange(64, dtype="float32").reshape(8, 8) % 5 / 4)
+    _, new_graph_def, report = rewrite(step, tf.TensorSpec([8, 8]), dtype=dtype)
+    forward = [f for f in new_graph_def.library.function if "sum" in f.ret]
+    assert len(forward) == 1 and forward[0].signature.name.startswith("__forward_inner")
+    assert report.converted.get("MatMul")
+    rewritten = tfamp.rewrite_function(step, tfamp.AmpConfig(dtype=dtype))
+    np.testing.assert_allclose(rewritten(x), tf.function(step)(x), rtol=2e-2, atol=1e-3)
+
+
 # -- one function, two callers -----------------------------------------------------------
 
 

@@ -372,6 +372,31 @@ def test_verdict_is_in_the_log_line_and_verbosity_2_adds_the_breakdown(caplog, g
                for line in lines)
 
 
+def test_summary_line_names_the_matrix_math_first():
+    """Issue 28.8: a convnet converts more Reshapes than Conv2Ds; the line
+    names every converted matrix/convolution op type, then the most frequent
+    others (up to four types in all)."""
+    import tfamp
+
+    def convnet(x, k1, k2):
+        h = tf.nn.relu(tf.nn.conv2d(x, k1, 1, "SAME"))
+        for _ in range(3):
+            h = tf.reshape(tf.transpose(tf.reshape(h, [2, 8, 8, 4]), [0, 2, 1, 3]), [2, 8, 8, 4])
+            h = tf.tanh(h) * 0.5
+        return tf.nn.conv2d(h, k2, 1, "SAME")
+
+    concrete = tf.function(convnet).get_concrete_function(
+        tf.TensorSpec([2, 8, 8, 3]), tf.TensorSpec([3, 3, 3, 4]), tf.TensorSpec([3, 3, 4, 4]))
+    _, report = tfamp.rewrite_graph_def(concrete.graph.as_graph_def(add_shapes=True),
+                                        outputs=[t.name for t in concrete.graph.outputs])
+    converted = report.converted
+    assert "Conv2D" not in list(converted)[:4]  # (fewer than four other op types)
+    listed = re.search(r"ops -> float16 \((.*?)\), ", report.summary_line()).group(1)
+    others = [op for op in converted if op != "Conv2D"][:3]
+    assert listed == ", ".join(f"{op} x{converted[op]}" for op in ["Conv2D", *others]) + ", ..."
+    assert listed.startswith("Conv2D x2, Reshape x6, ")
+
+
 def test_no_gpu_notice_once_per_user(monkeypatch, tmp_path, caplog):
     import logging
 

@@ -252,3 +252,45 @@ def test_fallback_shapes_cover_function_arguments():
     fallback = TensorShapes({"": {}, body.name: dict(zip(args, [(32, 64), (64, 128)]))})
     got = tensor_shapes(graph_def, view, fallback=fallback)
     assert [got.shape(body.name, a) for a in args] == [(32, 64), (64, 128)]
+
+
+def _without_default_attrs(graph_def) -> graph_pb2.GraphDef:
+    """`graph_def` as a file written with defaults stripped stores it: no
+    MatMul ``transpose_a`` / ``transpose_b`` (the importer sets them)."""
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    for node in copy.node:
+        if node.op == "MatMul":
+            node.attr.pop("transpose_a", None)
+            node.attr.pop("transpose_b", None)
+    return copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shape_inference_leaves_the_input_as_it_was(dtype, monkeypatch):
+    """Issue 28.3: TensorFlow edits what it imports (function_def_to_graph adds
+    an ``arg_attr`` entry per argument that has none: the map_fn loop's cond
+    as traced without add_shapes; import_graph_def sets default attributes on
+    the top graph's NodeDefs). ``_rewrite`` compares the input's bytes."""
+    w = tf.Variable(tf.eye(2))  # (captured by the loop: its cond has no arg_attr for it)
+
+    def map_fn_step(x):
+        return tf.map_fn(lambda row: tf.tanh(tf.matmul(row[None, :], w))[0], x)
+
+    concrete = tf.function(map_fn_step).get_concrete_function(tf.TensorSpec([3, 2]))
+    outputs = [t.name for t in concrete.graph.outputs]
+    plain = concrete.graph.as_graph_def()  # as stored: no _output_shapes
+    assert any(len(f.arg_attr) < len(f.signature.input_arg) for f in plain.library.function)
+    ran = []
+    real = shape_inference.inferred_shapes
+    monkeypatch.setattr(shape_inference, "inferred_shapes",
+                        lambda *args: ran.append(1) or real(*args))
+    _rewrite(plain, outputs, dtype)
+    stripped = _without_default_attrs(_traced(_conv_grads_matmul, tf.TensorSpec([8, 16]),
+                                              tf.TensorSpec([16, 32]))[0])
+    _rewrite(without_recorded_shapes(stripped), None, dtype)
+    assert len(ran) == 2
+
+
+def _conv_grads_matmul(x, w):
+    return tf.reduce_sum(tf.matmul(x, w), axis=0)

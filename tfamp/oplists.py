@@ -342,6 +342,16 @@ DATA_BOUND_OPS: Mapping[str, str] = {
     "_Send": "its type is the matching _Recv's",
 }
 
+# Matrix multiplies and convolutions, forward and backprop: the compute-heavy
+# ops mixed precision is for. What the FLOP share counts (inspect/flops.py) and
+# what the report's summary line names first (report.RewriteReport.summary_line).
+MATRIX_OPS = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
+    "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
+    "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter",
+})
+
 # -- what a fusing compiler (XLA) does with each op: see rewrite/runtime_cost.py --
 
 # Ops that run as a library kernel (cuDNN, cuBLAS) or a kernel of their own

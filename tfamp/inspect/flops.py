@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import re
 
-MATRIX_OPS = frozenset({
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
-    "Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D",
-    "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2", "DepthwiseConv2dNative",
-    "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter",
-})
+from tfamp.oplists import MATRIX_OPS
 
 
 def graph_def_flops(graph_def) -> tuple[dict[tuple[str, str], int], int, int]:

@@ -42,7 +42,7 @@ def layer_of_names(nodes: list[tuple[str, str]]) -> dict[str, str]:
     dropped, repeatedly, so what remains first is the layer. An optimizer's
     scope holds no matrix op and stays one group.
     """
-    from tfamp.inspect.flops import MATRIX_OPS
+    from tfamp.oplists import MATRIX_OPS
 
     parts = {name: _scope_parts(forward_scope(name)[0]) for name, _ in nodes}
     ops = dict(nodes)

@@ -784,11 +784,16 @@ class _BodyColoring:
     def _hold_centring(self, statistics: list[int], reduced: tuple[int, int],
                        root: str) -> None:
         """x - s stays float32 where s is one of `statistics` (float32) and the
-        result is big (oplists.CENTRING_OPS; why: BUILD_NOTES.md, Session 7)."""
-        nodes, slot_node, deny = self.body.nodes, self.slot_node, self.deny
+        result is big (oplists.CENTRING_OPS; why: BUILD_NOTES.md, Session 7).
+
+        Slots of the "boundary" list are not looked at: their dtype is the
+        boundary group's (boundaries.solve), and a function argument's or
+        result's slot is no node (a statistic returned by a forward function
+        for its gradient feeds ``<ret sum>``)."""
+        nodes, slot_node, deny, lists = self.body.nodes, self.slot_node, self.deny, self.slot_list
         for stat in statistics:
             for slot in self.fanout[stat]:
-                if (slot in deny or slot in self.blocked
+                if (slot in deny or slot in self.blocked or lists[slot] == "boundary"
                         or nodes[slot_node[slot]].op not in CENTRING_OPS
                         or self._small_next_to(slot, reduced)):
                     continue
@@ -802,6 +807,7 @@ class _BodyColoring:
                 # alike. Once scaled (Mul, RealDiv) the roundings differ.
                 for scaled in self.fanout[slot]:
                     if (scaled not in deny and scaled not in self.blocked
+                            and lists[scaled] != "boundary"
                             and nodes[slot_node[scaled]].op in SCALING_OPS
                             and not self._small_next_to(scaled, reduced)):
                         deny[scaled] = (

@@ -40,6 +40,7 @@ import dataclasses
 import json
 from typing import Any
 
+from tfamp.oplists import MATRIX_OPS
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.casts import CastRecord
 
@@ -153,8 +154,9 @@ class RewriteReport:
         """
         converted = self.converted
         total = sum(converted.values())
-        top = ", ".join(f"{op} x{count}" for op, count in list(converted.items())[:4])
-        more = ", ..." if len(converted) > 4 else ""
+        shown = _leading_op_types(converted)
+        top = ", ".join(f"{op} x{converted[op]}" for op in shown)
+        more = ", ..." if len(converted) > len(shown) else ""
         kept = sum(self.kept_fp32.values())
         name = self.function or "graph"
         detail = f" ({top}{more})" if total else ""
@@ -359,3 +361,17 @@ def reason_kind(reason: str) -> str:
     if reason.startswith(("infer: stays", "clear: stays")):
         return rk.KIND_NO_NEIGHBOUR
     return rk.KIND_OTHER
+
+
+# Op types a summary line names (more where there are more kinds of matrix math).
+_SUMMARY_OP_TYPES = 4
+
+
+def _leading_op_types(converted: dict[str, int]) -> list[str]:
+    """The converted op types a summary line names: every matrix multiply and
+    convolution (oplists.MATRIX_OPS: what the user came for), then the most
+    frequent others, up to four types in all. `converted` is ordered most
+    frequent first; a convnet converts more Reshapes than Conv2Ds."""
+    matrix = [op for op in converted if op in MATRIX_OPS]
+    others = [op for op in converted if op not in MATRIX_OPS]
+    return matrix + others[:max(0, _SUMMARY_OP_TYPES - len(matrix))]

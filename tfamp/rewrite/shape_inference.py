@@ -80,11 +80,19 @@ def inferred_shapes(graph_def: graph_pb2.GraphDef, view: GraphView,
       import, or None if it cannot import the top graph.
     """
     top = view.bodies[0]
+    # TensorFlow edits what it imports: import_graph_def sets the default
+    # attributes of the top graph's NodeDefs in place, and function_def_to_graph
+    # adds an (empty) arg_attr entry for every argument that has none. Both
+    # read this one copy, never the caller's graph (the pass is pure).
+    work = graph_pb2.GraphDef()
+    work.CopyFrom(graph_def)
     hints: dict[str, Shape] = {}  # read node -> shape
     shapes: BodyShapes | None = None
     for round_ in range(_MAX_ROUNDS):
         try:
-            graph = _import(_hinted(graph_def, hints) if hints else graph_def)
+            if hints:
+                _hint(work, hints)
+            graph = _import(work)
         except _IMPORT_ERRORS as err:
             log.debug("tfamp: TensorFlow cannot import the graph%s for shape inference: %s",
                       " with the variables' shapes" if hints else "",
@@ -113,7 +121,7 @@ def inferred_shapes(graph_def: graph_pb2.GraphDef, view: GraphView,
             shapes.update((TensorRef(name, 0), shape) for name, shape in new.items())
     assert shapes is not None
     result = {"": shapes}
-    result.update(_function_shapes(graph_def, view, graph, result, recorded))
+    result.update(_function_shapes(work, view, graph, result, recorded))
     return result
 
 
@@ -124,17 +132,15 @@ def _import(graph_def) -> ops.Graph:
     return graph
 
 
-def _hinted(graph_def, hints: dict[str, Shape]) -> graph_pb2.GraphDef:
-    """A copy of `graph_def` whose hinted read nodes record their shapes."""
-    copy = graph_pb2.GraphDef()
-    copy.CopyFrom(graph_def)
-    for node in copy.node:
+def _hint(graph_def, hints: dict[str, Shape]) -> None:
+    """Records the hinted shapes on the read nodes of `graph_def` (shape
+    inference's own copy)."""
+    for node in graph_def.node:
         shape = hints.get(node.name)
         if shape is not None:
             listed = node.attr["_output_shapes"].list.shape
             del listed[:]
             listed.append(_shape_proto(shape))
-    return copy
 
 
 def _shape_proto(shape: Shape) -> tensor_shape_pb2.TensorShapeProto:
