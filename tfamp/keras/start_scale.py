@@ -8,7 +8,7 @@ the first ``fit`` of an enabled model first runs a **probe**: the model's own
 ``train_step`` once on fit's first batch, traced as a plain (float32)
 tf.function in *probe mode*:
 
-* every ``tape.gradient`` of a scalar float loss (the tapes tfamp scales) runs
+* every ``tape.gradient`` of a float loss (the tapes tfamp scales) runs
   unscaled; the probe records the largest |value| of every tensor of the
   backward pass that the seed reaches, i.e. that the loss scale multiplies
   (activation gradients and every intermediate of the backward, nested tapes'
@@ -140,20 +140,21 @@ class Recorder:
 
     def gradient(self, original, tape, target, sources, output_gradients, kwargs):
         """``tape.gradient`` in probe mode: unscaled, recording what tfamp would scale."""
-        from tfamp.keras.scale_update import is_scalar_float
+        from tfamp.keras.scale_update import is_loss_target
 
         if (tf.executing_eagerly() or output_gradients is not None
-                or not is_scalar_float(target)):
+                or not is_loss_target(target, sources)):
             return original(tape, target, sources, output_gradients, **kwargs)
         graph = tf.compat.v1.get_default_graph()
-        seed = tf.ones_like(target)  # what the tape seeds with by default
+        # What the tape seeds with by default (every element of every target).
+        seed = tf.nest.map_structure(tf.ones_like, target)
         before = len(graph.get_operations())
         grads = original(tape, target, sources, seed, **kwargs)
         self.tapes += 1
         # Only what the seed reaches scales with the loss scale: the backward
         # also recomputes forward values (a sigmoid for softplus's gradient),
         # which the scale never touches.
-        reached = {seed.op.name}
+        reached = {s.op.name for s in tf.nest.flatten(seed)}
         float32 = set()  # reached ops whose values stay float32 in the rewritten step
         for op in graph.get_operations()[before:]:
             if not any(t.op.name in reached for t in op.inputs):
@@ -234,7 +235,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         recorded. None records every backward op.
 
     Raises:
-      ValueError: the step differentiated no scalar loss, or its float32
+      ValueError: the step differentiated no float loss, or its float32
         gradients are not finite (no scale helps: see the message).
     """
     from tfamp.keras import custom_loop
@@ -253,7 +254,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
     function = plain_function(run)
     concrete = function.get_concrete_function(*args, **kwargs)
     if not recorder.tapes:
-        raise ValueError("the step differentiated no scalar float loss with a GradientTape")
+        raise ValueError("the step differentiated no float loss with a GradientTape")
     restore = _unique([*assigned_variables(concrete), *extra_state])
     saved = [np.array(v.numpy(), copy=True) for v in restore]
     # Grappler is off for this one call: on a ResNet-50 step (14k ops) it took

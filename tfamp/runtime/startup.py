@@ -13,10 +13,11 @@ then patches, once:
   ``LossScaleOptimizer`` keeps it (its graphs are rewritten, its loss scaling
   stays Keras's);
 * ``tf.GradientTape.gradient`` and the optimizers' ``apply_gradients`` (tf_keras)
-  / ``apply`` (Keras 3), for custom training loops: backprop of a scalar loss
-  is seeded with the loss scale, the gradients are unscaled in float32, and a
-  step whose gradients are not finite on some replica is skipped on every
-  replica (weights and slots untouched) while the scale adapts once.
+  / ``apply`` (Keras 3), for custom training loops: backprop of a float loss
+  (a scalar or a per-example vector) is seeded with the loss scale, the
+  gradients are unscaled in float32, and a step whose gradients are not
+  finite on some replica is skipped on every replica (weights and slots
+  untouched) while the scale adapts once.
 
 Loss scaling happens exactly once: a loss a loss-scale optimizer's
 ``scale_loss`` returned is marked and the tape leaves it alone; the inner
@@ -378,14 +379,14 @@ def _patch_custom_loops(active: _Activation) -> None:
     import tensorflow as tf
 
     from tfamp.keras import loss_scale as loss_scale_lib
-    from tfamp.keras.scale_update import is_scalar_float, is_scaled, seed, unscale
+    from tfamp.keras.scale_update import is_loss_target, is_scaled, seed, unscale
 
     original_gradient = tf.GradientTape.gradient
 
     @functools.wraps(original_gradient)
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         if (_scaled_elsewhere(active) or output_gradients is not None
-                or not is_scalar_float(target) or is_scaled(target)):
+                or not is_loss_target(target, sources) or is_scaled(target)):
             return original_gradient(self, target, sources, output_gradients, **kwargs)
         scale = _scale_state(active).current_loss_scale
         grads = original_gradient(self, target, sources, seed(target, scale), **kwargs)
