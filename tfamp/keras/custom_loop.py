@@ -393,6 +393,8 @@ def scale_owner_for(target, sources):
 def current_scale(owner):
     """The owner's current loss scale as a float32 tensor."""
     if hasattr(owner, "_update_state"):  # tfamp's Keras 3 loss-scale optimizer
+        if not owner.built:  # its scale is a variable only once built
+            return tf.constant(float(owner.initial_scale), tf.float32)
         return tf.cast(tf.convert_to_tensor(owner.dynamic_scale), tf.float32)
     state = getattr(owner, "_loss_scale", owner)  # tfamp's tf_keras optimizer, or a state
     return tf.convert_to_tensor(state.current_loss_scale)

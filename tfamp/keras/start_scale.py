@@ -378,8 +378,9 @@ def before_fit(model, state, args, kwargs) -> StartScale | None:
 
     Runs only for a dynamic scale with ``initial_scale="auto"``, an owner that
     has taken no step, and a first batch fit's data can give without consuming
-    it (arrays, tensors, a tf.data Dataset). Failing, it warns and training
-    starts at the default scale.
+    it (arrays, tensors, a tf.data Dataset). Failing, whatever the cause, it
+    warns and training starts at the default scale: the probe never stops a
+    ``fit``.
     """
     if not getattr(state, "auto_start", False) or state.loop is None:
         return None
@@ -388,6 +389,20 @@ def before_fit(model, state, args, kwargs) -> StartScale | None:
     owner = state.loop.scale_owner()
     if owner is None or not is_dynamic(owner):
         return None
+    try:
+        return _calibrate_for_fit(model, state, owner, args, kwargs)
+    except Exception as err:  # training goes on at the default scale; the user is told
+        state.start_scale = False
+        start = _scale_now(owner)
+        _warn(f"tfamp: model {model.name!r}: no start scale from the gradients "
+              f"({type(err).__name__}: {err}); dynamic scaling starts at "
+              f"{'its initial scale' if start is None else format(start, 'g')}. Fix: pass "
+              f"initial_scale=<number> to tfamp.enable (TFAMP_INITIAL_SCALE) to choose it "
+              f"yourself.")
+        return None
+
+
+def _calibrate_for_fit(model, state, owner, args, kwargs) -> StartScale | None:
     from tfamp.keras.custom_loop import _build_if_needed
 
     batch = first_batch(model, args, kwargs)
@@ -400,18 +415,10 @@ def before_fit(model, state, args, kwargs) -> StartScale | None:
         state.start_scale = False
         return None
     cls = type(model)
-    try:
-        found = probe_step(lambda data: cls.train_step(model, data), (batch,), {},
-                           extra_state=_state_variables(model),
-                           min_scale=getattr(owner, "min_scale", 1.0),
-                           op_lists=_float16_lists(state))
-    except Exception as err:  # training goes on at the default scale; the user is told
-        _warn(f"tfamp: model {model.name!r}: no start scale from the gradients "
-              f"({type(err).__name__}: {err}); dynamic scaling starts at "
-              f"{_current(owner):g}. Fix: pass initial_scale=<number> to tfamp.enable "
-              f"(TFAMP_INITIAL_SCALE) to choose it yourself.")
-        state.start_scale = False
-        return None
+    found = probe_step(lambda data: cls.train_step(model, data), (batch,), {},
+                       extra_state=_state_variables(model),
+                       min_scale=getattr(owner, "min_scale", 1.0),
+                       op_lists=_float16_lists(state))
     owner = state.loop.scale_owner()  # the probe may have built the model
     _build_if_needed(owner, model)
     if has_stepped(owner):
@@ -473,10 +480,14 @@ def _state_variables(model) -> list:
     return state_variables(model)
 
 
-def _current(owner) -> float:
+def _scale_now(owner) -> float | None:
+    """The owner's scale as a number, or None if it cannot be read (for messages)."""
     from tfamp.keras.custom_loop import current_scale
 
-    return float(current_scale(owner).numpy())
+    try:
+        return float(current_scale(owner).numpy())
+    except Exception:  # a message must not fail on the value it reports
+        return None
 
 
 def _warn(message: str) -> None:
