@@ -25,6 +25,16 @@ Patterns:
             at the default start scale, so dynamic scaling must come down
   multi_io  two inputs, two outputs, ``loss_weights`` and
             ``steps_per_execution=4``; Keras's own train step
+  per_pixel keras.io ``ddim.py``: an overridden ``train_step`` whose tape
+            differentiates the compiled loss function's per-pixel values
+            (``mean_absolute_error`` returns one value per pixel: a
+            non-scalar target), a ``Mean`` tracker, and an EMA copy of the
+            network updated by ``assign`` after the optimizer step; a
+            subclassed model (not built before ``fit``)
+  contrastive keras.io SimCLR: a per-example contrastive loss vector
+            differentiated as is, applied by a second optimizer given to an
+            overridden ``compile`` (not the model's), then a linear probe on
+            labels with a third optimizer and a scalar loss
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import sys
 
 import numpy as np
 
-TINY_LOSS = 1e-6
+TINY_LOSS = 1e-6  # `tiny=True`; a number for `tiny` is the factor itself
 BATCH = 16
 STEPS = 6
 
@@ -44,6 +54,13 @@ STEPS = 6
 def keras_module(name: str):
     """"tf_keras" or "keras3" -> the module."""
     return importlib.import_module("tf_keras" if name == "tf_keras" else "keras")
+
+
+def _factor(tiny) -> float:
+    """The loss factor of a `tiny` argument: False -> 1, True -> TINY_LOSS, a number -> it."""
+    if tiny is True:
+        return TINY_LOSS
+    return float(tiny) if tiny else 1.0
 
 
 def _is_keras3(keras) -> bool:
@@ -66,7 +83,7 @@ def _mlp(keras, inputs: int, outputs: int, name: str, hidden: int = 32):
 def _gan(keras, tiny: bool, lr: float, penalty: bool):
     import tensorflow as tf
 
-    factor = TINY_LOSS if tiny else 1.0
+    factor = _factor(tiny)
 
     class GAN(keras.Model):
         def __init__(self):
@@ -155,7 +172,7 @@ def _images(n: int):
 def vae(keras, tiny, lr):
     import tensorflow as tf
 
-    factor = TINY_LOSS if tiny else 1.0
+    factor = _factor(tiny)
 
     class VAE(keras.Model):
         def __init__(self):
@@ -190,7 +207,7 @@ def vae(keras, tiny, lr):
 def sum_loss(keras, tiny, lr):
     import tensorflow as tf
 
-    factor = TINY_LOSS if tiny else 1.0
+    factor = _factor(tiny)
 
     class SumLoss(keras.Model):
         def __init__(self):
@@ -214,7 +231,7 @@ def sum_loss(keras, tiny, lr):
 
 
 def multi_io(keras, tiny, lr):
-    factor = TINY_LOSS if tiny else 1.0
+    factor = _factor(tiny)
     a, b = keras.Input((12,), name="a"), keras.Input((6,), name="b")
     h = keras.layers.Concatenate()([keras.layers.Dense(16, activation="relu")(a), b])
     h = keras.layers.Dense(32, activation="relu")(h)
@@ -235,15 +252,140 @@ def multi_io(keras, tiny, lr):
     return model, ({"a": xa, "b": xb}, {"reg": y1, "cls": y2}), {}
 
 
+def per_pixel(keras, tiny, lr):
+    import tensorflow as tf
+
+    factor = _factor(tiny)
+
+    class Diffusion(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.network = _conv_net(keras, "network")
+            self.ema_network = _conv_net(keras, "ema_network")
+            self.noise_loss_tracker = keras.metrics.Mean(name="n_loss")
+
+        @property
+        def metrics(self):
+            return [self.noise_loss_tracker]
+
+        def call(self, x):
+            return self.network(x)
+
+        def train_step(self, images):
+            images = images[0] if isinstance(images, tuple) else images
+            noises = tf.random.stateless_normal(tf.shape(images), seed=[7, 8])
+            with tf.GradientTape() as tape:
+                pred_noises = self.network(images + 0.5 * noises, training=True)
+                noise_loss = self.loss(noises, pred_noises) * factor  # one per pixel
+            gradients = tape.gradient(noise_loss, self.network.trainable_weights)
+            self.optimizer.apply_gradients(
+                zip(gradients, self.network.trainable_weights, strict=True))
+            self.noise_loss_tracker.update_state(noise_loss)
+            for weight, ema_weight in zip(self.network.weights, self.ema_network.weights,
+                                          strict=True):
+                ema_weight.assign(0.999 * ema_weight + (1 - 0.999) * weight)
+            return {m.name: m.result() for m in self.metrics}
+
+    model = Diffusion()
+    # The gradient of a per-pixel target is that of its sum over the batch's pixels.
+    model.compile(optimizer=keras.optimizers.SGD(lr * 1e-3),
+                  loss=keras.losses.mean_absolute_error)
+    return model, (_images(BATCH * STEPS),), {}
+
+
+def _conv_net(keras, name: str):
+    x = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu")(x)
+    return keras.Model(x, keras.layers.Conv2D(1, 3, padding="same")(h), name=name)
+
+
+def contrastive(keras, tiny, lr):
+    import tensorflow as tf
+
+    factor = _factor(tiny)
+    temperature = 1.0
+
+    class Contrastive(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder = _mlp(keras, 16, 16, "encoder")
+            self.projection_head = _mlp(keras, 16, 8, "projection_head", hidden=16)
+            self.linear_probe = keras.Sequential(
+                [keras.Input((16,)), keras.layers.Dense(4)], name="linear_probe")
+            self.contrastive_loss_tracker = keras.metrics.Mean(name="c_loss")
+            self.probe_loss_tracker = keras.metrics.Mean(name="p_loss")
+
+        def call(self, x):
+            return self.linear_probe(self.encoder(x))
+
+        def compile(self, contrastive_optimizer=None, probe_optimizer=None, **kwargs):  # noqa: A003
+            super().compile(**kwargs)
+            self.contrastive_optimizer = contrastive_optimizer
+            self.probe_optimizer = probe_optimizer
+
+        @property
+        def metrics(self):
+            return [self.contrastive_loss_tracker, self.probe_loss_tracker]
+
+        def contrastive_loss(self, projections_1, projections_2):
+            projections_1 = tf.math.l2_normalize(projections_1, axis=1)
+            projections_2 = tf.math.l2_normalize(projections_2, axis=1)
+            similarities = tf.matmul(projections_1, projections_2, transpose_b=True)
+            similarities = similarities / temperature
+            batch_size = tf.shape(projections_1)[0]
+            labels = tf.range(batch_size)
+            loss_1_2 = keras.losses.sparse_categorical_crossentropy(
+                labels, similarities, from_logits=True)
+            loss_2_1 = keras.losses.sparse_categorical_crossentropy(
+                labels, tf.transpose(similarities), from_logits=True)
+            return (loss_1_2 + loss_2_1) / 2  # one value per example
+
+        def train_step(self, data):
+            images, labels = data
+            view_1 = images + tf.random.stateless_normal(tf.shape(images), seed=[1, 1]) * 0.3
+            view_2 = images + tf.random.stateless_normal(tf.shape(images), seed=[2, 2]) * 0.3
+            with tf.GradientTape() as tape:
+                projections_1 = self.projection_head(self.encoder(view_1, training=True))
+                projections_2 = self.projection_head(self.encoder(view_2, training=True))
+                contrastive_loss = self.contrastive_loss(projections_1, projections_2)
+                contrastive_loss = contrastive_loss * factor
+            weights = (self.encoder.trainable_weights
+                       + self.projection_head.trainable_weights)
+            gradients = tape.gradient(contrastive_loss, weights)  # a vector target
+            self.contrastive_optimizer.apply_gradients(zip(gradients, weights, strict=True))
+            self.contrastive_loss_tracker.update_state(contrastive_loss)
+            features = tf.stop_gradient(self.encoder(images, training=False))
+            with tf.GradientTape() as tape:
+                logits = self.linear_probe(features, training=True)
+                probe_loss = keras.losses.sparse_categorical_crossentropy(
+                    labels, logits, from_logits=True)
+                probe_loss = tf.reduce_mean(probe_loss) * factor
+            gradients = tape.gradient(probe_loss, self.linear_probe.trainable_weights)
+            self.probe_optimizer.apply_gradients(
+                zip(gradients, self.linear_probe.trainable_weights, strict=True))
+            self.probe_loss_tracker.update_state(probe_loss)
+            return {m.name: m.result() for m in self.metrics}
+
+    model = Contrastive()
+    # A small step: the contrastive loss of a from-scratch encoder is rough, and six
+    # steps of 1e-2 already take float32 and float16 apart (cosine 0.85 at loss x1).
+    model.compile(contrastive_optimizer=keras.optimizers.SGD(lr * 0.1),
+                  probe_optimizer=keras.optimizers.SGD(lr))
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(BATCH * STEPS, 16)).astype("float32")
+    y = rng.integers(0, 4, size=(BATCH * STEPS,)).astype("int64")
+    return model, (x, y), {}
+
+
 PATTERNS = {"gan": gan, "wgan_gp": wgan_gp, "vae": vae, "sum_loss": sum_loss,
-            "multi_io": multi_io}
+            "multi_io": multi_io, "per_pixel": per_pixel, "contrastive": contrastive}
 LEARNING_RATE = 1e-2
 
 
 def build(keras, pattern: str, tiny: bool = False):
     """(model, fit arguments) for `pattern`, seeded: the same weights in every run."""
     keras.utils.set_random_seed(0)
-    lr = LEARNING_RATE / (TINY_LOSS if tiny else 1.0)
+    lr = LEARNING_RATE / _factor(tiny)
     return PATTERNS[pattern](keras, tiny, lr)
 
 
@@ -290,7 +432,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("keras", choices=["tf_keras", "keras3"])
     parser.add_argument("patterns", nargs="+", choices=sorted(PATTERNS))
-    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--tiny", nargs="?", const=True, default=False, type=float,
+                        help="multiply the loss by 1e-6, or by the number given")
     parser.add_argument("--out", required=True, help="an .npz file for the results")
     args = parser.parse_args(argv)
     keras = keras_module(args.keras)

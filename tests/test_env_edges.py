@@ -192,3 +192,36 @@ def test_tf_keras_own_loss_scale_optimizer_is_kept_and_scales_once(tmp_path):
     want, got = np.array(plain["delta"]), np.array(amp["delta"])
     cosine = float(want @ got / np.linalg.norm(want) / np.linalg.norm(got))
     assert cosine > 0.99 and 0.9 < np.linalg.norm(got) / np.linalg.norm(want) < 1.1
+
+
+EAGER_THEN_TRACED = """
+import sys
+import numpy as np
+import tensorflow as tf
+if sys.argv[1] == "tf_keras":
+    import tf_keras as keras
+else:
+    import keras
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(1)])
+optimizer = keras.optimizers.SGD(1e-2)
+x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+for start in range(0, 64, 16):  # the guide's first loop: eager
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x[start:start + 16]) - 1.0))
+    grads = tape.gradient(loss, model.trainable_weights)
+    optimizer.apply_gradients(zip(grads, model.trainable_weights))
+evaluate = tf.function(lambda b: tf.reduce_mean(model(b)))  # traced later
+print(float(evaluate(x)))
+"""
+
+
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
+def test_an_eager_loop_is_told_it_runs_float32_even_when_the_script_traces_later(
+        tmp_path, flavour):
+    # Issue 28.6: the exit notice spoke only when nothing at all was traced.
+    result = run(["-c", EAGER_THEN_TRACED, flavour], tmp_path, TFAMP_ENABLE="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in tfamp_lines(result.stderr) if "applies gradients eagerly" in line]
+    assert len(lines) == 1, tfamp_lines(result.stderr)
+    assert "@tf.function" in lines[0]

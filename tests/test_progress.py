@@ -26,3 +26,19 @@ def test_a_slow_call_is_announced_once_and_a_quick_one_not(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "tfamp"]
     assert len(lines) == 1, lines
     assert lines[0].startswith("tfamp: first call of slow_step: tracing, rewriting")
+
+
+def test_only_the_first_call_is_announced_however_slow_later_calls_are(monkeypatch, caplog):
+    # Issue 28.5: a step whose every call took over the threshold (a GAN step of the
+    # keras.io guide) got "first call of ...: tracing" on every call.
+    monkeypatch.setattr(progress, "NOTICE_AFTER_S", 0.2)
+    monkeypatch.setattr(progress, "_POLL_S", 0.05)
+    caplog.set_level(logging.INFO, logger="tfamp")
+    step = named("gan_step")
+    for _ in range(3):
+        with progress.phase(step):
+            time.sleep(0.5)
+    time.sleep(0.2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "tfamp"]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("tfamp: first call of gan_step")

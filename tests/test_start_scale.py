@@ -186,3 +186,23 @@ def test_choose_scale():
     assert start_scale.choose_scale(0.0) == 2.0**24
     assert start_scale.choose_scale(1e-12) == 2.0**24
     assert start_scale.choose_scale(1e6, min_scale=1.0) == 1.0
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_any_probe_failure_is_a_warning_and_fit_trains(flavour, monkeypatch):
+    # Issue 28.1: on Keras 3 the warning read the loss-scale optimizer's scale
+    # variable, which exists only once it is built (a subclassed model is not
+    # built before its first fit): AttributeError before the first step.
+    keras = patterns.keras_module(flavour)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted probe failure")
+
+    monkeypatch.setattr(start_scale, "probe_step", broken)
+    hook, found = _enable()
+    with pytest.warns(UserWarning, match=r"no start scale from the gradients \(RuntimeError: "
+                                         r"planted probe failure\); dynamic scaling starts "
+                                         r"at 32768"):
+        run = patterns.train(keras, "per_pixel", before_fit=hook)
+    assert found["model"]._tfamp_state.start_scale is False
+    assert np.isfinite(run["history"]["n_loss"]) and np.linalg.norm(run["delta"]) > 0

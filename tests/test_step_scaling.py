@@ -5,13 +5,24 @@
   gradient above 65504 as inf once it was converted).
 * The step has no more top-level conditionals than Keras's own loss-scaled
   step: the scale update is selects, the only conditional is apply-or-skip.
-* A train step whose gradients tfamp cannot scale says so once and reports
-  no loss scale; a gradient penalty's inner (non-scalar) tape is not scaled.
+* A train step whose gradients tfamp cannot scale (``output_gradients``
+  given) says so once and reports no loss scale; a gradient penalty's inner
+  (non-scalar, differentiated for an input) tape is not scaled.
+* A per-example loss vector differentiated for the weights (SimCLR's
+  contrastive step, applied by an optimizer that is not the model's) is
+  scaled: the gradient of a vector is the gradient of its sum, so seeding it
+  with the scale is exact (issue 28.7: it was left unscaled, and at loss
+  x1e-9 float16 left the weights exactly as they were).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -20,9 +31,9 @@ import tensorflow as tf
 import tf_keras
 
 import tfamp
+from tests import patterns
 from tfamp.config import AmpConfig
 from tfamp.rewrite import reasons
-from tests import patterns
 
 # Ops of the finiteness check and the scale update, moved onto the allow list:
 # the mark must win over the lists.
@@ -205,3 +216,42 @@ def test_gradient_penalty_inner_tape_is_not_scaled(flavour):
         seeds += sum(1 for node in graph_def.node if node.op == "Fill"
                      and reasons.LOSS_SCALE_ATTR in node.attr)
     assert seeds == 2
+
+
+# Issue 28.7's size: unscaled, every float16 gradient of this loss is below
+# float16's smallest subnormal (6e-8).
+VECTOR_LOSS_FACTOR = 1e-9
+
+
+def _vector_loss_env_run(flavour: str, tmp_path) -> dict:
+    out = tmp_path / f"{flavour}.npz"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update(TFAMP_ENABLE="1", TFAMP_VERBOSITY="0", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run(
+        [sys.executable, str(Path(patterns.__file__)), flavour, "contrastive",
+         "--tiny", str(VECTOR_LOSS_FACTOR), "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "did not loss-scale" not in done.stderr
+    with np.load(out) as data:
+        return {"delta": data["contrastive"], **json.loads(str(data["meta"]))["contrastive"]}
+
+
+@pytest.mark.parametrize("mode", ["enable", "TFAMP_ENABLE"])
+@pytest.mark.parametrize("flavour", sorted(KERASES))
+def test_per_example_loss_vector_is_scaled(flavour, mode, tmp_path):
+    keras_module = KERASES[flavour]
+    reference = patterns.train(keras_module, "contrastive", tiny=VECTOR_LOSS_FACTOR)
+    assert np.linalg.norm(reference["delta"]) > 0  # float32 moves the weights
+    if mode == "enable":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = patterns.train(keras_module, "contrastive", tiny=VECTOR_LOSS_FACTOR,
+                                 before_fit=lambda m: tfamp.enable(m, verbose=False))
+        assert not [w for w in caught if "did not loss-scale" in str(w.message)]
+    else:
+        run = _vector_loss_env_run(flavour, tmp_path)
+    cosine, ratio = patterns.compare(reference["delta"], run["delta"])
+    assert cosine > 0.95 and 0.8 < ratio < 1.25, (cosine, ratio)
+    assert run["history"]["skipped_steps"] == 0

@@ -11,7 +11,8 @@ anyway, for tf_keras and Keras 3 models alike:
   differentiates a function call from the called graph itself, so the backward
   of the rewritten forward is 16-bit where the forward is; variables stay
   float32 and their gradients arrive float32 (through the Casts' gradients).
-* **Loss scaling**, only for a tape whose scalar float loss depends on such a
+* **Loss scaling**, only for a tape whose float loss (a scalar, or a
+  per-example vector: see ``scale_update.is_loss_target``) depends on such a
   call and whose sources include that model's variables: backprop is seeded
   with the loss scale and the gradients are unscaled in float32 (as
   ``TFAMP_ENABLE`` does). The scale is the model's tfamp loss-scale optimizer's
@@ -215,7 +216,7 @@ _step = threading.local()
 class StepScope:
     """One trace of an enabled model's ``train_step``: who scales, and what was updated.
 
-    Within it every ``tape.gradient`` of a scalar float loss that nobody scaled
+    Within it every ``tape.gradient`` of a float loss (any shape) that nobody scaled
     (Keras's own train step scales through its loss-scale optimizer, which marks
     the loss) is seeded with the model's scale and unscaled in float32, and the
     optimizer update that follows checks finiteness and updates that same scale,
@@ -236,9 +237,9 @@ class StepScope:
         self.unscaled = 0
         self.own_losses = 0  # losses a loss-scale optimizer scaled itself, not yet applied
 
-    def owner_for_tape(self, target):
-        """The scale owner for ``tape.gradient(target, ...)`` here, or None (do not scale)."""
-        if (tf.executing_eagerly() or not scale_update.is_scalar_float(target)
+    def owner_for_tape(self, target, sources):
+        """The scale owner for ``tape.gradient(target, sources)`` here, or None (do not scale)."""
+        if (tf.executing_eagerly() or not scale_update.is_loss_target(target, sources)
                 or scale_update.is_scaled(target)):
             return None
         if self.owner is None:
@@ -320,26 +321,30 @@ def scale_values(owner) -> tuple[tf.Tensor, tf.Tensor]:
 
 def unscaled_message(model) -> str:
     return (f"tfamp: model {model.name!r}'s train_step applied gradients that tfamp did not "
-            f"loss-scale (the tape's target is not a scalar float loss, output_gradients "
-            f"was given, or the loss was scaled by hand with another scale), so float16 "
-            f"gradients below 6e-8 flush to zero there and no loss_scale is reported for "
-            f"it. Fix: differentiate the scalar loss itself (tape.gradient(loss, "
-            f"variables)), or scale it with model.optimizer.scale_loss / get_scaled_loss; "
-            f"or use dtype='bfloat16' (no loss scaling needed).")
+            f"loss-scale: they did not come from tape.gradient of a float loss (e.g. "
+            f"output_gradients was given to tape.gradient, or the target is not a float "
+            f"tensor), so float16 gradients below 6e-8 flush to zero there and no "
+            f"loss_scale is reported for them. Fix: differentiate the loss itself, "
+            f"tape.gradient(loss, variables) (a scalar or a per-example vector; for "
+            f"output_gradients=w, differentiate tf.reduce_sum(target * w), the same "
+            f"gradients), which tfamp scales; or use dtype='bfloat16' (no loss scaling "
+            f"needed).")
 
 
 # -- loss scaling on the tape ---------------------------------------------------------
 
 def _loops_reached(target) -> list[ModelLoop]:
-    """The enabled models whose rewritten call `target` depends on (in its graph)."""
-    graph = getattr(target, "graph", None)
+    """The enabled models whose rewritten call `target` (a tensor or a list of
+    them) depends on (in its graph)."""
+    targets = tf.nest.flatten(target)
+    graph = getattr(targets[0], "graph", None) if targets else None
     with _calls_lock:
         table = dict(_calls.get(graph, {})) if graph is not None else {}
     if not table:
         return []
     found: dict[int, ModelLoop] = {}
     seen = set()
-    pending = [target.op]
+    pending = [t.op for t in targets]
     while pending:
         op = pending.pop()
         if op.name in seen:
@@ -364,7 +369,7 @@ def _variable_ids(variables) -> set[int]:
 
 def scale_owner_for(target, sources):
     """The scale owner for ``tape.gradient(target, sources)``, or None (do not scale)."""
-    if (tf.executing_eagerly() or not scale_update.is_scalar_float(target)
+    if (tf.executing_eagerly() or not scale_update.is_loss_target(target, sources)
             or scale_update.is_scaled(target)):
         return None
     source_ids = _variable_ids(sources)
@@ -388,6 +393,8 @@ def scale_owner_for(target, sources):
 def current_scale(owner):
     """The owner's current loss scale as a float32 tensor."""
     if hasattr(owner, "_update_state"):  # tfamp's Keras 3 loss-scale optimizer
+        if not owner.built:  # its scale is a variable only once built
+            return tf.constant(float(owner.initial_scale), tf.float32)
         return tf.cast(tf.convert_to_tensor(owner.dynamic_scale), tf.float32)
     state = getattr(owner, "_loss_scale", owner)  # tfamp's tf_keras optimizer, or a state
     return tf.convert_to_tensor(state.current_loss_scale)
@@ -460,7 +467,7 @@ def _patch_tape() -> None:
             return probe.gradient(original, self, target, sources, output_gradients, kwargs)
         if output_gradients is None:
             scope = current_step()
-            owner = (scope.owner_for_tape(target) if scope is not None
+            owner = (scope.owner_for_tape(target, sources) if scope is not None
                      else scale_owner_for(target, sources))
             if owner is not None:
                 return _scaled_gradient(original, self, target, sources, owner, kwargs)

@@ -12,8 +12,11 @@ can use it for tf_keras and Keras 3 optimizers alike:
   which a ``tf.cond`` in a replica context cannot contain). Its skip branch
   counts the skipped step: a branch with work of its own is what lets XLA
   turn the conditional into selects (see ``apply_if_finite``);
-* what the tape patches ask of a ``tape.gradient`` target: ``is_scalar_float``
-  (a loss), and whether a loss-scale optimizer scaled it already
+* what the tape patches ask of a ``tape.gradient`` call: ``is_loss_target``
+  (a float loss: a scalar, or a per-example / per-pixel vector differentiated
+  with respect to variables; the gradient of a non-scalar target is the
+  gradient of its sum, so seeding every element with the scale scales it
+  exactly), and whether a loss-scale optimizer scaled it already
   (``mark_scaled`` / ``is_scaled``: tfamp's and Keras's own optimizers mark the
   loss they scale, so no patch scales it a second time);
 * ``loss_scale_ops``: every op the loss-scale machinery creates (the seed, the
@@ -59,10 +62,32 @@ def loss_scale_ops():
         yield
 
 
-def is_scalar_float(target) -> bool:
-    """A scalar float tensor or variable: what a loss passed to a tape looks like."""
-    return (isinstance(target, (tf.Tensor, tf.Variable)) and target.dtype.is_floating
-            and target.shape.rank == 0)
+def is_loss_target(target, sources) -> bool:
+    """True if ``tape.gradient(target, sources)`` differentiates a loss tfamp scales.
+
+    A loss is a float tensor (or a list of them): a scalar, or of any shape
+    when some source is a variable. ``tape.gradient`` of a non-scalar target
+    is the gradient of the sum of its elements (TensorFlow seeds every element
+    with 1), so seeding every element with the scale instead scales the
+    gradients exactly: a per-example or per-pixel loss vector differentiated
+    for the weights (SimCLR's contrastive loss, a diffusion model's per-pixel
+    error). A non-scalar target differentiated only for tensors is a
+    Jacobian-type value the step computes with (a gradient penalty's
+    d critic / d input), not a loss: left alone.
+    """
+    flat = tf.nest.flatten(target)
+    if not flat or not all(isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.is_floating
+                           for t in flat):
+        return False
+    if all(t.shape.rank == 0 for t in flat):
+        return True
+    return any(_is_variable(s) for s in tf.nest.flatten(sources))
+
+
+def _is_variable(value) -> bool:
+    """A tf.Variable or a Keras 3 variable (whose ``_value`` is one)."""
+    return isinstance(value, tf.Variable) or isinstance(getattr(value, "_value", None),
+                                                        tf.Variable)
 
 
 def mark_scaled(loss) -> None:
@@ -73,8 +98,9 @@ def mark_scaled(loss) -> None:
 
 
 def is_scaled(loss) -> bool:
-    """True if a loss-scale optimizer marked `loss` as scaled (``mark_scaled``)."""
-    return bool(getattr(loss, SCALED_LOSS_MARK, False))
+    """True if a loss-scale optimizer marked `loss` (or one of a list of losses) as
+    scaled (``mark_scaled``)."""
+    return any(bool(getattr(t, SCALED_LOSS_MARK, False)) for t in tf.nest.flatten(loss))
 
 
 def finite_flags(grads) -> tf.Tensor:
@@ -185,10 +211,12 @@ def unscale(grad, scale):
 
 
 def seed(target, scale):
-    """The initial gradient of a scaled backprop: `scale` in `target`'s shape and dtype."""
+    """The initial gradient of a scaled backprop: `scale` in the shape and dtype of
+    `target` (of each target, for a list: the structure ``output_gradients`` takes)."""
     with loss_scale_ops():
         scale = tf.cast(tf.convert_to_tensor(scale), tf.float32)
-        return tf.cast(tf.fill(tf.shape(target), scale), target.dtype)
+        return tf.nest.map_structure(
+            lambda t: tf.cast(tf.fill(tf.shape(t), scale), t.dtype), target)
 
 
 def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable, *, skipped_steps,

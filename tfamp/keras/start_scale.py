@@ -8,7 +8,7 @@ the first ``fit`` of an enabled model first runs a **probe**: the model's own
 ``train_step`` once on fit's first batch, traced as a plain (float32)
 tf.function in *probe mode*:
 
-* every ``tape.gradient`` of a scalar float loss (the tapes tfamp scales) runs
+* every ``tape.gradient`` of a float loss (the tapes tfamp scales) runs
   unscaled; the probe records the largest |value| of every tensor of the
   backward pass that the seed reaches, i.e. that the loss scale multiplies
   (activation gradients and every intermediate of the backward, nested tapes'
@@ -140,20 +140,21 @@ class Recorder:
 
     def gradient(self, original, tape, target, sources, output_gradients, kwargs):
         """``tape.gradient`` in probe mode: unscaled, recording what tfamp would scale."""
-        from tfamp.keras.scale_update import is_scalar_float
+        from tfamp.keras.scale_update import is_loss_target
 
         if (tf.executing_eagerly() or output_gradients is not None
-                or not is_scalar_float(target)):
+                or not is_loss_target(target, sources)):
             return original(tape, target, sources, output_gradients, **kwargs)
         graph = tf.compat.v1.get_default_graph()
-        seed = tf.ones_like(target)  # what the tape seeds with by default
+        # What the tape seeds with by default (every element of every target).
+        seed = tf.nest.map_structure(tf.ones_like, target)
         before = len(graph.get_operations())
         grads = original(tape, target, sources, seed, **kwargs)
         self.tapes += 1
         # Only what the seed reaches scales with the loss scale: the backward
         # also recomputes forward values (a sigmoid for softplus's gradient),
         # which the scale never touches.
-        reached = {seed.op.name}
+        reached = {s.op.name for s in tf.nest.flatten(seed)}
         float32 = set()  # reached ops whose values stay float32 in the rewritten step
         for op in graph.get_operations()[before:]:
             if not any(t.op.name in reached for t in op.inputs):
@@ -234,7 +235,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         recorded. None records every backward op.
 
     Raises:
-      ValueError: the step differentiated no scalar loss, or its float32
+      ValueError: the step differentiated no float loss, or its float32
         gradients are not finite (no scale helps: see the message).
     """
     from tfamp.keras import custom_loop
@@ -253,7 +254,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
     function = plain_function(run)
     concrete = function.get_concrete_function(*args, **kwargs)
     if not recorder.tapes:
-        raise ValueError("the step differentiated no scalar float loss with a GradientTape")
+        raise ValueError("the step differentiated no float loss with a GradientTape")
     restore = _unique([*assigned_variables(concrete), *extra_state])
     saved = [np.array(v.numpy(), copy=True) for v in restore]
     # Grappler is off for this one call: on a ResNet-50 step (14k ops) it took
@@ -377,8 +378,9 @@ def before_fit(model, state, args, kwargs) -> StartScale | None:
 
     Runs only for a dynamic scale with ``initial_scale="auto"``, an owner that
     has taken no step, and a first batch fit's data can give without consuming
-    it (arrays, tensors, a tf.data Dataset). Failing, it warns and training
-    starts at the default scale.
+    it (arrays, tensors, a tf.data Dataset). Failing, whatever the cause, it
+    warns and training starts at the default scale: the probe never stops a
+    ``fit``.
     """
     if not getattr(state, "auto_start", False) or state.loop is None:
         return None
@@ -387,6 +389,20 @@ def before_fit(model, state, args, kwargs) -> StartScale | None:
     owner = state.loop.scale_owner()
     if owner is None or not is_dynamic(owner):
         return None
+    try:
+        return _calibrate_for_fit(model, state, owner, args, kwargs)
+    except Exception as err:  # training goes on at the default scale; the user is told
+        state.start_scale = False
+        start = _scale_now(owner)
+        _warn(f"tfamp: model {model.name!r}: no start scale from the gradients "
+              f"({type(err).__name__}: {err}); dynamic scaling starts at "
+              f"{'its initial scale' if start is None else format(start, 'g')}. Fix: pass "
+              f"initial_scale=<number> to tfamp.enable (TFAMP_INITIAL_SCALE) to choose it "
+              f"yourself.")
+        return None
+
+
+def _calibrate_for_fit(model, state, owner, args, kwargs) -> StartScale | None:
     from tfamp.keras.custom_loop import _build_if_needed
 
     batch = first_batch(model, args, kwargs)
@@ -399,18 +415,10 @@ def before_fit(model, state, args, kwargs) -> StartScale | None:
         state.start_scale = False
         return None
     cls = type(model)
-    try:
-        found = probe_step(lambda data: cls.train_step(model, data), (batch,), {},
-                           extra_state=_state_variables(model),
-                           min_scale=getattr(owner, "min_scale", 1.0),
-                           op_lists=_float16_lists(state))
-    except Exception as err:  # training goes on at the default scale; the user is told
-        _warn(f"tfamp: model {model.name!r}: no start scale from the gradients "
-              f"({type(err).__name__}: {err}); dynamic scaling starts at "
-              f"{_current(owner):g}. Fix: pass initial_scale=<number> to tfamp.enable "
-              f"(TFAMP_INITIAL_SCALE) to choose it yourself.")
-        state.start_scale = False
-        return None
+    found = probe_step(lambda data: cls.train_step(model, data), (batch,), {},
+                       extra_state=_state_variables(model),
+                       min_scale=getattr(owner, "min_scale", 1.0),
+                       op_lists=_float16_lists(state))
     owner = state.loop.scale_owner()  # the probe may have built the model
     _build_if_needed(owner, model)
     if has_stepped(owner):
@@ -472,10 +480,14 @@ def _state_variables(model) -> list:
     return state_variables(model)
 
 
-def _current(owner) -> float:
+def _scale_now(owner) -> float | None:
+    """The owner's scale as a number, or None if it cannot be read (for messages)."""
     from tfamp.keras.custom_loop import current_scale
 
-    return float(current_scale(owner).numpy())
+    try:
+        return float(current_scale(owner).numpy())
+    except Exception:  # a message must not fail on the value it reports
+        return None
 
 
 def _warn(message: str) -> None:

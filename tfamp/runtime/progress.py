@@ -3,9 +3,11 @@
 A first ``fit`` step of a large model can spend a minute tracing, rewriting and
 compiling before anything is printed. ``phase(fn)`` marks the function whose call
 is running; a daemon thread (started on first use, waking twice a second)
-logs it once when it has run longer than ``NOTICE_AFTER_S`` seconds. Entering
-and leaving a phase costs two attribute writes, so it can wrap every call of a
-rewritten function.
+logs it once when it has run longer than ``NOTICE_AFTER_S`` seconds. Only a
+function's first call is watched (the line says "first call"): a later call
+that is slow is a slow step, not tracing. Entering and leaving a phase costs a
+set lookup and two attribute writes, so it can wrap every call of a rewritten
+function.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 
 log = logging.getLogger("tfamp")
 
@@ -28,6 +31,9 @@ class _Watch:
         self.announced = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        # Functions whose first call has ended: never watched again.
+        self.done: weakref.WeakSet = weakref.WeakSet()
+        self.done_ids: set[int] = set()  # the same, for what takes no weak reference
 
     def start(self) -> None:
         with self._lock:
@@ -57,11 +63,13 @@ _watch = _Watch()
 def enter(what) -> bool:
     """Marks a call of `what` (a function) as running; True if it is the outermost.
 
-    Pass the answer to ``leave``. Only a call still running after
-    ``NOTICE_AFTER_S`` is announced, so in practice a first call (trace,
-    rewrite, compile), once.
+    Pass the answer to ``leave``. Only the first call of each function is
+    watched, and only a call still running after ``NOTICE_AFTER_S`` is
+    announced: a slow first call (trace, rewrite, compile), once.
     """
     if _watch.what is not None:  # nested (a rewritten step traced inside a loop)
+        return False
+    if _finished(what):
         return False
     if _watch._thread is None:
         _watch.start()
@@ -72,7 +80,19 @@ def enter(what) -> bool:
 def leave(entered: bool) -> None:
     """Ends what ``enter`` marked (nothing if that was a nested call)."""
     if entered:
-        _watch.what = None
+        what, _watch.what = _watch.what, None
+        try:
+            _watch.done.add(what)
+        except TypeError:
+            _watch.done_ids.add(id(what))
+
+
+def _finished(what) -> bool:
+    """True if a call of `what` has already ended."""
+    try:
+        return what in _watch.done
+    except TypeError:
+        return id(what) in _watch.done_ids
 
 
 @contextlib.contextmanager

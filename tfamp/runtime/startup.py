@@ -13,10 +13,11 @@ then patches, once:
   ``LossScaleOptimizer`` keeps it (its graphs are rewritten, its loss scaling
   stays Keras's);
 * ``tf.GradientTape.gradient`` and the optimizers' ``apply_gradients`` (tf_keras)
-  / ``apply`` (Keras 3), for custom training loops: backprop of a scalar loss
-  is seeded with the loss scale, the gradients are unscaled in float32, and a
-  step whose gradients are not finite on some replica is skipped on every
-  replica (weights and slots untouched) while the scale adapts once.
+  / ``apply`` (Keras 3), for custom training loops: backprop of a float loss
+  (a scalar or a per-example vector) is seeded with the loss scale, the
+  gradients are unscaled in float32, and a step whose gradients are not
+  finite on some replica is skipped on every replica (weights and slots
+  untouched) while the scale adapts once.
 
 Loss scaling happens exactly once: a loss a loss-scale optimizer's
 ``scale_loss`` returned is marked and the tape leaves it alone; the inner
@@ -25,8 +26,11 @@ alone (see ``tfamp.keras.loss_scale3``).
 
 A model that runs a Keras mixed policy (``mixed_float16`` / ``mixed_bfloat16``,
 tf_keras or Keras 3) is left to Keras: tfamp neither rewrites its functions nor
-scales its loss, and says so in one line. The exit notice (nothing was
-rewritten) stays silent after an uncaught exception or such a step-aside.
+scales its loss, and says so in one line. An eager training step (gradients
+applied outside any tf.function) runs float32, since tfamp rewrites traced
+graphs: one line says so the first time, whatever the script traces later. The
+exit notice (nothing was rewritten) stays silent after an uncaught exception,
+such a step-aside, or that line.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class _Activation:
         # tf.function is then Keras's own (see _patch_keras_mixed_policies).
         self.stepping_aside = threading.local()
         self.stepped_aside: list[str] = []  # model names, for the exit notice
+        self.told_eager = False  # the eager-step line was given (once per process)
 
 
 _active: _Activation | None = None
@@ -378,14 +383,14 @@ def _patch_custom_loops(active: _Activation) -> None:
     import tensorflow as tf
 
     from tfamp.keras import loss_scale as loss_scale_lib
-    from tfamp.keras.scale_update import is_scalar_float, is_scaled, seed, unscale
+    from tfamp.keras.scale_update import is_loss_target, is_scaled, seed, unscale
 
     original_gradient = tf.GradientTape.gradient
 
     @functools.wraps(original_gradient)
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         if (_scaled_elsewhere(active) or output_gradients is not None
-                or not is_scalar_float(target) or is_scaled(target)):
+                or not is_loss_target(target, sources) or is_scaled(target)):
             return original_gradient(self, target, sources, output_gradients, **kwargs)
         scale = _scale_state(active).current_loss_scale
         grads = original_gradient(self, target, sources, seed(target, scale), **kwargs)
@@ -458,6 +463,7 @@ def _patch_keras3_apply(active: _Activation) -> None:
                 or isinstance(self, keras.optimizers.LossScaleOptimizer)
                 or getattr(self, loss_scale3.INNER_MARK, False)):
             return original(self, grads, trainable_variables)
+        _tell_if_eager(active)
         scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,
                                             functools.partial(_update_process_scale, active),
                                             skipped_steps=_scale_state(active).skipped_steps)
@@ -474,6 +480,7 @@ def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib)
         if (_scaled_elsewhere(active) or _is_loss_scale_optimizer(self)
                 or getattr(self, "_is_wrapped_by_loss_scale_optimizer", False)):
             return original(self, grads_and_vars, *args, **kwargs)
+        _tell_if_eager(active)
         from tfamp.keras import scale_update
 
         return scale_update.apply_gradients_if_finite(
@@ -482,6 +489,21 @@ def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib)
             skipped_steps=_scale_state(active).skipped_steps)
 
     optimizer_class.apply_gradients = apply_gradients
+
+
+def _tell_if_eager(active: _Activation) -> None:
+    """One line, the first time a custom loop applies gradients eagerly (float32)."""
+    if active.told_eager:
+        return
+    import tensorflow as tf
+
+    if not tf.executing_eagerly():
+        return
+    active.told_eager = True
+    log.warning("tfamp: a training step applies gradients eagerly (outside any tf.function), "
+                "so it runs in float32: tfamp rewrites traced graphs, and eager code runs as "
+                "written. Decorate the training step with @tf.function to train it in mixed "
+                "precision (its loss is then scaled too).")
 
 
 def _update_process_scale(active: _Activation, flags, *, count_skipped: bool = True) -> None:
@@ -563,8 +585,8 @@ def _exit_notice(active: _Activation) -> None:
     if getattr(sys, "last_value", None) is not None:
         return  # the script died of an uncaught exception: its traceback is the news
     converted = sum(sum(r.converted.values()) for r in active.reports)
-    if converted or active.stepped_aside:
-        return  # a model that stepped aside was announced when it did
+    if converted or active.stepped_aside or active.told_eager:
+        return  # a model that stepped aside, or an eager step, was announced when it did
     if not active.reports:
         log.warning("tfamp: TFAMP_ENABLE is on but the script traced no tf.function, so "
                     "nothing was rewritten: eager code runs as written. Wrap the training "
