@@ -183,6 +183,7 @@ class Kernel:
     times: int
     branch: str | None  # "conditional:index" when inside a conditional's branch
     convert_only: bool = False
+    in_loop: bool = False  # launched by a while loop's iterations
 
 
 def category_of(name: str) -> str:
@@ -350,13 +351,13 @@ def walk(program: Program) -> Walk:
     assumed = max([n for n in known if n] or [1])
     out = Walk([], [], [], collections.Counter())
 
-    def visit(computation: str, times: int, branch: str | None) -> None:
+    def visit(computation: str, times: int, branch: str | None, in_loop: bool = False) -> None:
         table = program.table(computation)
         for ins in program.computations[computation]:
             if ins.opcode in NO_KERNEL:
                 continue
             if ins.opcode == "call":
-                visit(ins.called("to_apply"), times, branch)
+                visit(ins.called("to_apply"), times, branch, in_loop)
             elif ins.opcode == "conditional":
                 names = ins.attribute(r"branch_computations=\{([^}]*)\}")
                 branches = (_NAME.findall(names) if names else
@@ -365,7 +366,7 @@ def walk(program: Program) -> Walk:
                 out.conditionals.append(info)
                 for index, name in enumerate(branches):
                     start = len(out.kernels)
-                    visit(name, times, f"{ins.name}:{index}")
+                    visit(name, times, f"{ins.name}:{index}", in_loop)
                     own = [k for k in out.kernels[start:] if k.branch == f"{ins.name}:{index}"]
                     info["branches"].append({
                         "computation": name, "kernels": len(own),
@@ -380,10 +381,12 @@ def walk(program: Program) -> Walk:
                                   "assumed": None if count else assumed, "times": times,
                                   "in_branch": branch})
                 if count is None:  # the condition runs (and syncs) once more than the body
-                    visit(ins.called("condition"), times * (assumed + 1), branch)
-                visit(ins.called("body"), runs, branch)
+                    visit(ins.called("condition"), times * (assumed + 1), branch, True)
+                visit(ins.called("body"), runs, branch, True)
             else:
                 kernel = kernel_of(program, ins, table, times, branch)
+                if in_loop:
+                    kernel = dataclasses.replace(kernel, in_loop=True)
                 if kernel.kind == "other":
                     out.unfused[ins.opcode] += 1
                 out.kernels.append(kernel)
