@@ -212,3 +212,29 @@ def test_cli_reads_lists_and_aliases():
     args = cli.parse_args(["--models", "bert, lstm,bert", "--dtypes", "bf16", "--batch", "8"])
     assert (args.models, args.dtypes, args.batch) == (("bert", "lstm"), ("bfloat16",), 8)
     assert cli.parse_args([]).models == plan.MODELS
+
+
+def test_measured_column_shows_only_the_programs_this_run_compiles():
+    data = {"keras": "3.15.1", "sources": {"old": {}, "new": {}}, "rows": [
+        {"program": "m_b8_fp32", "source": "new", "measured_ms": 10.0},
+        {"program": "m_b8_fp32", "source": "old", "measured_ms": 12.0},
+        {"program": "m_b8_tfamp_fp16", "source": "new", "measured_ms": 7.0,
+         "tfamp_sources": "aaa"}]}
+    layout = cache.Layout("/w", "3.15.1", "aaa")
+    assert cli.measured_times(data, layout) == {"m_b8_fp32": (10.0, "new"),
+                                                "m_b8_tfamp_fp16": (7.0, "new")}
+    # another tfamp, another program; another Keras, other programs altogether
+    assert cli.measured_times(data, cache.Layout("/w", "3.15.1", "bbb")) == {
+        "m_b8_fp32": (10.0, "new")}
+    assert cli.measured_times(data, cache.Layout("/w", "3.16.0", "aaa")) == {}
+
+
+def test_table_keeps_a_failed_program_as_a_row():
+    rows = [{"model": "bert", "batch": 32, "label": "float32", "error": "export failed, see x.log"},
+            {"model": "bert", "batch": 32, "label": "tfamp float16", "kernels": 10,
+             "bytes": 2e9, "top_level_conditionals": 0, "host_syncs": 0, "convert_fusions": 1,
+             "temp_bytes": 1e9, "estimate_ms": 3.04, "measured_ms": 3.0,
+             "measured_source": "new"}]
+    table = cli.render_table(rows).splitlines()
+    assert "failed: export failed, see x.log" in table[2]
+    assert table[3] == "|  | tfamp float16 | 10 | 2.00 | 0 | 0 | 1 | 1.00 | 3.0 | 3.0 (new) |"

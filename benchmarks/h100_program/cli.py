@@ -237,7 +237,7 @@ def render_calibration(report: dict) -> str:
 
 def render_table(rows: list[dict]) -> str:
     head = ("| model | mode | kernels | GB at kernel boundaries | top-level conditionals | "
-            "host syncs | convert fusions | temp GB | est ms | measured H100 ms |")
+            "host syncs | convert fusions | temp GB | est ms | measured H100 ms (source) |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     last = None
     for r in rows:
@@ -246,28 +246,31 @@ def render_table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {model} | {r['label']} | failed: {r['error']} ||||||||")
             continue
-        measured = r.get("measured_ms")
+        measured = ("" if r.get("measured_ms") is None
+                    else f"{r['measured_ms']:.1f} ({r['measured_source']})")
         lines.append(
             f"| {model} | {r['label']} | {r['kernels']} | {r['bytes'] / 1e9:.2f} | "
             f"{r['top_level_conditionals']} | {r['host_syncs']} | {r['convert_fusions']} | "
-            f"{r['temp_bytes'] / 1e9:.2f} | {r['estimate_ms']:.1f} | "
-            f"{'' if measured is None else f'{measured:.1f}'} |")
+            f"{r['temp_bytes'] / 1e9:.2f} | {r['estimate_ms']:.1f} | {measured} |")
     return "\n".join(lines)
 
 
-def measured_times(data: dict, layout: cache.Layout) -> dict[str, float]:
-    """Measured ms of the programs this run compiles identically (mean over sources).
+def measured_times(data: dict, layout: cache.Layout) -> dict[str, tuple[float, str]]:
+    """(measured ms, source) of the programs this run compiles identically.
 
-    Same Keras version; for tfamp's programs, the same tfamp sources too.
+    Same Keras version; for tfamp's programs, the same tfamp sources too. Where several
+    sources timed a program, the one listed last in the measured file (the latest) is
+    shown, so that a table's rows come from one machine where they can.
     """
-    times: dict[str, list[float]] = {}
-    for r in data["rows"]:
-        if data["keras"] != layout.keras_version:
-            continue
+    order = list(data["sources"])
+    times: dict[str, tuple[float, str]] = {}
+    if data["keras"] != layout.keras_version:
+        return times
+    for r in sorted(data["rows"], key=lambda r: order.index(r["source"])):
         if "tfamp_sources" in r and r["tfamp_sources"] != layout.tfamp_sources:
             continue
-        times.setdefault(r["program"], []).append(r["measured_ms"])
-    return {p: sum(v) / len(v) for p, v in times.items()}
+        times[r["program"]] = (r["measured_ms"], r["source"])
+    return times
 
 
 def run(args) -> int:
@@ -284,7 +287,8 @@ def run(args) -> int:
             row = measure(layout, name, batch, mode, pythons, device)
             if "terms" in row:
                 row["estimate_ms"] = round(model.predict(row["terms"]), 2)
-                row["measured_ms"] = measured.get(row["program"])
+                if row["program"] in measured:
+                    row["measured_ms"], row["measured_source"] = measured[row["program"]]
             rows.append(row)
     print(render_table(rows))
     print()
