@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -238,3 +239,12 @@ def test_table_keeps_a_failed_program_as_a_row():
     table = cli.render_table(rows).splitlines()
     assert "failed: export failed, see x.log" in table[2]
     assert table[3] == "|  | tfamp float16 | 10 | 2.00 | 0 | 0 | 1 | 1.00 | 3.0 | 3.0 (new) |"
+
+
+def test_a_python_without_jax_is_refused_with_the_fix(tmp_path):
+    from benchmarks.h100_program import toolchain
+    with pytest.raises(toolchain.ToolchainError,
+                       match=r"should import jax 0\.11\.2 .*ModuleNotFoundError.*Leave the option"):
+        toolchain.check_jax_python(sys.executable)  # the project's Python: no JAX there
+    with pytest.raises(toolchain.ToolchainError, match="does not exist"):
+        toolchain.check_jax_python(str(tmp_path / "python"))

@@ -75,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="compile the programs of the measured H100 rows and rewrite "
                         "data/h100_calibration.json from them")
-    p.add_argument("-v", "--verbose", action="store_true", help="log each step's time")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also log how long each export and compile took")
     return p
 
 
@@ -103,7 +104,7 @@ def measure(layout, model: str, batch: int, mode: plan.Mode, pythons, device) ->
         opt_path, info = programs.compile_h100(layout, model, batch, mode, hlo, pythons[1])
     except (programs.ProgramError, OSError) as err:
         row["error"] = str(err)
-        print(f"h100_program: {err}", file=sys.stderr, flush=True)
+        log.error("%s", err)
         return row
     with open(opt_path) as f:
         features = hlo_reader.step_features(hlo_reader.read_program(f.read()))
@@ -164,16 +165,16 @@ def calibrate(args) -> int:
         mode = plan.MODES[entry["mode"]]
         name = plan.tag(entry["model"], entry["batch"], mode)
         if source["keras"] != layout.keras_version:
-            print(f"h100_program: {name} ({entry['source']}) ran Keras {source['keras']}; this "
-                  f"Python has Keras {layout.keras_version}: calibrating with today's program",
-                  file=sys.stderr)
+            log.warning("%s (%s) ran Keras %s; this Python has Keras %s: calibrating with "
+                        "today's program", name, entry["source"], source["keras"],
+                        layout.keras_version)
         if mode.side == "tfamp" and source.get("tfamp_sources") != layout.tfamp_sources:
             if (entry["source"], name) in kept:
                 rows.append(kept[entry["source"], name])
             else:
-                print(f"h100_program: {name} ({entry['source']}) was measured with tfamp "
-                      f"{source.get('tfamp_sources')}, not the installed "
-                      f"{layout.tfamp_sources}: left out", file=sys.stderr)
+                log.warning("%s (%s) was measured with tfamp %s, not the installed %s: "
+                            "left out", name, entry["source"], source.get("tfamp_sources"),
+                            layout.tfamp_sources)
             continue
         row = measure(layout, entry["model"], entry["batch"], mode, pythons, device)
         if "error" in row:
@@ -306,8 +307,9 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+    # progress (what is exported, compiled, made) by default; -v adds each step's time
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return calibrate(args) if args.calibrate else run(args)
     except (toolchain.ToolchainError, estimate.CalibrationError) as err:

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 
 from benchmarks.h100_program import cache
@@ -35,7 +34,7 @@ def _step(cmd, *, env, cwd, log_path, what) -> None:
     if done.returncode:
         raise ProgramError(f"{what} failed (exit status {done.returncode}); its output is in "
                            f"{log_path}")
-    log.info("%s: %.0f s", what, time.perf_counter() - started)
+    log.debug("%s: %.0f s", what, time.perf_counter() - started)
 
 
 def export(layout: cache.Layout, model: str, batch: int, mode: Mode, tf_python: str) -> str:
@@ -45,8 +44,7 @@ def export(layout: cache.Layout, model: str, batch: int, mode: Mode, tf_python: 
     if os.path.exists(prefix + ".export.json"):
         return prefix + ".hlo.pb"
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
-    print(f"h100_program: exporting {tag(model, batch, mode)} (TensorFlow traces the step) ...",
-          file=sys.stderr, flush=True)
+    log.info("exporting %s (TensorFlow traces the step) ...", name)
     env = mode.environment(dict(os.environ))
     env.pop("PYTHONPATH", None)  # tfamp: the installed copy, the one the cache key hashed
     _step([tf_python, "-m", "benchmarks.h100_program.export_step", "--model", model,
@@ -62,8 +60,7 @@ def compile_h100(layout: cache.Layout, model: str, batch: int, mode: Mode, hlo: 
     prefix = layout.compiled(side, tag(model, batch, mode))
     if not os.path.exists(prefix + ".compile.json"):
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        print(f"h100_program: compiling {tag(model, batch, mode)} for an H100 (XLA:GPU, "
-              "no device) ...", file=sys.stderr, flush=True)
+        log.info("compiling %s for an H100 (XLA:GPU, no device) ...", tag(model, batch, mode))
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         _step([jax_python, os.path.join(cache.HERE, "compile_h100.py"), "--hlo", hlo,
                "--target", cache.TARGET, "--out", prefix],

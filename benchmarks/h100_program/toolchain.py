@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 
 log = logging.getLogger("h100_program")
 
@@ -49,10 +48,11 @@ def check_jax_python(python: str) -> str:
                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
     version = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else ""
     if probe.returncode or version != JAX_VERSION:
+        error = (probe.stderr.strip().splitlines() or [""])[-1]
+        got = f"jax {version}" if version else f"an error ({error})"
         raise ToolchainError(
             f"--jax-python {python!r} should import jax {JAX_VERSION} with its CUDA plugin; "
-            f"it gave {version or 'an error'}: {probe.stderr.strip()[-300:]}. Leave the option "
-            "out to let the benchmark make its own venv.")
+            f"it gave {got}. Leave the option out to let the benchmark make its own venv.")
     return python
 
 
@@ -68,9 +68,8 @@ def jax_python(venv: str) -> str:
             "~/.pyenv/versions/3.12*/bin/python and python3.12 on PATH). Install one "
             "(e.g. `pyenv install 3.12`) or pass --jax-python PATH of a venv with "
             f"{' '.join(JAX_PACKAGES)}.")
-    print(f"h100_program: first use: making a JAX {JAX_VERSION} venv in {venv} from "
-          f"{bases[0]} (about 1.2 GB, a few minutes; later runs reuse it)", file=sys.stderr,
-          flush=True)
+    log.info("first use: making a JAX %s venv in %s from %s (about 1.2 GB, a few minutes; "
+             "later runs reuse it)", JAX_VERSION, venv, bases[0])
     made = _run([bases[0], "-m", "venv", "--clear", venv])
     if made.returncode:
         raise ToolchainError(f"could not make a venv in {venv}: {made.stderr.strip()[-500:]}")
