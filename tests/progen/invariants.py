@@ -101,6 +101,9 @@ class Outcome:
     compared: int = 0  # outputs compared numerically
     skipped: int = 0  # outputs not compared: ill-conditioned at that precision
     ratios: list[float] = dataclasses.field(default_factory=list)  # |r - c| / bound
+    # (|r - c|, |n - c|) / (u |c|) of every float output compared: what the
+    # tolerance's constants are chosen from (BUILD_NOTES, session 12)
+    errors: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -318,9 +321,11 @@ def _compare(clean, noisy, got, before, config: Config, outcome: Outcome) -> Non
             outcome.skipped += 1
             continue
         outcome.compared += 1
-        kind, ratio, message = verdict
+        kind, ratio, message, relative = verdict
         if ratio is not None:
             outcome.ratios.append(ratio)
+        if relative is not None:
+            outcome.errors.append(relative)
         if kind:
             outcome.failures.append(Failure(kind, str(config), f"{name}: {message}"))
 
@@ -332,13 +337,14 @@ def _delta(after, before):
 
 
 def _judge(c, n, r, u):
-    """None (not compared), or (failure kind or "", |r - c| / bound, message)."""
+    """None (not compared), or (failure kind or "", |r - c| / bound, message,
+    (|r - c|, |n - c|) / (u |c|) or None)."""
     if c.dtype.kind not in "fc":
         if not np.array_equal(n, c):
             return None
         same = np.array_equal(r, c)
         return ("" if same else "numerics", None,
-                "" if same else f"integers differ: {np.count_nonzero(r != c)} of {c.size}")
+                "" if same else f"integers differ: {np.count_nonzero(r != c)} of {c.size}", None)
     c, n, r = (x.astype(np.float64) for x in (c, n, r))
     if not np.all(np.isfinite(c)):
         return None
@@ -346,7 +352,7 @@ def _judge(c, n, r, u):
     if not np.all(np.isfinite(r[finite])):
         return ("nonfinite", None, f"{np.count_nonzero(~np.isfinite(r[finite]))} of {c.size} "
                 f"values not finite (float32 and the noisy run: finite; max |c| "
-                f"{np.abs(c).max():.3g})")
+                f"{np.abs(c).max():.3g})", None)
     if not np.all(finite):
         return None
     scale = np.linalg.norm(c)
@@ -356,11 +362,13 @@ def _judge(c, n, r, u):
     error = np.linalg.norm(r - c)
     bound = K * noise_error + F * u * scale
     ratio = error / bound if bound else (0.0 if error == 0 else np.inf)
+    relative = ((error / (u * scale), noise_error / (u * scale)) if scale
+                else None)
     if error <= bound:
-        return "", ratio, ""
+        return "", ratio, "", relative
     return ("numerics", ratio, f"|r - c| = {error:.3g}, bound {bound:.3g} (|c| = {scale:.3g}, "
             f"noisy run's |n - c| = {noise_error:.3g}); max elementwise error "
-            f"{np.abs(r - c).max():.3g}")
+            f"{np.abs(r - c).max():.3g}", relative)
 
 
 def _describe(err: BaseException) -> str:

@@ -42,6 +42,7 @@ class Result:
     max_ratio: float = 0.0
     size: int = 0
     features: dict = dataclasses.field(default_factory=dict)
+    errors: list = dataclasses.field(default_factory=list)  # see invariants.Outcome
 
 
 def check_seed(seed: int) -> Result:
@@ -54,7 +55,7 @@ def check_seed(seed: int) -> Result:
     return Result(seed, outcome.ok, outcome.seconds, [str(f) for f in outcome.failures],
                   [list(f.signature()) for f in outcome.failures], outcome.compared,
                   outcome.skipped, max(outcome.ratios, default=0.0), program.size(),
-                  program.features())
+                  program.features(), [[round(a, 3), round(b, 3)] for a, b in outcome.errors])
 
 
 def _worker() -> int:
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
     if args.worker:
         return _worker()
     args.out.mkdir(parents=True, exist_ok=True)
-    log_file = (args.out / "results.jsonl").open("a")
+    log_file = (args.out / "results.jsonl").open("a")  # noqa: SIM115 (open for the run)
 
     def progress(result: Result, done: int, total: int) -> None:
         log_file.write(json.dumps(dataclasses.asdict(result)) + "\n")
