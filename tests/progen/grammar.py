@@ -27,7 +27,13 @@ from collections.abc import Iterator
 # body, whose values have shape [1, D]. A body has its block's restrictions
 # and those of where the block sits.
 NO_INTS, XLA, ROW = "no_ints", "xla", "row"
+# DIFFERENTIATED: a tape records it. A loop in an XLA function whose gradient
+# is taken outside the function cannot run: TensorFlow does not pass a loop's
+# TensorList accumulators across the XLA boundary ("Support for TensorList
+# crossing the XLA/TF boundary is not implemented").
+DIFFERENTIATED = "differentiated"
 TOP: frozenset[str] = frozenset()
+_LOOPS = frozenset({"while", "map_fn", "scan", "tensorlist"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +97,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("nested_fn", "nested_function", 1, ("autograph", "plain"), block=True,
          body_adds=frozenset({NO_INTS})),
     Kind("xla_fn", "xla_function", 1, block=True, body_adds=frozenset({NO_INTS, XLA})),
-    Kind("tape", "tape", 1, block=True),
+    Kind("tape", "tape", 1, block=True, body_adds=frozenset({DIFFERENTIATED})),
 )}
 
 FEATURES = sorted({k.feature for k in KINDS.values()})
@@ -208,7 +214,8 @@ def generate(seed: int) -> Program:
     names = _Names()
     d = rng.choice([16, 32])
     tape = rng.random() < 0.8
-    stmts = _block(rng, enabled, names, TOP, ["x0", "x1"], rng.randint(2, 7), depth=0)
+    top = TOP | {DIFFERENTIATED} if tape else TOP
+    stmts = _block(rng, enabled, names, top, ["x0", "x1"], rng.randint(2, 7), depth=0)
     values = [s.out for s in stmts]
     outputs = rng.sample(values, k=min(len(values), rng.randint(0, 2)))
     loss = rng.choice(["mse", "xent", "mse_aux"]) if tape else "mse"
@@ -231,6 +238,8 @@ class _Names:
 def allowed(kind: Kind, variant: str, context: frozenset[str]) -> bool:
     """May `kind` with `variant` sit in `context` (a set of restrictions)?"""
     if NO_INTS in context and (kind.name, variant) in _NEEDS_INTS:
+        return False
+    if XLA in context and DIFFERENTIATED in context and kind.name in _LOOPS:
         return False
     return not (XLA in context and (kind.name, variant) in _NOT_IN_XLA)
 

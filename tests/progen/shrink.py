@@ -152,38 +152,48 @@ def _rename(program: Program, old: str, new: str) -> None:
 
 # -- with the invariants: what a failure is, and the command line ---------------------
 
-def failing_signatures(program: Program, configs=None, numerics: bool = True) -> set[tuple]:
-    """The signatures of the failures `program` shows."""
+def failures_of(program: Program, configs=None, numerics: bool = True) -> dict[tuple, object]:
+    """Signature -> the first ``invariants.Failure`` with it, of `program`."""
     from tests.progen import invariants, source
 
     module = source.load(source.render(program, "candidate"))
     outcome = invariants.check(module, configs or invariants.CONFIGS, numerics=numerics)
-    return {f.signature() for f in outcome.failures}
+    found: dict[tuple, object] = {}
+    for failure in outcome.failures:
+        found.setdefault(failure.signature(), failure)
+    return found
 
 
-def shrink_failure(program: Program, failure, budget_s: float = 1800.0) -> Program:
-    """`program` shrunk while it shows `failure` (an ``invariants.Failure``)."""
+def shrink_failure(program: Program, failure,
+                   budget_s: float = 1800.0) -> tuple[Program, object]:
+    """(`program` shrunk while it shows `failure`, the failure the small one shows)."""
     from tests.progen import invariants
 
     signature = failure.signature()
     configs = [c for c in invariants.CONFIGS if str(c) == failure.config] or None
     numerics = failure.invariant in ("numerics", "nonfinite", "runs", "output_dtype")
+    shown = {program.to_json(): failure}
 
     def fails(candidate: Program) -> bool:
         try:
-            return signature in failing_signatures(candidate, configs, numerics)
+            found = failures_of(candidate, configs, numerics).get(signature)
         except Exception:  # (a candidate the harness cannot even build)
             log.exception("shrink: candidate failed to build")
             return False
+        if found is not None:
+            shown[candidate.to_json()] = found
+        return found is not None
 
-    return shrink(program, fails, budget_s)
+    small = shrink(program, fails, budget_s)
+    return small, shown[small.to_json()]
 
 
-def regression_source(program: Program, failure, original_size: int) -> str:
+def regression_source(program: Program, failure, original_size: int, note: str = "") -> str:
+    """The shrunk program as a regression file (`failure`: what it showed)."""
     from tests.progen import source
 
     doc = (f"Shrunk by tests/progen from generated program {program.seed} "
-           f"({original_size} statements -> {program.size()}).\n\n"
+           f"({original_size} statements -> {program.size()}).{note}\n\n"
            f"Failed: {failure}\n\n"
            f"Run: python <this file>   (checks the invariants; exit status 1 on a failure)")
     return source.render(program, doc)
@@ -211,11 +221,11 @@ def main(argv=None) -> int:
         return 0
     failure = outcome.failures[0]
     print(f"shrinking program {program.seed} ({program.size()} statements): {failure}")
-    small = shrink_failure(program, failure, args.budget)
+    small, shown = shrink_failure(program, failure, args.budget)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"{failure.invariant}_{failure.config.split('/')[0]}_{program.seed}.py"
     path = args.out / name
-    path.write_text(regression_source(small, failure, program.size()))
+    path.write_text(regression_source(small, shown, program.size()))
     print(f"wrote {path} ({small.size()} statements)")
     return 1
 

@@ -78,9 +78,14 @@ def build():
         for index, weight in enumerate(obj.weights):
             if "kernel" in weight.name or "embeddings" in weight.name:
                 weight.assign(grid(key * 10 + index, tuple(weight.shape)))
-        state.extend(obj.weights)
-        train.extend(obj.trainable_weights)
+        # (Keras 3's variables wrap a tf.Variable: the tape's zeros for an
+        # unconnected gradient need the tf.Variable itself)
+        state.extend(tf_variable(w) for w in obj.weights)
+        train.extend(tf_variable(w) for w in obj.trainable_weights)
         return obj
+
+    def tf_variable(weight):
+        return weight if isinstance(weight, tf.Variable) else weight.value
 
 '''
 
