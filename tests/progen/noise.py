@@ -1,13 +1,15 @@
 """A float32 run with rounding noise: how far 16-bit rounding may move each output.
 
 While a program is traced inside ``rounding_noise()``, every op that
-computes a float32 value y is followed by ``y + (u_op * y + clip(y, -t, t)) * r``,
-r uniform in [-1, 1] from a stateless random op with a fixed seed: the
+computes a float32 value y is followed by ``y + (u_op * m + clip(y, -t, t)) * r``,
+r = +1 or -1 at random (a stateless random op with a fixed seed): the
 standard model of floating-point rounding, ``fl(x op y) = (x op y)(1 + d)``
 with ``|d| <= u``, the unit roundoff of a 16-bit type, plus an absolute term
 of at most t (float16's subnormal half-spacing) that never moves a value
-past zero (an underflow flushes it, keeping its sign). For an op that sums
-k terms (a matmul's inner dimension, a convolution's window, a reduction)
+past zero (an underflow flushes it, keeping its sign). m is |y|, except for
+an op that sums k terms (a matmul's inner dimension, a convolution's window,
+a reduction), where m is the sum of the terms' magnitudes (the op run again
+on |inputs|: a sum whose terms cancel may change sign) and
 ``u_op = u * sqrt(k)``: a 16-bit kernel may accumulate in 16 bits on the CPU.
 Ops that only move values (reshape, transpose, gather, relu, max) add
 nothing. The noise is a forward perturbation (``stop_gradient``): gradient
@@ -111,6 +113,26 @@ def _terms(op_type: str, inputs, outputs, attrs: dict) -> int:
     return 1
 
 
+# Ops whose result is a sum of products of their float inputs (linear in each):
+# the same op on the inputs' magnitudes is the sum of the terms' magnitudes.
+_SUMMING_OPS = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv3D",
+    "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv2DBackpropFilter",
+    "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter", "Sum",
+    "Mean", "BiasAddGrad", "UnsortedSegmentSum", "Cumsum", "AddN",
+})
+
+
+def _sum_of_magnitudes(op_type, inputs, attrs, outputs, graph):
+    """The op of `op_type` run again on |inputs| (float inputs only): for a
+    summing op, the sum of its terms' magnitudes, per output element."""
+    absolute = [tf.abs(t) if t.dtype == tf.float32 else t for t in inputs]
+    attr_map = dict(zip(attrs[::2], attrs[1::2], strict=False)) if attrs else {}
+    op = graph._create_op_internal(op_type, absolute, dtypes=[t.dtype for t in outputs],
+                                   attrs=attr_map)
+    return op.outputs[0]
+
+
 def _attr_value(value):
     """A graph op's attribute (an AttrValue proto) as a Python value: a bool or bytes."""
     kind = value.WhichOneof("value") if hasattr(value, "WhichOneof") else None
@@ -143,13 +165,19 @@ def rounding_noise(salt: int = 0):
                 replaced.append(tensor)
                 continue
             counter[0] += 1
-            r = tf.random.stateless_uniform(tf.shape(tensor), seed=[counter[0], salt],
-                                            minval=-1.0, maxval=1.0)
+            # A random sign, not a uniform draw: each value moves by the whole
+            # bound (one draw near 0 would make a scalar's reference exact).
+            r = tf.sign(tf.random.stateless_uniform(tf.shape(tensor), seed=[counter[0], salt],
+                                                    minval=-1.0, maxval=1.0))
             size = tf.constant(MAGIC_SIZE, name=f"progen_noise__{op_type}__")
             limit = tf.constant(MAGIC_TINY, name=f"progen_noise__{op_type}__")
+            # A sum's rounding is relative to its terms, not to its result: a
+            # result near zero (terms that cancel) may change sign.
+            scale = (_sum_of_magnitudes(op_type, inputs, attrs, outputs, graph)
+                     if op_type in _SUMMING_OPS else tensor)
             # float16's absolute error: up to the value itself (a flush to
             # zero), never past it: rounding keeps a value's sign, and a zero.
-            error = (tensor * (size * terms) + tf.clip_by_value(tensor, -limit, limit)) * r
+            error = (scale * (size * terms) + tf.clip_by_value(tensor, -limit, limit)) * r
             # A forward perturbation only: the gradient ops have their own.
             # (Without the stop, a loop's gradient would keep every factor.)
             replaced.append(tensor + tf.stop_gradient(error))
