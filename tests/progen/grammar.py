@@ -102,8 +102,12 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 
 FEATURES = sorted({k.feature for k in KINDS.values()})
 # Variants that need the batch's integer inputs, or cannot run under XLA.
+# A value turned into an integer (a truncation, an argmax) is discontinuous: a
+# rounding can move it by a whole step, which no tolerance can allow for, so
+# those read the step's inputs (exact in 16-bit), which only the top sees.
 _NEEDS_INTS = {("embedding", v) for v in KINDS["embedding"].variants} | {
-    ("where", "labels"), ("int_ops", "segment_sum")}
+    ("where", "labels"), ("int_ops", "segment_sum"), ("int_ops", "argmax_one_hot"),
+    ("cast", "int_floor")}
 _NOT_IN_XLA = {("random", "generator")}
 
 OPTIMIZERS = ("none", "manual_sgd", "sgd", "momentum", "adam")

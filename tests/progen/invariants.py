@@ -55,8 +55,8 @@ from tfamp.runtime import runner
 
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 TINY = {"float16": 2.0 ** -25, "bfloat16": 0.0}  # float16's subnormal half-spacing
-K = 4.0
-F = 2.0  # (two roundings of the result itself: the 16-bit value and its Cast back)
+K = 8.0
+F = 8.0
 SKIP = 0.25
 _SIXTEEN = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 _renamed = itertools.count()

@@ -190,8 +190,8 @@ class _Writer:
                     if name != "x0"]
         if last == "x0":
             returns.append('"last": x0 * 1.0')
-        if p.int_output:
-            returns.append(f'"argmax": tf.argmax({last}, axis=-1)')
+        if p.int_output:  # (integers whose values no rounding can change)
+            returns += ['"argmax": tf.argmax(x1, axis=-1)', f'"shape": tf.shape({last})']
         inner.append("return {" + ", ".join(returns) + "}")
         self.optimizer_setup()
         return "\n".join(lines + ["    " + line for line in inner])
@@ -401,7 +401,7 @@ class _Writer:
             "rsqrt_size": [f"{o} = {a} * tf.math.rsqrt(tf.cast(tf.shape({a})[-1], tf.float32)) "
                            f"* 4.0"],
             "positions": [f"{o} = {a} + tf.cast(tf.range({d}), tf.float32)[None, :] / {d}.0"],
-            "argmax_one_hot": [f"{o} = {a} + tf.one_hot(tf.argmax({a}, axis=-1), {d})"],
+            "argmax_one_hot": [f"{o} = {a} + tf.one_hot(tf.argmax(x1, axis=-1), {d})"],
             "segment_sum": [f"seg_{o} = labels % 2",
                             f"sums_{o} = tf.math.unsorted_segment_sum({a}, seg_{o}, 2)",
                             f"{o} = {a} - 0.25 * tf.gather(sums_{o}, seg_{o})"],
@@ -432,7 +432,7 @@ class _Writer:
         return {
             "leaky": [f"{o} = tf.where({a} > 0, {a}, 0.125 * {a})"],
             "finite": [f"{o} = tf.where(tf.math.is_finite({a}), {a}, tf.zeros_like({a}))"],
-            "pick": [f"{o} = tf.where({a} > {b}, {a}, {b} * 0.5)"],
+            "pick": [f"{o} = tf.where({a} > {b}, {a}, {b})"],
             "labels": [f"{o} = tf.where(tf.equal(labels % 2, 0)[:, None], {a}, {b})"],
         }[s.params["variant"]]
 
@@ -443,7 +443,7 @@ class _Writer:
             "bf16_round_trip": [f"{o} = tf.cast(tf.cast({a}, tf.bfloat16) * 2.0, tf.float32)"],
             "float64": [f"{o} = tf.cast(tf.cast({a}, tf.float64) * 1.5 + 0.25, tf.float32)"],
             "bool_mask": [f"{o} = {a} * tf.cast({a} > 0, tf.float32) + 0.5 * {a}"],
-            "int_floor": [f"{o} = tf.cast(tf.cast({a} * 4.0, tf.int32), tf.float32) / 4.0 "
+            "int_floor": [f"{o} = tf.cast(tf.cast(x0 * 4.0, tf.int32), tf.float32) / 4.0 "
                           f"+ 0.5 * {a}"],
         }[s.params["variant"]]
 
