@@ -1,0 +1,413 @@
+"""What every rewrite of every generated program must satisfy.
+
+For each configuration (float16 and bfloat16; the graph with ``_output_shapes``
+and without; and float16 for a GPU, checked without running):
+
+1. ``rewrite_graph_def`` does not raise;
+2. the input GraphDef's serialized bytes are unchanged;
+3. ``tfamp.check_graph_def`` finds no problem (TensorFlow imports the result,
+   every edge's dtype matches);
+4. the step's outputs keep their dtypes;
+5. variables stay float32 (no op that reads or writes a resource gets a 16-bit
+   type);
+6. run on the CPU from the same variable values, the rewritten step's outputs
+   and its variable updates agree with float32's within the tolerance below.
+
+The tolerance. Inputs and weights lie on grids exact in both 16-bit types, so
+the 16-bit run starts from the same numbers; only its rounding differs. Each
+output is compared as a whole tensor (for a variable: its update, after -
+before), with c the float32 result, n the result of a float32 run with
+rounding noise of the 16-bit type's unit roundoff u at every op (``noise``),
+and r the rewritten run:
+
+- ill-conditioned at that precision, not compared: ``|n - c| > SKIP * |c|``
+  (rounding alone moves it by more than a quarter), or c not finite;
+- otherwise it must hold that ``|r - c| <= K * |n - c| + F * u * |c|``
+  (norms over the tensor); and r is finite wherever c and n are;
+- integers (argmax, an optimizer's step count, a generator's state) must be
+  equal, unless the noisy run changes them too.
+
+A failure is a ``Failure`` with a ``signature`` the shrinker keeps while it
+removes statements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
+from tensorflow.python.util import nest
+
+import tfamp
+from tests.progen import noise
+from tfamp.rewrite import boundaries
+from tfamp.rewrite.graph import build_view, dtype_name
+from tfamp.rewrite.shapes import without_recorded_shapes
+from tfamp.runtime import runner
+
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+TINY = {"float16": 2.0 ** -25, "bfloat16": 0.0}  # float16's subnormal half-spacing
+K = 8.0
+F = 8.0
+SKIP = 0.25
+_SIXTEEN = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
+_renamed = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    dtype: str
+    shapes: bool  # the GraphDef carries _output_shapes
+    device: str = "CPU"
+    run: bool = True
+
+    def __str__(self) -> str:
+        return (f"{self.dtype}/{'shapes' if self.shapes else 'no-shapes'}/{self.device}"
+                f"{'' if self.run else '/not-run'}")
+
+
+CONFIGS = (Config("float16", True), Config("float16", False), Config("bfloat16", True),
+           Config("bfloat16", False), Config("float16", True, "GPU", run=False))
+
+
+@dataclasses.dataclass
+class Failure:
+    invariant: str  # program, raises, input_mutated, invalid_graph, output_dtype,
+    # variable_dtype, runs, nonfinite, numerics
+    config: str
+    message: str
+    detail: str = ""  # (what the signature adds: an exception's type and place)
+
+    def signature(self) -> tuple[str, str, str]:
+        """What a shrunk program must still show to count as the same failure."""
+        dtype = self.config.split("/")[0]
+        return (self.invariant, dtype, self.detail)
+
+    def __str__(self) -> str:
+        return f"[{self.invariant}] {self.config}: {self.message}"
+
+
+@dataclasses.dataclass
+class Outcome:
+    failures: list[Failure]
+    compared: int = 0  # outputs compared numerically
+    skipped: int = 0  # outputs not compared: ill-conditioned at that precision
+    ratios: list[float] = dataclasses.field(default_factory=list)  # |r - c| / bound
+    # (|r - c|, |n - c|) / (u |c|) of every float output compared: what the
+    # tolerance's constants are chosen from (BUILD_NOTES, session 12)
+    errors: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
+          changes: dict | None = None) -> Outcome:
+    """Checks a loaded program (see ``source``) under every configuration.
+
+    Args:
+      module: the program (``source.load``, or a program file imported).
+      configs: the configurations to rewrite it in.
+      numerics: also run the rewritten steps and compare (invariant 6).
+      changes: ``AmpConfig`` list changes for the rewrite (tests of this
+        harness: the tolerance's reference keeps the default lists).
+    """
+    start = time.perf_counter()
+    outcome = Outcome([])
+    try:
+        step, state = module.build()
+        concrete = step.get_concrete_function(*module.input_specs())
+        inputs = module.make_inputs()
+        captured = list(concrete.variables)
+        snapshot = [v.numpy() for v in captured]
+        state = full_state(concrete, state)
+        before = [v.numpy() for v in state]
+        clean = _run(concrete, inputs, state)
+    except Exception as err:  # (the program itself does not run: a generator bug)
+        outcome.failures.append(Failure("program", "float32", _describe(err),
+                                        type(err).__name__))
+        outcome.seconds = time.perf_counter() - start
+        return outcome
+    graph_defs = {}
+    outputs = [t.name for t in concrete.graph.outputs]
+    jit = concrete._attrs.get("_XlaMustCompile") if hasattr(concrete, "_attrs") else None
+    results: dict[str, tuple] = {}  # a rewritten graph (as text) -> its run
+    noisy: dict[str, tuple] = {}
+    noisy_step = None
+    for config in configs:
+        if config.shapes not in graph_defs:
+            graph_defs[config.shapes] = concrete.graph.as_graph_def(add_shapes=config.shapes)
+        graph_def = graph_defs[config.shapes]
+        new = _rewrite_checked(graph_def, outputs, config, bool(getattr(jit, "b", jit)),
+                               outcome, changes or {})
+        if new is None or not config.run or not numerics:
+            continue
+        key = config.dtype + _fingerprint(new)
+        if key not in results:
+            try:
+                rewritten = _concrete_from(new, concrete)
+                _restore(captured, snapshot)
+                results[key] = _run(rewritten, inputs, state)
+            except Exception as err:
+                outcome.failures.append(Failure("runs", str(config), _describe(err),
+                                                _where(err)))
+                continue
+            finally:
+                _restore(captured, snapshot)
+        if config.dtype not in noisy:
+            try:
+                noisy_step = noisy_step or _NoisyStep(module)
+                noisy[config.dtype] = noisy_step.run(config.dtype)
+            except Exception as err:
+                outcome.failures.append(Failure("program", f"{config.dtype}/noisy",
+                                                _describe(err), type(err).__name__))
+                continue
+        _compare(clean, noisy[config.dtype], results[key], before, config, outcome)
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def _fingerprint(graph_def) -> str:
+    """A GraphDef's hash without what only records shapes (``_output_shapes``,
+    resource arguments' ``handle_data``): the rewrites of a graph with and
+    without shapes that decide alike run once."""
+    bare = without_recorded_shapes(graph_def)
+    for fdef in bare.library.function:
+        for arg in (*fdef.signature.input_arg, *fdef.signature.output_arg):
+            arg.ClearField("handle_data")
+    return hashlib.sha256(bare.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _rewrite_checked(graph_def, outputs, config: Config, jit: bool, outcome: Outcome,
+                     changes: dict):
+    """Invariants 1-5 for one configuration; the rewritten GraphDef, or None."""
+    serialized = graph_def.SerializeToString(deterministic=True)
+    try:
+        new, _ = tfamp.rewrite_graph_def(
+            graph_def, tfamp.AmpConfig(dtype=config.dtype, device_type=config.device, **changes),
+            outputs=outputs, jit_compile=jit)
+    except Exception as err:
+        outcome.failures.append(Failure("raises", str(config), _describe(err), _where(err)))
+        return None
+    if graph_def.SerializeToString(deterministic=True) != serialized:
+        outcome.failures.append(Failure("input_mutated", str(config),
+                                        _what_changed(graph_def, serialized)))
+    problems = tfamp.check_graph_def(new)
+    if problems:
+        outcome.failures.append(Failure("invalid_graph", str(config), "; ".join(problems[:3]),
+                                        problems[0].split(":")[0][:60]))
+        return None
+    for failure in _dtype_problems(graph_def, new, outputs):
+        outcome.failures.append(dataclasses.replace(failure, config=str(config)))
+    return new
+
+
+def _dtype_problems(old, new, outputs) -> list[Failure]:
+    old_view, new_view = build_view(old), build_view(new)
+    found = []
+    for name in outputs:
+        node, _, index = name.rpartition(":")
+        was = old_view.bodies[0].nodes[node].outputs[int(index)].dtype
+        now_node = new_view.bodies[0].nodes.get(node)
+        now = now_node.outputs[int(index)].dtype if now_node else None
+        if now != was:
+            found.append(Failure("output_dtype", "", f"output {name} was {dtype_name(was)}, "
+                                 f"is {dtype_name(now) if now is not None else 'missing'}"))
+    sixteen_before = {(body.name, name) for body in old_view.bodies
+                      for name, node in body.nodes.items() if _sixteen_bit_attrs(node)}
+    for body in new_view.bodies:
+        original = boundaries.original_function_name(body.name)
+        for name, node in body.nodes.items():
+            ports = node.inputs + node.outputs
+            # (a call or loop passes handles and values in one list: its
+            # signature is checked by check_graph_def, the variable ops inside here)
+            if (any(p.dtype == types_pb2.DT_RESOURCE for p in ports) and not node.called_functions
+                    and _sixteen_bit_attrs(node) and (original, name) not in sixteen_before):
+                found.append(Failure("variable_dtype", "", f"{node.op} {name!r} in "
+                                     f"{body.name or 'the top graph'} touches a variable "
+                                     f"with {_sixteen_bit_attrs(node)}", node.op))
+    return found
+
+
+def _sixteen_bit_attrs(node) -> list[str]:
+    found = []
+    for key, value in node.node_def.attr.items():
+        types = [value.type] if value.WhichOneof("value") == "type" else list(value.list.type)
+        if any(t in _SIXTEEN for t in types):
+            found.append(key)
+    return found
+
+
+def _concrete_from(new_graph_def, concrete):
+    """The rewritten GraphDef as a ConcreteFunction on the original's captures
+    (what ``tfamp.rewrite_concrete_function`` does after its rewrite)."""
+    new_graph_def = type(new_graph_def).FromString(new_graph_def.SerializeToString())
+    library = runner._register_renamed_library(new_graph_def, f"_progen{next(_renamed)}")
+    graph = runner._import_as_func_graph(new_graph_def, concrete.graph)
+    for fn in library:
+        graph._add_function(fn)
+    attrs = dict(getattr(concrete, "_attrs", {}) or {})
+    rewritten = concrete_lib.ConcreteFunction.from_func_graph(graph, concrete.function_type,
+                                                             attrs)
+    rewritten._arg_keywords = concrete._arg_keywords
+    rewritten._num_positional_args = concrete._num_positional_args
+    return rewritten
+
+
+def _run(concrete, inputs, state) -> tuple[list[tuple[str, np.ndarray]], list[np.ndarray]]:
+    """(named flat outputs, state values after) of one call."""
+    outputs = concrete(*inputs)
+    flat = nest.flatten_with_joined_string_paths(outputs, expand_composites=True)
+    return [(path, np.asarray(value)) for path, value in flat], [v.numpy() for v in state]
+
+
+def full_state(concrete, state: list) -> list:
+    """The program's `state`, then any other variable the step captures (a
+    tf_keras optimizer's learning rate), in capture order."""
+    known = {id(v) for v in state}
+    return state + [v for v in concrete.variables if id(v) not in known]
+
+
+def _restore(variables, values) -> None:
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value)
+
+
+class _NoisyStep:
+    """A fresh build of the program traced under ``noise.rounding_noise``; run
+    with the noise of one 16-bit type at a time, from the same start."""
+
+    def __init__(self, module):
+        step, state = module.build()
+        with noise.rounding_noise():
+            self.concrete = step.get_concrete_function(*module.input_specs())
+        self.graph_def = self.concrete.graph.as_graph_def()
+        self.inputs = module.make_inputs()
+        self.captured = list(self.concrete.variables)
+        self.snapshot = [v.numpy() for v in self.captured]
+        self.state = full_state(self.concrete, state)
+
+    def run(self, dtype: str):
+        sized = noise.with_noise_size(self.graph_def, UNIT_ROUNDOFF[dtype], TINY[dtype],
+                                      tfamp.AmpConfig(dtype=dtype).op_lists)
+        _restore(self.captured, self.snapshot)
+        try:
+            return _run(_concrete_from(sized, self.concrete), self.inputs, self.state)
+        finally:
+            _restore(self.captured, self.snapshot)
+
+
+def _compare(clean, noisy, got, before, config: Config, outcome: Outcome) -> None:
+    (clean_out, clean_state), (noisy_out, noisy_state), (got_out, got_state) = (
+        clean, noisy, got)
+    u = UNIT_ROUNDOFF[config.dtype]
+    if len(noisy_state) != len(clean_state):  # (the builds differ: compare outputs only)
+        noisy_state = [None] * len(clean_state)
+    pairs = [(name, c, n, r) for (name, c), (_, n), (_, r)
+             in zip(clean_out, noisy_out, got_out, strict=True)]
+    for index, (b, c, n, r) in enumerate(zip(before, clean_state, noisy_state, got_state,
+                                             strict=True)):
+        if n is not None and n.shape == c.shape:
+            pairs.append((f"variable {index} {c.shape} update", _delta(c, b), _delta(n, b),
+                          _delta(r, b)))
+    for name, c, n, r in pairs:
+        if r.dtype != c.dtype or r.shape != c.shape:
+            outcome.failures.append(Failure("output_dtype", str(config),
+                                            f"{name}: {c.dtype}{c.shape} became "
+                                            f"{r.dtype}{r.shape}"))
+            continue
+        verdict = _judge(c, n, r, u)
+        if verdict is None:
+            outcome.skipped += 1
+            continue
+        outcome.compared += 1
+        kind, ratio, message, relative = verdict
+        if ratio is not None:
+            outcome.ratios.append(ratio)
+        if relative is not None:
+            outcome.errors.append(relative)
+        if kind:
+            outcome.failures.append(Failure(kind, str(config), f"{name}: {message}"))
+
+
+def _delta(after, before):
+    if after.dtype.kind == "f":
+        return after.astype(np.float64) - before.astype(np.float64)
+    return after
+
+
+def _judge(c, n, r, u):
+    """None (not compared), or (failure kind or "", |r - c| / bound, message,
+    (|r - c|, |n - c|) / (u |c|) or None)."""
+    if c.dtype.kind not in "fc":
+        if not np.array_equal(n, c):
+            return None
+        same = np.array_equal(r, c)
+        return ("" if same else "numerics", None,
+                "" if same else f"integers differ: {np.count_nonzero(r != c)} of {c.size}", None)
+    c, n, r = (x.astype(np.float64) for x in (c, n, r))
+    if not np.all(np.isfinite(c)):
+        return None
+    finite = np.isfinite(n)
+    if not np.all(np.isfinite(r[finite])):
+        return ("nonfinite", None, f"{np.count_nonzero(~np.isfinite(r[finite]))} of {c.size} "
+                f"values not finite (float32 and the noisy run: finite; max |c| "
+                f"{np.abs(c).max():.3g})", None)
+    if not np.all(finite):
+        return None
+    scale = np.linalg.norm(c)
+    noise_error = np.linalg.norm(n - c)
+    if noise_error > SKIP * scale:
+        return None
+    error = np.linalg.norm(r - c)
+    bound = K * noise_error + F * u * scale
+    ratio = error / bound if bound else (0.0 if error == 0 else np.inf)
+    relative = ((error / (u * scale), noise_error / (u * scale)) if scale
+                else None)
+    if error <= bound:
+        return "", ratio, "", relative
+    return ("numerics", ratio, f"|r - c| = {error:.3g}, bound {bound:.3g} (|c| = {scale:.3g}, "
+            f"noisy run's |n - c| = {noise_error:.3g}); max elementwise error "
+            f"{np.abs(r - c).max():.3g}", relative)
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+
+
+def _where(err: BaseException) -> str:
+    """The exception's type and the innermost tfamp frame (file:function)."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "/tfamp/" in f.filename]
+    place = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].name}" if frames else ""
+    return f"{type(err).__name__}@{place}"
+
+
+def _what_changed(graph_def, serialized: bytes) -> str:
+    old = type(graph_def).FromString(serialized)
+    if list(old.node) != list(graph_def.node):
+        return "the top graph's nodes changed"
+    changed = [new.signature.name for before, new in zip(old.library.function,
+                                                         graph_def.library.function,
+                                                         strict=False) if before != new]
+    return f"library functions changed: {changed[:3]}" if changed else "the GraphDef changed"
+
+
+def main(module) -> int:
+    """Checks a program file's module; prints what failed. Exit status 1 on a failure."""
+    outcome = check(module)
+    for failure in outcome.failures:
+        print(failure, file=sys.stderr)
+    print(f"{'ok' if outcome.ok else 'FAILED'}: {outcome.compared} outputs compared, "
+          f"{outcome.skipped} ill-conditioned, {outcome.seconds:.1f} s")
+    return 0 if outcome.ok else 1

@@ -1,0 +1,213 @@
+"""Many generated programs in worker processes: the long mode.
+
+``python -m tests.progen --count 1000 --seed 1 --jobs 2 --out DIR`` checks
+programs ``program_seed(1, 0..999)``. Each worker is a fresh interpreter that
+checks programs one at a time (TensorFlow keeps every function it registers,
+so a worker is replaced after ``--per-worker`` programs); a program that runs
+past ``--timeout`` or kills its worker counts as a failure. Every failing
+program is then shrunk (``shrink``, in a process of its own) and written to
+``DIR`` as a regression file; ``DIR/summary.json`` holds the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import selectors
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def program_seed(run_seed: int, index: int) -> int:
+    """The seed of program `index` of a run (stable across versions and machines)."""
+    return (run_seed * 1_000_003 + index) % (2 ** 31 - 1)
+
+
+@dataclasses.dataclass
+class Result:
+    seed: int
+    ok: bool
+    seconds: float
+    failures: list[str]
+    signatures: list[list[str]]
+    compared: int = 0
+    skipped: int = 0
+    max_ratio: float = 0.0
+    size: int = 0
+    features: dict = dataclasses.field(default_factory=dict)
+    errors: list = dataclasses.field(default_factory=list)  # see invariants.Outcome
+
+
+def check_seed(seed: int) -> Result:
+    """Generates and checks one program (in this process)."""
+    from tests.progen import grammar, invariants, source
+
+    program = grammar.generate(seed)
+    module = source.load(source.render(program, f"generated program {seed}"))
+    outcome = invariants.check(module)
+    return Result(seed, outcome.ok, outcome.seconds, [str(f) for f in outcome.failures],
+                  [list(f.signature()) for f in outcome.failures], outcome.compared,
+                  outcome.skipped, max(outcome.ratios, default=0.0), program.size(),
+                  program.features(), [[round(a, 3), round(b, 3)] for a, b in outcome.errors])
+
+
+def _worker() -> int:
+    """Reads seeds (one per line) from stdin, writes one JSON Result per line."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # (anything else printing goes to stderr)
+    for line in sys.stdin:
+        seed = int(line)
+        try:
+            result = check_seed(seed)
+        except Exception as err:  # (a harness error: reported, the worker goes on)
+            result = Result(seed, False, 0.0, [f"[harness] {type(err).__name__}: {err}"],
+                            [["harness", "", type(err).__name__]])
+        out.write(json.dumps(dataclasses.asdict(result)) + "\n")
+    return 0
+
+
+class _Worker:
+    def __init__(self, nice: int):
+        cmd = [sys.executable, "-m", "tests.progen.longrun", "--worker"]
+        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, env=env,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        self.done = 0
+        self.seed: int | None = None
+        self.started = 0.0
+
+    def give(self, seed: int) -> None:
+        self.seed, self.started = seed, time.monotonic()
+        self.proc.stdin.write(f"{seed}\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # (our own child, by its handle)
+        self.proc.wait()
+
+
+def run(count: int, seed: int, jobs: int = 1, timeout: float = 900.0, per_worker: int = 40,
+        nice: int = 0, progress=None) -> list[Result]:
+    """Checks `count` programs of run `seed` in `jobs` worker processes."""
+    pending = [program_seed(seed, i) for i in range(count)]
+    pending.reverse()
+    results: list[Result] = []
+    workers: list[_Worker] = []
+    selector = selectors.DefaultSelector()
+
+    def start() -> None:
+        worker = _Worker(nice)
+        workers.append(worker)
+        selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
+        worker.give(pending.pop())
+
+    def retire(worker: _Worker) -> None:
+        selector.unregister(worker.proc.stdout)
+        worker.stop()
+        workers.remove(worker)
+
+    while pending or workers:
+        while pending and len(workers) < jobs:
+            start()
+        events = selector.select(timeout=5.0)
+        for key, _ in events:
+            worker = key.data
+            line = worker.proc.stdout.readline()
+            if not line:  # (the worker died)
+                results.append(Result(worker.seed, False, time.monotonic() - worker.started,
+                                      ["[crash] the worker process died"],
+                                      [["crash", "", ""]]))
+                retire(worker)
+            else:
+                results.append(Result(**json.loads(line)))
+                worker.done += 1
+                if worker.done >= per_worker or not pending:
+                    retire(worker)
+                else:
+                    worker.give(pending.pop())
+            if progress:
+                progress(results[-1], len(results), count)
+        now = time.monotonic()
+        for worker in [w for w in workers if now - w.started > timeout]:
+            results.append(Result(worker.seed, False, now - worker.started,
+                                  [f"[timeout] over {timeout:.0f} s"], [["timeout", "", ""]]))
+            retire(worker)
+    return results
+
+
+def summary(results: list[Result], seconds: float) -> dict:
+    failed = [r for r in results if not r.ok]
+    times = sorted(r.seconds for r in results)
+    features: dict[str, int] = {}
+    for r in results:
+        for name in r.features:
+            features[name] = features.get(name, 0) + 1
+    return {
+        "programs": len(results), "failed": len(failed), "wall_seconds": round(seconds, 1),
+        "program_seconds": {"median": round(statistics.median(times), 2) if times else None,
+                            "p90": round(times[int(0.9 * (len(times) - 1))], 2) if times else None,
+                            "max": round(times[-1], 2) if times else None,
+                            "total": round(sum(times), 1)},
+        "outputs_compared": sum(r.compared for r in results),
+        "outputs_ill_conditioned": sum(r.skipped for r in results),
+        "max_error_to_bound": round(max((r.max_ratio for r in results), default=0.0), 4),
+        "statements": sum(r.size for r in results),
+        "programs_with_feature": dict(sorted(features.items())),
+        "failures": {r.seed: r.failures for r in failed},
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.progen", description="Check many generated programs.")
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds one program may take")
+    parser.add_argument("--per-worker", type=int, default=40)
+    parser.add_argument("--nice", type=int, default=0, help="run the workers niced")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("progen_out"))
+    parser.add_argument("--no-shrink", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_file = (args.out / "results.jsonl").open("a")  # noqa: SIM115 (open for the run)
+
+    def progress(result: Result, done: int, total: int) -> None:
+        log_file.write(json.dumps(dataclasses.asdict(result)) + "\n")
+        log_file.flush()
+        mark = "ok" if result.ok else "FAILED " + "; ".join(result.failures)[:300]
+        print(f"[{done}/{total}] program {result.seed}: {mark} ({result.seconds:.1f} s)",
+              flush=True)
+
+    start = time.monotonic()
+    results = run(args.count, args.seed, args.jobs, args.timeout, args.per_worker, args.nice,
+                  progress)
+    figures = summary(results, time.monotonic() - start)
+    if not args.no_shrink:
+        for result in (r for r in results if not r.ok and r.signatures[0][0] not in
+                       ("timeout", "crash", "harness")):
+            subprocess.run([sys.executable, "-m", "tests.progen.shrink", "--seed",
+                            str(result.seed), "--out", str(args.out / "shrunk")],
+                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    (args.out / "summary.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps({k: v for k, v in figures.items() if k != "failures"}, indent=1))
+    print(f"{figures['failed']} of {figures['programs']} programs failed")
+    return 1 if figures["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""A float32 run with rounding noise: how far 16-bit rounding may move each output.
+
+While a program is traced inside ``rounding_noise()``, every op that
+computes a float32 value y is followed by ``y + (u_op * m + clip(y, -t, t)) * r``,
+r = +1 or -1 at random (a stateless random op with a fixed seed): the
+standard model of floating-point rounding, ``fl(x op y) = (x op y)(1 + d)``
+with ``|d| <= u``, the unit roundoff of a 16-bit type, plus an absolute term
+of at most t (float16's subnormal half-spacing) that never moves a value
+past zero (an underflow flushes it, keeping its sign). m is |y|, except for
+an op that sums k terms (a matmul's inner dimension, a convolution's window,
+a reduction), where m is the sum of the terms' magnitudes (the op run again
+on |inputs|: a sum whose terms cancel may change sign) and
+``u_op = u * sqrt(k)``: a 16-bit kernel may accumulate in 16 bits on the CPU.
+Ops that only move values (reshape, transpose, gather, relu, max) add
+nothing. The noise is a forward perturbation (``stop_gradient``): gradient
+ops are noised in their own right (the tape builds them while tracing).
+
+Only ops on the 16-bit type's allow, infer and clear lists are noised
+(``with_noise_size``): the reference is "every op the rewrite may convert
+rounds", and an op it must keep float32 stays exact. The noisy run is the
+reference for the tolerance (see ``invariants``): an output that such rounding
+moves by much is ill-conditioned at that precision, and how much it moves is
+how much the 16-bit run may differ.
+
+TensorFlow's op callbacks (``op_callbacks.add_op_callback``, the mechanism
+``tf.debugging.enable_check_numerics`` uses) replace an op's outputs while a
+graph is built; that is what this relies on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.python.framework import op_callbacks, tensor_util
+
+# Ops whose output is exactly one of their inputs' values (or made of them),
+# control flow and calls (replacing their outputs is unsupported), and ops
+# that make values rather than compute them.
+_EXACT_OPS = frozenset({
+    "Identity", "IdentityN", "Reshape", "Transpose", "ConcatV2", "Concat", "Split", "SplitV",
+    "Slice", "StridedSlice", "StridedSliceGrad", "Pack", "Unpack", "Tile", "ExpandDims",
+    "Squeeze", "GatherV2", "Gather", "GatherNd", "Relu", "Relu6", "ReluGrad", "Maximum",
+    "Minimum", "Neg", "Abs", "Sign", "Select", "SelectV2", "ZerosLike", "OnesLike", "Fill",
+    "BroadcastTo", "Shape", "ShapeN", "Size", "Rank", "Cast", "StopGradient",
+    "PreventGradient", "Snapshot", "EnsureShape", "CheckNumerics", "Pad", "PadV2",
+    "MirrorPad", "OneHot", "MaxPool", "MaxPoolGrad", "Reverse", "ReverseV2", "Floor", "Ceil",
+    "Round", "ClipByValue", "Placeholder", "PlaceholderWithDefault", "Const", "VarHandleOp",
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "PartitionedCall", "StatefulPartitionedCall", "NoOp", "Range", "LinSpace",
+    "BroadcastGradientArgs", "InvertPermutation", "DynamicStitch", "ParallelDynamicStitch",
+    "Empty", "TensorScatterUpdate", "ScatterNd", "Where", "Unique", "TopKV2",
+    "StatelessRandomUniformV2", "StatelessRandomNormalV2", "StatelessRandomGetKeyCounter",
+    "StatelessRandomUniformFullIntV2", "StatelessRandomGetAlg", "StatefulUniformFullInt",
+    "RngReadAndSkip", "StatelessRandomUniform", "StatelessRandomNormal",
+    "StatelessTruncatedNormalV2", "MatrixBandPart", "MatrixDiagV3", "MatrixSetDiagV3",
+    "Max", "Min", "ArgMax", "ArgMin", "Equal", "Less", "Greater", "LessEqual",
+    "GreaterEqual", "NotEqual",
+})
+# Scalar constants the noise is built with, replaced by the real sizes in the
+# GraphDef (``with_noise_size``): one trace serves every 16-bit type.
+MAGIC_SIZE = np.float32(1.2345678e-4)
+MAGIC_TINY = np.float32(8.7654321e-9)
+
+
+def _terms(op_type: str, inputs, outputs, attrs: dict) -> int:
+    """How many terms an op sums per output element (1 for element-wise ops)."""
+    def dims(tensor):
+        shape = tensor.shape
+        return None if shape.rank is None else [d if d is not None else 0 for d in shape]
+
+    try:
+        if op_type == "MatMul":
+            a = dims(inputs[0])
+            return (a[0] if attrs.get("transpose_a") else a[1]) if a else 1
+        if op_type.startswith("BatchMatMul"):
+            a = dims(inputs[0])
+            return (a[-2] if attrs.get("adj_x") else a[-1]) if a else 1
+        if op_type in ("Conv2D", "Conv3D", "Conv2DBackpropInput"):
+            f = dims(inputs[1])
+            window = math.prod(f[:-2]) if f else 1
+            return window * (f[-2] if op_type != "Conv2DBackpropInput" else f[-1])
+        if op_type in ("DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput"):
+            f = dims(inputs[1])
+            return math.prod(f[:-2]) if f else 1
+        if op_type == "Einsum":
+            equation = attrs.get("equation", b"")
+            equation = equation.decode() if isinstance(equation, bytes) else equation
+            lhs, _, rhs = equation.partition("->")
+            sizes = {}
+            for spec, tensor in zip(lhs.split(","), inputs, strict=False):
+                shape = dims(tensor)
+                if shape and len(shape) == len(spec):
+                    sizes.update(zip(spec, shape, strict=True))
+            return math.prod(v for k, v in sizes.items() if k not in rhs and v) or 1
+        if op_type in ("Sum", "Mean", "Prod", "EuclideanNorm", "BiasAddGrad",
+                       "Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter",
+                       "UnsortedSegmentSum", "Cumsum", "FusedBatchNormV3",
+                       "FusedBatchNormGradV3", "SoftmaxCrossEntropyWithLogits",
+                       "SparseSoftmaxCrossEntropyWithLogits", "Softmax", "LogSoftmax"):
+            big = max((math.prod(d) for d in map(dims, inputs) if d), default=1)
+            small = math.prod(dims(outputs[0]) or [1]) or 1
+            if op_type in ("Softmax", "LogSoftmax", "Cumsum"):
+                last = dims(inputs[0])
+                return last[-1] if last else 1
+            return max(1, big // small) if big else 1
+    except (TypeError, IndexError, ValueError):
+        return 1
+    return 1
+
+
+# Ops whose result is a sum of products of their float inputs (linear in each):
+# the same op on the inputs' magnitudes is the sum of the terms' magnitudes.
+_SUMMING_OPS = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D", "Conv3D",
+    "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv2DBackpropFilter",
+    "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter", "Sum",
+    "Mean", "BiasAddGrad", "UnsortedSegmentSum", "Cumsum", "AddN",
+})
+
+
+def _sum_of_magnitudes(op_type, inputs, attrs, outputs, graph):
+    """The op of `op_type` run again on |inputs| (float inputs only): for a
+    summing op, the sum of its terms' magnitudes, per output element."""
+    absolute = [tf.abs(t) if t.dtype == tf.float32 else t for t in inputs]
+    attr_map = dict(zip(attrs[::2], attrs[1::2], strict=False)) if attrs else {}
+    op = graph._create_op_internal(op_type, absolute, dtypes=[t.dtype for t in outputs],
+                                   attrs=attr_map)
+    return op.outputs[0]
+
+
+def _attr_value(value):
+    """A graph op's attribute (an AttrValue proto) as a Python value: a bool or bytes."""
+    kind = value.WhichOneof("value") if hasattr(value, "WhichOneof") else None
+    return getattr(value, kind) if kind in ("b", "s", "i", "f") else value
+
+
+@contextlib.contextmanager
+def rounding_noise(salt: int = 0):
+    """Traces inside this add rounding noise to every float32 op (see the module doc).
+
+    The noise's sizes are placeholders (MAGIC_SIZE, MAGIC_TINY) until
+    ``with_noise_size`` sets them for a 16-bit type. `salt`: a second seed
+    word (another sample of the same noise).
+    """
+    counter = [0]
+
+    def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is None or op_type in _EXACT_OPS or re.match(r"(TensorList|TensorArray|"
+                                                                r"ReadVariable|Assign|"
+                                                                r"ResourceApply)", op_type):
+            return None
+        if not outputs or not any(t.dtype == tf.float32 for t in outputs):
+            return None
+        attr_map = {key: _attr_value(value) for key, value
+                    in zip(attrs[::2], attrs[1::2], strict=False)} if attrs else {}
+        terms = math.sqrt(_terms(op_type, inputs, outputs, attr_map))
+        replaced = []
+        for tensor in outputs:
+            if tensor.dtype != tf.float32:
+                replaced.append(tensor)
+                continue
+            counter[0] += 1
+            # A random sign, not a uniform draw: each value moves by the whole
+            # bound (one draw near 0 would make a scalar's reference exact).
+            r = tf.sign(tf.random.stateless_uniform(tf.shape(tensor), seed=[counter[0], salt],
+                                                    minval=-1.0, maxval=1.0))
+            size = tf.constant(MAGIC_SIZE, name=f"progen_noise__{op_type}__")
+            limit = tf.constant(MAGIC_TINY, name=f"progen_noise__{op_type}__")
+            # A sum's rounding is relative to its terms, not to its result: a
+            # result near zero (terms that cancel) may change sign.
+            scale = (_sum_of_magnitudes(op_type, inputs, attrs, outputs, graph)
+                     if op_type in _SUMMING_OPS else tensor)
+            # float16's absolute error: up to the value itself (a flush to
+            # zero), never past it: rounding keeps a value's sign, and a zero.
+            error = (scale * (size * terms) + tf.clip_by_value(tensor, -limit, limit)) * r
+            # A forward perturbation only: the gradient ops have their own.
+            # (Without the stop, a loop's gradient would keep every factor.)
+            replaced.append(tensor + tf.stop_gradient(error))
+        return replaced
+
+    op_callbacks.add_op_callback(callback)
+    try:
+        yield
+    finally:
+        op_callbacks.remove_op_callback(callback)
+
+
+def with_noise_size(graph_def, unit_roundoff: float, tiny: float,
+                    lists) -> graph_pb2.GraphDef:
+    """A copy of a noisy trace's GraphDef with the noise sized for one 16-bit type.
+
+    Only ops the rewrite may compute in 16-bit (on the allow, infer or clear
+    list of `lists`) get noise; the others stay exact, as the rewrite keeps
+    them float32: a run that rounds a deny op (an Exp, an optimizer's bias
+    correction) where the rewrite may not is no reference for it.
+
+    Args:
+      graph_def: traced under ``rounding_noise``.
+      unit_roundoff: the relative size u (2**-11 for float16, 2**-8 for bfloat16).
+      tiny: the absolute size (float16's subnormal half-spacing, 2**-25; 0 for
+        bfloat16, whose range is float32's).
+      lists: the ``tfamp.OpLists`` of that type.
+    """
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    values = {MAGIC_SIZE.tobytes(): np.float32(unit_roundoff),
+              MAGIC_TINY.tobytes(): np.float32(tiny)}
+    bodies = [copy.node] + [f.node_def for f in copy.library.function]
+    for nodes in bodies:
+        for node in nodes:
+            named = _NOISE_NAME.search(node.name)
+            if node.op != "Const" or named is None:
+                continue
+            value = tensor_util.MakeNdarray(node.attr["value"].tensor)
+            new = values.get(value.tobytes())
+            if new is None:
+                continue
+            if lists.list_of(named.group(1)) not in ("allow", "infer", "clear"):
+                new = np.float32(0.0)
+            node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(new))
+    return copy
+
+
+_NOISE_NAME = re.compile(r"progen_noise__(\w+?)__")

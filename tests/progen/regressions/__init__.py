@@ -1,0 +1,1 @@
+"""Shrunk generated programs that once failed an invariant (tests/test_generated.py)."""

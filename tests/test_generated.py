@@ -1,0 +1,169 @@
+"""Generated training steps (tests/progen): a fixed-seed slice, every kept regression, the
+long mode (``-m slow``: 1,000 programs), and tests of the harness itself."""
+
+from __future__ import annotations
+
+import pathlib
+import textwrap
+
+import pytest
+
+from tests.progen import grammar, invariants, longrun, shrink, source
+
+# The default suite's slice: programs 0..SLICE-1 of run 0 (about 2 minutes on 2 cores).
+SLICE = 16
+LONG_COUNT = 1000
+LONG_SEED = 2
+REGRESSIONS = sorted(p for p in (pathlib.Path(__file__).parent / "progen" / "regressions")
+                     .glob("*.py") if p.name != "__init__.py")
+
+
+def _failures(outcome, seed=None) -> str:
+    hint = (f"\nshrink it: python -m tests.progen.shrink --seed {seed} "
+            f"--out tests/progen/regressions" if seed is not None else "")
+    return "\n".join(str(f) for f in outcome.failures) + hint
+
+
+@pytest.mark.parametrize("seed", [longrun.program_seed(0, i) for i in range(SLICE)])
+def test_generated_program(seed):
+    program = grammar.generate(seed)
+    outcome = invariants.check(source.load(source.render(program, f"program {seed}")))
+    assert outcome.ok, _failures(outcome, seed)
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=lambda p: p.stem)
+def test_kept_regression(path):
+    outcome = invariants.check(source.load(path.read_text()))
+    assert outcome.ok, _failures(outcome)
+
+
+@pytest.mark.slow
+def test_a_thousand_generated_programs():
+    results = longrun.run(LONG_COUNT, LONG_SEED, jobs=2)
+    failed = {r.seed: r.failures for r in results if not r.ok}
+    assert len(results) == LONG_COUNT and not failed, failed
+
+
+# -- the harness: the grammar, the shrinker, and invariants that can fail -------------
+
+
+def test_generation_is_deterministic_and_covers_every_feature():
+    assert grammar.generate(123).to_json() == grammar.generate(123).to_json()
+    seen = set()
+    for seed in range(300):
+        seen |= set(grammar.generate(seed).features())
+    assert set(grammar.FEATURES) <= seen
+    assert {f"optimizer_{flavour}_{opt}" for flavour in grammar.FLAVOURS
+            for opt in ("sgd", "momentum", "adam")} <= seen
+
+
+def test_every_shrinking_edit_gives_a_program_that_renders():
+    for seed in range(40):
+        for candidate in shrink.edits(grammar.generate(seed)):
+            if candidate is not None:
+                compile(source.render(candidate, "edit"), "<edit>", "exec")
+                names = {s.out for s, _ in candidate.walk()} | {"x0", "x1", "@in"}
+                assert all(a in names for s, _ in candidate.walk() for a in s.args)
+
+
+def test_shrinker_keeps_only_what_the_failure_needs():
+    """With a stand-in failure ("has a cumsum inside a loop body"), the result
+    is that statement in its loop, nothing else; no TensorFlow involved."""
+    program = next(p for p in map(grammar.generate, range(2000))
+                   if p.size() >= 8 and any(s.kind == "cumsum" and h is not p.stmts
+                                            for s, h in p.walk()))
+
+    def fails(candidate):
+        return any(s.kind == "cumsum" and h is not candidate.stmts for s, h in candidate.walk())
+
+    small = shrink.shrink(program, fails)
+    assert fails(small) and small.size() == 2, small.to_json()
+    assert not small.tape and not small.outputs and not small.dynamic_batch
+
+
+# A program whose loss is a log-sum-exp of logits up to 32: float32 is fine, and
+# so is every op the float16 lists let the rewrite convert.
+_LOG_SUM_EXP = textwrap.dedent('''
+    import numpy as np
+    import tensorflow as tf
+
+    def build():
+        w = tf.Variable(np.eye(8, dtype=np.float32) * 4.0)
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                logits = tf.matmul(x, w) * 8.0
+                lse = tf.math.log(tf.reduce_sum(tf.exp(logits), axis=-1))
+                loss = tf.reduce_mean(lse - tf.reduce_max(logits, axis=-1))
+            return {"loss": loss, "grad": tape.gradient(loss, w)}
+
+        return step, [w]
+
+    def make_inputs():
+        return [tf.constant((np.arange(32).reshape(4, 8) % 5 - 2) / 2.0, tf.float32)]
+
+    input_specs = make_inputs
+''')
+_FLOAT16 = [invariants.Config("float16", True)]
+
+
+def test_a_deny_op_computed_in_16_bit_is_caught():
+    module = source.load(_LOG_SUM_EXP)
+    assert invariants.check(module, _FLOAT16).ok
+    outcome = invariants.check(module, _FLOAT16, changes={"allow_add": ["Exp", "Sum", "Log"]})
+    assert {f.invariant for f in outcome.failures} == {"nonfinite"}, _failures(outcome)
+
+
+def test_a_wrong_value_in_a_valid_graph_is_caught(monkeypatch):
+    """The rewritten graph computes max - lse instead of lse - max."""
+    real = invariants.tfamp.rewrite_graph_def
+
+    def swapped(graph_def, *args, **kwargs):
+        new, report = real(graph_def, *args, **kwargs)
+        sub = next(n for n in new.node if n.op == "Sub")
+        sub.input[0], sub.input[1] = sub.input[1], sub.input[0]
+        return new, report
+
+    monkeypatch.setattr(invariants.tfamp, "rewrite_graph_def", swapped)
+    outcome = invariants.check(source.load(_LOG_SUM_EXP), _FLOAT16)
+    assert "numerics" in {f.invariant for f in outcome.failures}, _failures(outcome)
+
+
+def test_a_rewrite_that_raises_or_edits_its_input_is_caught(monkeypatch):
+    real = invariants.tfamp.rewrite_graph_def
+
+    def editing(graph_def, *args, **kwargs):
+        graph_def.node[0].attr["_touched"].b = True
+        return real(graph_def, *args, **kwargs)
+
+    monkeypatch.setattr(invariants.tfamp, "rewrite_graph_def", editing)
+    outcome = invariants.check(source.load(_LOG_SUM_EXP), _FLOAT16, numerics=False)
+    assert [f.invariant for f in outcome.failures] == ["input_mutated"]
+
+    def raising(*args, **kwargs):
+        raise KeyError("<ret sum>")
+
+    monkeypatch.setattr(invariants.tfamp, "rewrite_graph_def", raising)
+    (failure,) = invariants.check(source.load(_LOG_SUM_EXP), _FLOAT16).failures
+    assert failure.signature() == ("raises", "float16", "KeyError@")
+
+
+def test_without_noise_the_noisy_run_is_the_float32_run():
+    """The reference's noise is the only difference: sized 0, it changes nothing."""
+    module = source.load(source.render(grammar.generate(longrun.program_seed(0, 3)), "x"))
+    step, state = module.build()
+    concrete = step.get_concrete_function(*module.input_specs())
+    clean = invariants._run(concrete, module.make_inputs(), invariants.full_state(concrete, state))
+    noisy = invariants._NoisyStep(module)
+    saved = dict(invariants.UNIT_ROUNDOFF), dict(invariants.TINY)
+    try:
+        invariants.UNIT_ROUNDOFF["float16"] = invariants.TINY["float16"] = 0.0
+        outputs, after = noisy.run("float16")
+    finally:
+        invariants.UNIT_ROUNDOFF.update(saved[0])
+        invariants.TINY.update(saved[1])
+    assert [name for name, _ in outputs] == [name for name, _ in clean[0]]
+    for (_, a), (_, b) in zip(outputs, clean[0], strict=True):
+        assert (a == b).all()
+    assert all((a == b).all() for a, b in zip(after, clean[1], strict=True))
