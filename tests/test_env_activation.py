@@ -237,3 +237,14 @@ def test_tfamp_runtime_sets_the_config_and_refuses_other_words():
     with pytest.raises(EnvError, match=r"TFAMP_RUNTIME='jit' is not valid; accepted values: "
                                        r"auto .*executor .*xla"):
         settings_from_env({"TFAMP_RUNTIME": "jit"}, with_config=False)
+
+
+def test_tfamp_device_type_sets_the_config_and_refuses_other_words():
+    from tfamp.env import EnvError, settings_from_env
+
+    assert settings_from_env({}).config.device_type == "auto"
+    assert settings_from_env({"TFAMP_DEVICE_TYPE": " gpu "}).config.device_type == "GPU"
+    assert settings_from_env({"TFAMP_DEVICE_TYPE": "CPU"}).config.device_type == "CPU"
+    with pytest.raises(EnvError, match=r"TFAMP_DEVICE_TYPE='tpu' is not valid; accepted "
+                                       r"values: auto .*GPU, CPU"):
+        settings_from_env({"TFAMP_DEVICE_TYPE": "tpu"}, with_config=False)

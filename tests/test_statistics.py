@@ -109,7 +109,9 @@ def _check_statistics_are_cast(graph_def, new_graph_def, report, forward_scope,
     # 5. Casts to float16 are of small tensors (statistics, weights), never of
     #    an activation (the step's own input aside); Casts of an activation to
     #    float32 feed only reductions (directly, or through the op computing
-    #    what is reduced) and the ops that centre it on a float32 mean.
+    #    what is reduced), the ops that centre it on a float32 mean, and under
+    #    XLA a sum of gradient terms a reduction reads (kept float32 so that the
+    #    reduction fuses with it: test_a_sum_of_16bit_and_float32_terms_...).
     new_consumers = _consumers(new_graph_def)
     for cast in (n for n in new_graph_def.node if "tfamp_cast" in n.name):
         source = cast.input[0].split(":")[0]
@@ -122,9 +124,11 @@ def _check_statistics_are_cast(graph_def, new_graph_def, report, forward_scope,
                 rk.KIND_CENTRED, rk.KIND_STATISTIC), (cast.name, by_name[source].kind)
         elif sizes.get(source) == activation:
             for consumer in new_consumers[cast.name]:
+                held = by_name.get(consumer.name)
                 assert consumer.op in REDUCTIONS | CENTRING or all(
-                    c.op in REDUCTIONS for c in new_consumers[consumer.name]), (
-                        cast.name, consumer.name)
+                    c.op in REDUCTIONS for c in new_consumers[consumer.name]) or (
+                        held is not None and held.kind == rk.KIND_FEWER_BYTES
+                        and "a reduction reads it" in held.reason), (cast.name, consumer.name)
 
 
 def _residual_step(flavour, fused=None):
@@ -463,4 +467,45 @@ def test_a_weight_gradient_sum_reads_16bit_under_xla(runtime):
     got = run_graph_def(new_graph_def, values, names)
     for w, g in zip(want, got):
         assert g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("runtime", ["xla", "executor"])
+def test_a_sum_of_16bit_and_float32_terms_a_reduction_reads_stays_float32_under_xla(runtime):
+    """A BatchNorm's input gradient in miniature: a 16-bit term plus a float32
+    term centred on a statistic, read by a 16-bit MatMul (a convolution's
+    gradients) and by a reduction (a convolution bias's gradient). Between
+    16-bit ops it goes 16-bit on the executor; under XLA it stays float32 (the
+    same bytes: the Casts fuse into it), so the reduction fuses with the kernel
+    that writes the 16-bit copy instead of reading that copy again."""
+    batch, width = 256, 64
+
+    def step(x, w1, w2):
+        direct = tf.nn.relu(tf.matmul(x, w1, name="first"), name="direct")
+        centred = tf.subtract(x, tf.reduce_mean(x, axis=0), name="centred")
+        combined = tf.add(direct, tf.multiply(centred, 0.5, name="term"), name="combined")
+        return (tf.matmul(combined, w2, name="second"),
+                tf.reduce_sum(combined, axis=0, name="bias_sum"))
+
+    specs = [tf.TensorSpec([batch, width]), tf.TensorSpec([width, width]),
+             tf.TensorSpec([width, width])]
+    graph_def, new_graph_def, report = _rewrite(step, specs, runtime=runtime)
+    by_name = {n.name: n for n in report.nodes}
+    assert by_name["first"].converted and by_name["second"].converted
+    assert by_name["direct"].converted and not by_name["term"].converted
+    combined = by_name["combined"]
+    if runtime == "xla":
+        assert not combined.converted and combined.kind == rk.KIND_FEWER_BYTES, combined.reason
+        assert "a reduction reads it" in combined.reason
+        assert _input_dtype(new_graph_def, "second") == "float16"
+    else:
+        assert combined.converted and combined.kind == rk.KIND_BETWEEN, combined.reason
+    values = {"x": RNG.standard_normal((batch, width)).astype(np.float32),
+              "w1": RNG.standard_normal((width, width)).astype(np.float32) / 8,
+              "w2": RNG.standard_normal((width, width)).astype(np.float32) / 8}
+    names = [t.name for t in tf.function(step, autograph=False).get_concrete_function(
+        *specs).graph.outputs]
+    want = run_graph_def(graph_def, values, names)
+    got = run_graph_def(new_graph_def, values, names)
+    for w, g in zip(want, got, strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())

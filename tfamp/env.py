@@ -19,6 +19,9 @@ Variables:
                       also shows where gradients sit against 16-bit limits (off)
   TFAMP_RUNTIME       auto | executor | xla: whose costs place the Casts (auto: xla
                       for a step compiled with jit_compile, else executor)
+  TFAMP_DEVICE_TYPE   auto | GPU | CPU: whose kernels the rewrite targets (auto: GPU
+                      if TensorFlow sees one); GPU on a machine without one traces
+                      the step a GPU would run (e.g. to compile it ahead of time)
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 # What a rewritten step runs on (tfamp.rewrite.runtime_cost); AmpConfig.runtime.
 RUNTIME_WORDS = ("auto", "executor", "xla")
+# Whose kernels the rewrite targets (AmpConfig.device_type), as TFAMP_DEVICE_TYPE spells them.
+DEVICE_WORDS = {"auto": "auto", "gpu": "GPU", "cpu": "CPU"}
 VERBOSITY_WORDS = {"0": 0, "quiet": 0, "1": 1, "info": 1, "2": 2, "debug": 2}
 LIST_VARIABLES = {
     f"TFAMP_{name.upper()}LIST_{verb.upper()}": f"{name}_{verb}"
@@ -38,7 +43,8 @@ LIST_VARIABLES = {
 }
 KNOWN_VARIABLES = frozenset({
     "TFAMP_ENABLE", "TFAMP_DTYPE", "TFAMP_LOSS_SCALE", "TFAMP_INITIAL_SCALE", "TFAMP_KEEP_FP32",
-    "TFAMP_REPORT_DIR", "TFAMP_VERBOSITY", "TFAMP_RANGES", "TFAMP_RUNTIME", *LIST_VARIABLES,
+    "TFAMP_REPORT_DIR", "TFAMP_VERBOSITY", "TFAMP_RANGES", "TFAMP_RUNTIME", "TFAMP_DEVICE_TYPE",
+    *LIST_VARIABLES,
 })
 
 
@@ -125,13 +131,18 @@ def settings_from_env(environ: Mapping[str, str] | None = None, *,
         raise EnvError(f"TFAMP_RUNTIME={environ['TFAMP_RUNTIME']!r} is not valid; accepted "
                        f"values: auto (xla for a jit_compile step, else executor), executor "
                        f"(TensorFlow's, every op a kernel), xla (fused)")
+    device_text = environ.get("TFAMP_DEVICE_TYPE", "").strip().lower() or "auto"
+    if device_text not in DEVICE_WORDS:
+        raise EnvError(f"TFAMP_DEVICE_TYPE={environ['TFAMP_DEVICE_TYPE']!r} is not valid; "
+                       f"accepted values: auto (GPU if TensorFlow sees one), GPU, CPU")
 
     config = None
     if with_config:
         from tfamp.config import AmpConfig
 
         try:
-            config = AmpConfig(dtype=dtype, keep_fp32=keep, runtime=runtime, **changes)
+            config = AmpConfig(dtype=dtype, keep_fp32=keep, runtime=runtime,
+                               device_type=DEVICE_WORDS[device_text], **changes)
         except (ValueError, TypeError) as err:
             raise EnvError(_env_message(str(err))) from err
     return EnvSettings(enabled=enabled, config=config, loss_scale=loss_scale,

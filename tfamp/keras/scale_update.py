@@ -149,7 +149,8 @@ def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_
       (all gradients finite, the group of assignments).
     """
     with loss_scale_ops():
-        finite = tf.reduce_all(flags)
+        first_bad = first_bad_indices(flags)
+        finite = tf.less(first_bad[0], 0)
         current = tf.cast(tf.convert_to_tensor(scale), tf.float32)
         good = tf.cast(tf.convert_to_tensor(good_steps), tf.int64)
         counter = good + 1
@@ -165,7 +166,7 @@ def update_scale(flags, *, scale, good_steps, skipped_steps, floor_skips, first_
         new_floor = tf.where(finite, tf.zeros_like(floor),
                              tf.where(current <= min_scale, floor + 1, tf.zeros_like(floor)))
         new_first = tf.where(finite, tf.cast(tf.convert_to_tensor(first_nonfinite), tf.int32),
-                             first_bad_indices(flags))
+                             first_bad)
         updates = [
             scale.assign(tf.cast(new_scale, scale.dtype)),
             good_steps.assign(tf.cast(new_good, good_steps.dtype)),
@@ -184,17 +185,35 @@ def first_bad_indices(flags) -> tf.Tensor:
     """The positions of the first ``BAD_NAMES_KEPT`` False flags, padded with -1 (int32).
 
     Static shapes only (no ``tf.where`` of a condition, whose output size depends
-    on the data), so XLA compiles it without a dynamic shape.
+    on the data), so XLA compiles it without a dynamic shape; and no sort
+    (``top_k``): each bad flag's rank among the bad flags is a count of the bad
+    flags before it (one reduction over flags x flags, a few thousand elements
+    for a model's few hundred gradients), and the k-th index is the bad position
+    of rank k (a second reduction). XLA fuses both, and the scale update that
+    reads them, into a few small kernels; a sort took three of its own
+    (measured: BUILD_NOTES.md, session 12).
     """
-    count = int(flags.shape[0]) if flags.shape.rank == 1 and flags.shape[0] is not None else None
-    if count is None:
-        count = tf.size(flags)
-    positions = tf.range(count)
-    # The earliest bad flag gets the largest key; good ones key 0.
-    keys = tf.where(tf.logical_not(flags), count - positions, tf.zeros_like(positions))
-    keys = tf.concat([keys, tf.zeros([BAD_NAMES_KEPT], keys.dtype)], 0)
-    values, indices = tf.math.top_k(keys, k=BAD_NAMES_KEPT)
-    return tf.where(values > 0, indices, -tf.ones_like(indices))
+    flags = tf.convert_to_tensor(flags)
+    positions = tf.range(tf.size(flags))
+    bad = tf.logical_not(flags)
+    earlier = positions[tf.newaxis, :] < positions[:, tf.newaxis]  # [p, q]: q before p
+    rank = tf.reduce_sum(tf.cast(tf.logical_and(bad[tf.newaxis, :], earlier), tf.int32), axis=1)
+    wanted = tf.range(BAD_NAMES_KEPT)[:, tf.newaxis]
+    match = tf.logical_and(bad[tf.newaxis, :], tf.equal(rank[tf.newaxis, :], wanted))
+    found = tf.where(match, tf.broadcast_to(positions, tf.shape(match)),
+                     -tf.ones_like(match, tf.int32))
+    return tf.maximum(tf.reduce_max(found, axis=1), -1)  # no flags at all: -1, not int32's min
+
+
+def all_finite(flags) -> tf.Tensor:
+    """True when no flag is False: read off ``first_bad_indices`` (no first bad one).
+
+    The apply-or-skip predicate and the scale update both call this, so the
+    compiled step computes one verdict from the reductions the record of bad
+    gradients needs anyway, instead of a separate conjunction of every flag.
+    """
+    with loss_scale_ops():
+        return tf.less(first_bad_indices(flags)[0], 0)
 
 
 def unscale(grad, scale):
@@ -245,8 +264,7 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable, *, skipped_s
     """
     grads = list(grads)
     flags = all_reduce_flags(finite_flags(grads))
-    with loss_scale_ops():
-        finite = tf.reduce_all(flags)
+    finite = all_finite(flags)
     context = tf.distribute.get_replica_context()
     needs_merge = (tf.distribute.has_strategy() and context is not None
                    and not tf.__internal__.distribute.strategy_supports_no_merge_call())
@@ -277,9 +295,7 @@ def apply_if_finite(grads, apply_fn: Callable, update_fn: Callable, *, skipped_s
         def apply():
             distribution.extended.call_for_each_replica(apply_fn, args=(grads,))
 
-        with loss_scale_ops():
-            finite = tf.reduce_all(flags)
-        tf.cond(finite, apply, skip)
+        tf.cond(all_finite(flags), apply, skip)
         update_fn(flags, count_skipped=False)
 
     context.merge_call(cross_replica, args=(flags, grads))

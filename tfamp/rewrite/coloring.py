@@ -636,6 +636,7 @@ class _BodyColoring:
         self.allow.update(self.forced)
         self._propagate_deny()
         self._add_between_allow()
+        self._hold_sums_read_by_reductions()
         # Infer after 16-bit and clear propagation feed each other (an infer op
         # whose clear neighbour goes 16-bit later now has two 16-bit inputs):
         # repeat both until nothing changes (at most a few rounds).
@@ -918,6 +919,48 @@ class _BodyColoring:
                 list_name = self.slot_list[slot]
                 self.allow[slot] = (
                     f"{list_name}: between {self.target_name} ops", "", rk.KIND_BETWEEN)
+
+    def _hold_sums_read_by_reductions(self) -> None:
+        """Under XLA, an element-wise op between 16-bit ops stays float32 where
+        it combines a big float32 input with its 16-bit ones and a reduction
+        reads its result (a BatchNorm's input gradient: the 16-bit direct term
+        plus the float32 variance term, summed again for a convolution bias).
+
+        Its bytes are the same either way (the Casts on both sides fuse into it,
+        and what the 16-bit ops read is written once, in 16-bit). What differs
+        is the reduction: reading a float32 value computed up to a convert,
+        XLA computes it inside the reduction's fusion and merges that with the
+        fusion writing the 16-bit copy (one kernel, as in Keras's own float32
+        BatchNorm); reading the 16-bit result, XLA's performance model leaves
+        the reduction a kernel of its own that reads it again (measured on
+        ResNet-50's H100 program: BUILD_NOTES.md, session 12).
+        """
+        if self._fusible is None or not self.counts:
+            return
+        nodes, consumers, counts = self.body.nodes, self.body.consumers, self.counts
+        for slot, (_, _, kind) in list(self.allow.items()):
+            if kind != rk.KIND_BETWEEN or not self._fuses(self.slot_node[slot]):
+                continue
+            inputs, outputs = self._slot_refs(slot)
+            if len(outputs) != 1 or counts.get(outputs[0]) is None:
+                continue
+            size = counts[outputs[0]]
+            if not any(self._kind(c) == runtime_cost.REDUCTION
+                       for c, _ in consumers.get(outputs[0], ())):
+                continue
+            wide = [ref for ref in inputs
+                    if not ref.is_arg and nodes[ref.node].op not in CONSTANT_OPS
+                    and not self._ref_is_16bit(ref) and counts.get(ref) is not None
+                    and not _smaller(counts[ref], size)]
+            if not wide:
+                continue
+            del self.allow[slot]
+            self.blocked[slot] = ("", rk.KIND_FEWER_BYTES)
+            self.kept[slot] = (
+                f"{self.slot_list[slot]}: stays float32 between {self.target_name} ops: it "
+                f"adds the float32 {wide[0].node!r} and a reduction reads it; under XLA the "
+                f"reduction then fuses with it, where a {self.target_name} result would be "
+                f"read again (same bytes either way)", wide[0].node, rk.KIND_FEWER_BYTES)
 
     def _add_infer_after_allow(self) -> None:
         if self._order is None:
