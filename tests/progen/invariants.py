@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import sys
 import time
 import traceback
@@ -43,7 +42,6 @@ from collections.abc import Sequence
 
 import numpy as np
 from tensorflow.core.framework import types_pb2
-from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
 from tensorflow.python.util import nest
 
 import tfamp
@@ -59,7 +57,6 @@ K = 8.0
 F = 8.0
 SKIP = 0.25
 _SIXTEEN = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
-_renamed = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,17 +248,7 @@ def _sixteen_bit_attrs(node) -> list[str]:
 def _concrete_from(new_graph_def, concrete):
     """The rewritten GraphDef as a ConcreteFunction on the original's captures
     (what ``tfamp.rewrite_concrete_function`` does after its rewrite)."""
-    new_graph_def = type(new_graph_def).FromString(new_graph_def.SerializeToString())
-    library = runner._register_renamed_library(new_graph_def, f"_progen{next(_renamed)}")
-    graph = runner._import_as_func_graph(new_graph_def, concrete.graph)
-    for fn in library:
-        graph._add_function(fn)
-    attrs = dict(getattr(concrete, "_attrs", {}) or {})
-    rewritten = concrete_lib.ConcreteFunction.from_func_graph(graph, concrete.function_type,
-                                                             attrs)
-    rewritten._arg_keywords = concrete._arg_keywords
-    rewritten._num_positional_args = concrete._num_positional_args
-    return rewritten
+    return runner.concrete_from_graph_def(new_graph_def, concrete)
 
 
 def _run(concrete, inputs, state) -> tuple[list[tuple[str, np.ndarray]], list[np.ndarray]]:
