@@ -70,7 +70,8 @@ def serve_without_tfamp(folder: Path, signature: str, feed: dict[str, np.ndarray
     done = subprocess.run([sys.executable, "-c", _SERVE, str(folder), signature, str(inputs),
                            str(outputs)], capture_output=True, text=True, env=env,
                           cwd=str(work), timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # the error's first lines (its type and message) and its last (where it ended)
+    assert done.returncode == 0, done.stderr[:2000] + "\n...\n" + done.stderr[-2000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     with np.load(outputs) as data:
         return facts, {k: data[k] for k in data.files}

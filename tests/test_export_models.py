@@ -49,7 +49,11 @@ def test_keras3_applications(name, size, tmp_path):
     model.export(str(source), verbose=False)
     report = tfamp.export(source, destination, signatures=["serving_default"])
     x = np.random.default_rng(1).normal(size=(2, size, size, 3)).astype(np.float32)
-    _check(report, source, destination, {"keras_tensor": x}, tmp_path)
+    # the input's name is Keras's, uniquified per process ("keras_tensor_12" after
+    # another model was built): read it from the signature
+    (input_name,) = tf.saved_model.load(str(source)).signatures[
+        "serving_default"].structured_input_signature[1]
+    _check(report, source, destination, {input_name: x}, tmp_path)
     assert not report.kept_fp32
 
 
