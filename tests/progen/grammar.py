@@ -27,13 +27,15 @@ from collections.abc import Iterator
 # body, whose values have shape [1, D]. A body has its block's restrictions
 # and those of where the block sits.
 NO_INTS, XLA, ROW = "no_ints", "xla", "row"
-# DIFFERENTIATED: a tape records it. A loop in an XLA function whose gradient
-# is taken outside the function cannot run: TensorFlow does not pass a loop's
-# TensorList accumulators across the XLA boundary ("Support for TensorList
-# crossing the XLA/TF boundary is not implemented").
+# DIFFERENTIATED: a tape records it. A loop or a cond in an XLA function whose
+# gradient is taken outside the function cannot run: TensorFlow does not pass a
+# loop's TensorList accumulators across the XLA boundary ("Support for
+# TensorList crossing the XLA/TF boundary is not implemented"), and a cond's
+# intermediates leave it as Optionals, which XLA has no kernel for
+# ("OptionalFromValue" on XLA_CPU_JIT; found by the long mode, session 13).
 DIFFERENTIATED = "differentiated"
 TOP: frozenset[str] = frozenset()
-_LOOPS = frozenset({"while", "map_fn", "scan", "tensorlist"})
+_NOT_DIFFERENTIATED_IN_XLA = frozenset({"while", "map_fn", "scan", "tensorlist", "cond"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +245,7 @@ def allowed(kind: Kind, variant: str, context: frozenset[str]) -> bool:
     """May `kind` with `variant` sit in `context` (a set of restrictions)?"""
     if NO_INTS in context and (kind.name, variant) in _NEEDS_INTS:
         return False
-    if XLA in context and DIFFERENTIATED in context and kind.name in _LOOPS:
+    if XLA in context and DIFFERENTIATED in context and kind.name in _NOT_DIFFERENTIATED_IN_XLA:
         return False
     return not (XLA in context and (kind.name, variant) in _NOT_IN_XLA)
 

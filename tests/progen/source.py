@@ -537,7 +537,7 @@ class _Writer:
         if s.params["variant"] == "list_ops":
             push = f"list_ops.tensor_list_push_back(acc, {last})"
             start = (f"list_ops.empty_tensor_list(element_shape=tf.shape({a}), "
-                     f"element_dtype=tf.float32)")
+                     f"element_dtype=tf.float32, max_num_elements={n})")
             stack = f"list_ops.tensor_list_stack(acc_{o}, tf.float32)"
         else:
             push = f"acc.write(i, {last})"
