@@ -250,6 +250,8 @@ def _install_hooks(model, state: _EnabledState) -> None:
 
     def hooked_maker(attr: str, maker_name: str, after_call=None):
         def make(force=False):
+            if attr == "train_function":
+                hooks.ensure_step_counters(model, state)
             made = getattr(cls, maker_name)(model, force)
             current = model.__dict__.get(attr, made)
             # RewrittenFunction first: it is a tf.function (PolymorphicFunction) too.

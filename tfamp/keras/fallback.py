@@ -9,7 +9,7 @@ Algorithm (an enabled model with loss scaling, after each train call)::
 
     consecutive = skipped steps since the last applied one
     if consecutive >= next_probe_at                   # 2 (8 once layers moved)
-            and (fit's running loss is not finite     # a forward pass overflowed
+            and (a skipped step's logs held inf/nan   # a forward pass overflowed
                  or the scale is at its floor):
         reset inf/nan in BatchNorm moving statistics (the skipped steps' forward
             passes wrote them; undone unless layers move)
@@ -113,6 +113,7 @@ class FallbackState:
 
     moved: tuple[str, ...] = ()
     last_skipped: int | None = None  # skipped_steps at the last train call
+    last_nonfinite: int = 0  # the model's count of skipped steps with inf/nan logs, then
     consecutive: int = 0  # skipped steps in a row
     next_probe_at: int = FIRST_PROBE_AFTER
     stopped: str = ""  # a decision kind: never look again (said once)
@@ -321,9 +322,9 @@ def after_train_call(model, state, owner, logs=None) -> bool:
     if not flavour_of(model).has_loss(model):
         return False  # a step without a compiled loss (a GAN's): the probe cannot rebuild it
     at_floor = float(scale) <= float(getattr(owner, "min_scale", 1.0))
-    if not at_floor and _loss_is_finite(logs):
-        # Every step's forward pass this epoch was finite (Keras's loss is a running
-        # mean): the gradients overflow, which is the scale's to fix. No probe.
+    if not at_floor and not _forward_overflowed(state, fallback):
+        # Every skipped step's forward pass was finite: the gradients overflow,
+        # which is the scale's to fix. No probe.
         return False
     try:
         decision = _decide_on_fit_batch(model, state, fallback)
@@ -351,17 +352,16 @@ def after_train_call(model, state, owner, logs=None) -> bool:
     return False
 
 
-def _loss_is_finite(logs) -> bool:
-    """True if the logs hold a finite "loss" (False when they hold none)."""
-    import numpy as np
-
-    loss = logs.get("loss") if isinstance(logs, dict) else None
-    if loss is None:
-        return False
-    try:
-        return bool(np.isfinite(np.asarray(loss, dtype=np.float64)).all())
-    except (TypeError, ValueError):
-        return False
+def _forward_overflowed(state, fallback: FallbackState) -> bool:
+    """True if a step skipped since the last look had inf/nan in its logs (its loss):
+    a forward pass overflowed (``step_metrics.StepGuard``). Summed over replicas
+    and workers, so every worker answers alike."""
+    counter = getattr(state, "nonfinite_skips", None)
+    if counter is None:
+        return True  # no count kept: look
+    count = int(counter.numpy())
+    seen, fallback.last_nonfinite = fallback.last_nonfinite, count
+    return count > seen
 
 
 def known_cause(state) -> str | None:
@@ -487,5 +487,10 @@ def _sync_callback_class(base: type) -> type:
 
         def on_train_begin(self, logs=None):
             sync_from_record(self.model, self._tfamp_state)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            from tfamp.keras import hooks
+
+            hooks.mark_epoch_start(self.model, self._tfamp_state)
 
     return FallbackSync

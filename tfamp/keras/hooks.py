@@ -10,7 +10,8 @@ optimizer; the hooks below take those as arguments.
 scope (``custom_loop.train_step_scope``), so every loss it differentiates is
 scaled by the model's one scale and every update checks and updates that scale.
 The logs get ``loss_scale`` / ``skipped_steps`` of the scale the step applied,
-and none when it applied none.
+and none when it applied none. A skipped step is left out of the epoch's
+metrics (``step_metrics.py``).
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ def train_step_hook(model, cls, state, *, replicated_logs: bool):
     def train_step(data):
         if state.loop is None or state.loss_scale is None:
             return cls.train_step(model, data)
+        guard = _step_guard(model, state)
         with custom_loop.train_step_scope(state.loop) as scope:
             logs = cls.train_step(model, data)
+        if guard is not None:
+            logs = guard.finish(logs)
         if scope.unscaled and not state.warned_unscaled:
             state.warned_unscaled = True
             message = custom_loop.unscaled_message(model)
@@ -79,6 +83,38 @@ def train_step_hook(model, cls, state, *, replicated_logs: bool):
         return logs
 
     return train_step
+
+
+def _step_guard(model, state):
+    """The skipped-step guard of this trace (None when the scale has no skip counter)."""
+    import tensorflow as tf
+
+    from tfamp.keras import custom_loop
+    from tfamp.keras.step_metrics import StepGuard
+
+    if tf.executing_eagerly():
+        return None
+    owner = state.loop.scale_owner()
+    if owner is None:
+        return None
+    custom_loop._build_if_needed(owner, model)
+    skipped = getattr(owner, "skipped_steps", None)
+    if skipped is None:
+        return None
+    return StepGuard(model, skipped, state.nonfinite_skips)
+
+
+def ensure_step_counters(model, state) -> None:
+    """Makes the model's count of skipped steps with inf/nan logs (before a train
+    function is built, outside any trace, in the model's strategy scope)."""
+    if state.nonfinite_skips is not None or state.loss_scale is None:
+        return
+    import tensorflow as tf
+
+    from tfamp.keras.step_metrics import counter_variable
+
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    state.nonfinite_skips = counter_variable(strategy)
 
 
 def _read_once(read):
@@ -127,9 +163,30 @@ def metrics_result_hook(model, base: Callable, read_scale: Callable):
         if isinstance(result, dict) and scale is not None:
             result = dict(result)
             result["loss_scale"], result["skipped_steps"] = scale
+            result = _epoch_end(model, result, scale[1])
         return result
 
     return metrics_result
+
+
+def _epoch_end(model, result: dict, skipped: int) -> dict:
+    """NaN for the metrics an epoch whose steps were all skipped left empty."""
+    state = getattr(model, "_tfamp_state", None)
+    mark = getattr(state, "epoch_skipped_at", None)
+    if mark is None:
+        return result
+    state.epoch_skipped_at = None  # the training epoch's read; evaluate's come after
+    if skipped <= mark:
+        return result
+    from tfamp.keras.step_metrics import epoch_results
+
+    return epoch_results(model, result)
+
+
+def mark_epoch_start(model, state) -> None:
+    """Remembers the skipped-step count at an epoch's start (for ``_epoch_end``)."""
+    scale = read_scale(state)
+    state.epoch_skipped_at = scale[1] if scale is not None else 0
 
 
 def after_train_hook(model, state):

@@ -202,6 +202,8 @@ def _install_hooks(model, state: Keras3State) -> None:
             current = model.__dict__.get(attr)
             if isinstance(current, StepFunctions) and not force:
                 return current
+            if attr == "train_function":
+                hooks.ensure_step_counters(model, state)
             proxy = _TfWithRewrittenStep(state)
             with _build_lock:
                 saved = trainer_module.tf

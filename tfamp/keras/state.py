@@ -28,6 +28,8 @@ class EnabledState:
     auto_start: bool = False  # initial_scale="auto": the first fit probes the gradients
     start_scale: object = None  # start_scale.StartScale once probed; False: not probed
     fallback: object = None  # fallback.FallbackState: layers moved to float32 on overflow
+    nonfinite_skips: object = None  # step_metrics.counter_variable, made before a train fn
+    epoch_skipped_at: object = None  # skipped steps at the training epoch's start
 
     tfamp_optimizer = None  # set by each flavour
     keras_loss_scale_optimizer = None
