@@ -26,11 +26,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from tfamp.choices import RUNTIME_WORDS
+
 TRUE_WORDS = ("1", "true", "yes", "on")
 # tfamp_startup.pth repeats these words so that "off" imports nothing at all.
 FALSE_WORDS = ("0", "false", "no", "off")
-# What a rewritten step runs on (tfamp.rewrite.runtime_cost); AmpConfig.runtime.
-RUNTIME_WORDS = ("auto", "executor", "xla")
 VERBOSITY_WORDS = {"0": 0, "quiet": 0, "1": 1, "info": 1, "2": 2, "debug": 2}
 LIST_VARIABLES = {
     f"TFAMP_{name.upper()}LIST_{verb.upper()}": f"{name}_{verb}"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tfamp.numerics.ranges import RangeReport, TensorRange, accumulate, bucket_counts_many
+from tfamp.numerics.range_report import RangeReport
+from tfamp.numerics.ranges import TensorRange, accumulate, bucket_counts_many
 from tfamp.numerics.run_graph import run_imported
-
 
 FORWARD_ONLY_NOTE = ("a SavedModel holds the forward pass only: forward activations of the "
                      "ops tfamp converts were collected, no gradients")

@@ -30,7 +30,8 @@ import tf_keras as keras
 from tfamp.keras import custom_loop
 from tfamp.keras.flavour import flavour_of
 from tfamp.numerics import ranges as ranges_lib
-from tfamp.numerics.ranges import RangeReport, TensorRange
+from tfamp.numerics.range_report import RangeReport
+from tfamp.numerics.ranges import TensorRange
 
 DEFAULT_STEPS = 3
 DEFAULT_OUTPUT_DIR = "tfamp_ranges"

@@ -22,9 +22,16 @@ import tf_keras as keras
 
 from tfamp.keras.flavour import all_flavours, keras3_module
 from tfamp.numerics import ranges as ranges_lib
-from tfamp.numerics.keras_probe import (DEFAULT_OUTPUT_DIR, DEFAULT_STEPS, KerasRangeProbe,
-                                        current_loss_scale, dynamic_settings, unpack_batch)
-from tfamp.numerics.ranges import RangeReport, TensorRange
+from tfamp.numerics.keras_probe import (
+    DEFAULT_OUTPUT_DIR,
+    DEFAULT_STEPS,
+    KerasRangeProbe,
+    current_loss_scale,
+    dynamic_settings,
+    unpack_batch,
+)
+from tfamp.numerics.range_report import RangeReport
+from tfamp.numerics.ranges import TensorRange
 
 log = logging.getLogger("tfamp")
 
