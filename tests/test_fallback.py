@@ -17,7 +17,7 @@ import pytest
 import tf_keras
 
 import tfamp
-from tfamp.keras import fallback
+from tfamp.keras import fallback, lifecycle
 from tfamp.numerics import nonfinite
 
 KERASES = {"tf_keras": tf_keras, "keras3": keras}
@@ -144,7 +144,7 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     # Without the fallback every step is skipped and the epoch's loss is NaN.
     stalled = tfamp.enable(pipeline_model(k), verbose=False)
     with monkeypatch.context() as patch:
-        patch.setattr(fallback, "after_train_call", lambda *args: False)
+        patch.setattr(lifecycle.ModelPrecision, "_fallback_after_call", lambda *args: False)
         history = _fit(stalled, x, y, epochs=1)
     assert np.isnan(history.history["loss"][-1])
     assert history.history["skipped_steps"][-1] == len(x) // BATCH
@@ -160,7 +160,7 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     assert "frozen" in pattern and f"now keeping {pattern!r} float32" in line
     assert f"TFAMP_KEEP_FP32={pattern!r}" in line and "AmpConfig(keep_fp32=" in line
     assert model._tfamp_state.config.keep_fp32 == (pattern,)
-    assert fallback.decode(fallback.record_variable(model, model._tfamp_state).numpy()) == (
+    assert fallback.decode(model._tfamp_state.record_variable().numpy()) == (
         pattern,)
 
 
@@ -249,7 +249,7 @@ def test_resumed_run_keeps_the_fallback_from_its_first_step(flavour, tmp_path, c
     with pytest.raises(RuntimeError, match="interrupted"):
         _fit(first, x, y, callbacks=[k.callbacks.BackupAndRestore(backup), Interrupt()])
     [pattern] = first._tfamp_state.fallback.moved
-    skipped_before = tfamp.keras.hooks.read_scale(first._tfamp_state)[1]
+    skipped_before = first._tfamp_state.read_scale()[1]
 
     caplog.clear()
     caplog.set_level(logging.INFO, logger="tfamp")
@@ -261,7 +261,7 @@ def test_resumed_run_keeps_the_fallback_from_its_first_step(flavour, tmp_path, c
     [line] = _messages(caplog, "float32 fallback")
     assert "restored from the checkpoint" in line
     # No step of the resumed run overflowed: the first one ran the fallback graph.
-    assert tfamp.keras.hooks.read_scale(state)[1] == skipped_before
+    assert state.read_scale()[1] == skipped_before
     assert all(r.kept_fp32.get("user override") for r in resumed.train_function.reports)
 
 
@@ -360,7 +360,7 @@ def test_an_epoch_with_every_step_skipped_still_ends_in_nan():
     model = tfamp.enable(pipeline_model(keras), verbose=False)
     x, y = pipeline_data()
     state = model._tfamp_state
-    fallback.state_of(state).stopped = "planted"  # no fallback: every step skipped
+    state.fallback.stopped = "planted"  # no fallback: every step skipped
     history = _fit(model, x, y, epochs=1)
     assert history.history["skipped_steps"][-1] == len(x) // BATCH
     assert np.isnan(history.history["loss"][-1])

@@ -20,8 +20,8 @@ from tfamp.numerics import ranges
 from tfamp.numerics import plot as ranges_plot
 from tfamp.numerics.range_report import RangeReport
 from tfamp.numerics.ranges import E_MIN, NUM_BINS, TensorRange, bucket_counts
-from tfamp.numerics.keras_probe import collect_keras_ranges
-from tfamp.numerics.monitor import RangeMonitor
+from tfamp.keras.range_probe import collect_keras_ranges
+from tfamp.keras.range_monitor import RangeMonitor
 
 # ------------------------------------------------------------- bucketing
 

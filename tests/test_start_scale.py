@@ -18,7 +18,7 @@ import pytest
 import tfamp
 from tests import patterns
 from tfamp.env import EnvError, settings_from_env
-from tfamp.keras import custom_loop, start_scale
+from tfamp.keras import scale_state, start_scale
 
 FLAVOURS = ["keras3", "tf_keras"]
 
@@ -105,16 +105,16 @@ def test_probe_changes_nothing_but_the_scale(flavour):
     model(x[:2])  # built
     before = [np.array(v.numpy(), copy=True) for v in model.weights]
     state = model._tfamp_state
-    found = start_scale.before_fit(model, state, (x, y), {"batch_size": 16})
+    found = state.start_scale_for_fit((x, y), {"batch_size": 16})
     assert found is not None and found.batch_size == 16
     after = [np.array(v.numpy(), copy=True) for v in model.weights]
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)  # BatchNorm statistics restored too
-    owner = state.loop.scale_owner()
+    owner = state.scale_owner()
     assert int(owner.iterations.numpy()) == 0
-    assert float(custom_loop.current_scale(owner).numpy()) == found.scale
+    assert float(scale_state.current_scale(owner).numpy()) == found.scale
     # Called again (a second fit): no second probe.
-    assert start_scale.before_fit(model, state, (x, y), {"batch_size": 16}) is None
+    assert state.start_scale_for_fit((x, y), {"batch_size": 16}) is None
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -124,13 +124,13 @@ def test_a_scale_that_has_taken_steps_is_kept(flavour):
     tfamp.enable(model, verbose=False)
     x = np.ones((16, 8), "float32")
     model(x[:2])
-    owner = model._tfamp_state.loop.scale_owner()
-    custom_loop._build_if_needed(owner, model)
+    owner = model._tfamp_state.scale_owner()
+    owner.ensure_built(model.trainable_variables)
     owner.iterations.assign(7)  # as a restored checkpoint of a run that trained
-    start_scale.set_scale(owner, 512.0)
-    assert start_scale.has_stepped(owner)
-    assert start_scale.before_fit(model, model._tfamp_state, (x, x[:, :1]), {}) is None
-    assert float(custom_loop.current_scale(owner).numpy()) == 512.0
+    owner.set_scale(512.0)
+    assert owner.has_stepped()
+    assert model._tfamp_state.start_scale_for_fit((x, x[:, :1]), {}) is None
+    assert float(scale_state.current_scale(owner).numpy()) == 512.0
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -155,7 +155,7 @@ def test_custom_loop_calibration(flavour):
         return loss
 
     found = tfamp.calibrate_loss_scale(step, x[:32], y[:32], model=model)
-    owner = model._tfamp_state.loop.scale_owner()
+    owner = model._tfamp_state.scale_owner()
     assert math.log2(found.scale) < 15
     before = [np.array(v.numpy(), copy=True) for v in model.trainable_variables]
     step(x[:32], y[:32])

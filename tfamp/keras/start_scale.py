@@ -27,6 +27,13 @@ there. The scale owner is then marked as calibrated only by the steps it takes:
 an owner that has taken a step (``iterations`` or ``skipped_steps`` above 0,
 which a checkpoint restores) is never recalibrated.
 
+**At scale** (a tf.distribute strategy): the probe runs the way the step runs,
+once per replica in a replica context (``replicas.run_per_replica``: Keras's
+metric variables accept updates only there), each replica on its share of the
+batch its worker read; the largest magnitude over every replica of every
+worker (``replicas.agree_rows``) sets the one start scale. A probe that fails
+on one worker fails on all (each warns and starts at the default scale).
+
 Custom training loops call ``calibrate_loss_scale(step, *args, model=...)``
 once before the loop (the same probe on the user's step function).
 """
@@ -36,12 +43,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import threading
+import re
 import time
-import warnings
 
 import numpy as np
 import tensorflow as tf
+
+from tfamp.keras import replicas, step_scope, tape
+from tfamp.keras.scale_update import is_loss_target
+from tfamp.keras.step_scope import probe_mode
+from tfamp.runtime.plain import plain_calls, plain_function
 
 log = logging.getLogger("tfamp")
 
@@ -113,10 +124,7 @@ def choose_scale(max_abs: float, *, min_scale: float = 1.0) -> float:
     return max(scale, 2.0 ** math.ceil(math.log2(min_scale)))
 
 
-# -- probe mode ---------------------------------------------------------------------
-
-_probe = threading.local()
-
+# -- recording ------------------------------------------------------------------------
 
 class Recorder:
     """What one probe trace saw: the backward tensors of every scaled tape."""
@@ -140,8 +148,6 @@ class Recorder:
 
     def gradient(self, original, tape, target, sources, output_gradients, kwargs):
         """``tape.gradient`` in probe mode: unscaled, recording what tfamp would scale."""
-        from tfamp.keras.scale_update import is_loss_target
-
         if (tf.executing_eagerly() or output_gradients is not None
                 or not is_loss_target(target, sources)):
             return original(tape, target, sources, output_gradients, **kwargs)
@@ -198,31 +204,10 @@ class Recorder:
         return maxes, counts, weight_maxes
 
 
-def current_probe() -> Recorder | None:
-    """The probe recording in this thread, if any (the tape and apply patches ask)."""
-    return getattr(_probe, "recorder", None)
-
-
-class probe_mode:  # noqa: N801  (a context manager, like tf.name_scope)
-    """Within it, scaled tapes record instead of scaling and updates are skipped."""
-
-    def __init__(self, recorder: Recorder):
-        self._recorder = recorder
-
-    def __enter__(self) -> Recorder:
-        self._previous = current_probe()
-        _probe.recorder = self._recorder
-        return self._recorder
-
-    def __exit__(self, *exc):
-        _probe.recorder = self._previous
-        return False
-
-
 # -- running a probe ----------------------------------------------------------------
 
 def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
-               op_lists=None) -> StartScale:
+               op_lists=None, strategy=None, per_replica: bool = True) -> StartScale:
     """Runs ``step(*args, **kwargs)`` once in probe mode; returns the chosen scale.
 
     Args:
@@ -233,57 +218,109 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
       op_lists: the rewrite's float16 op lists (``AmpConfig.op_lists``): backward
         ops on none of them or on the deny list stay float32 and are not
         recorded. None records every backward op.
+      strategy: the model's tf.distribute strategy: every worker chooses from
+        the largest value of all (None: one device).
+      per_replica: run `step` once per replica of `strategy` (a Keras
+        ``train_step``); False for a step that distributes itself (a custom
+        loop's, calling ``strategy.run``).
 
     Raises:
       ValueError: the step differentiated no float loss, or its float32
-        gradients are not finite (no scale helps: see the message).
+        gradients are not finite (no scale helps: see the message), here or
+        on another replica or worker.
     """
-    from tfamp.keras import custom_loop
-    from tfamp.numerics.keras_probe import plain_function
+    tape.install()
+    start = time.perf_counter()
+    try:
+        local = _probe_locally(step, args, kwargs, extra_state, op_lists,
+                               strategy if per_replica else None)
+        error = None
+    except Exception as err:  # every worker must still reach the agreement below
+        local, error = None, err
+    row = ([1.0, local.top, local.weight_max] if local is not None else [0.0, 0.0, 0.0])
+    agreed = replicas.agree_rows(strategy, np.asarray(row, np.float64))
+    if error is not None:
+        raise error
+    if not agreed[:, 0].all():
+        raise ValueError("the probe failed on another replica or worker (its warning says why)")
+    top, weight_max = float(agreed[:, 1].max()), float(agreed[:, 2].max())
+    where = local.where if local.top >= top else "another replica or worker"
+    scale = choose_scale(top, min_scale=min_scale)
+    return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
+                      underflow_share=local.underflow_share(scale),
+                      seconds=time.perf_counter() - start, batch_size=_rows(args))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    """What this worker's replicas measured (largest over them)."""
+
+    top: float
+    where: str
+    weight_max: float
+    ranges: tuple  # TensorRange of each weight gradient (counts summed over replicas)
+
+    def underflow_share(self, scale: float) -> float:
+        nonzero = sum(r.nonzero for r in self.ranges)
+        lost = sum(r.underflow_share(scale) * r.nonzero for r in self.ranges)
+        return lost / nonzero if nonzero else 0.0
+
+
+def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy) -> _Found:
+    """The probe on this worker's replicas (no communication with other workers)."""
     from tfamp.numerics.ranges import TensorRange
 
-    custom_loop.install_patches()
-    start = time.perf_counter()
-    recorder = Recorder(op_lists)
+    recorders = []
 
-    def run(*a, **k):
-        with probe_mode(recorder), custom_loop.plain_calls():
-            step(*a, **k)
+    def replica_step(args, kwargs):
+        args, kwargs = replicas.replica_rows((args, kwargs))
+        recorder = Recorder(op_lists)
+        recorders.append(recorder)
+        with probe_mode(recorder), plain_calls():
+            step(*args, **kwargs)
         return recorder.outputs()
 
-    function = plain_function(run)
-    concrete = function.get_concrete_function(*args, **kwargs)
-    if not recorder.tapes:
+    def run(args, kwargs):
+        per_replica = replicas.run_per_replica(strategy, replica_step, args, kwargs)
+        maxes, counts, weight_maxes = zip(*per_replica, strict=True)
+        return tf.stack(maxes), tf.stack(counts), tf.stack(weight_maxes)
+
+    concrete = plain_function(run).get_concrete_function(args, kwargs)
+    if not recorders or not recorders[0].tapes:
         raise ValueError("the step differentiated no float loss with a GradientTape")
     restore = _unique([*assigned_variables(concrete), *extra_state])
-    saved = [np.array(v.numpy(), copy=True) for v in restore]
+    saved = [(c, np.array(c.numpy(), copy=True))
+             for v in restore for c in replicas.local_components(v)]
     # Grappler is off for this one call: on a ResNet-50 step (14k ops) it took
     # 20-28 s of the probe's first run, which then took 4 s without it.
     options = tf.config.optimizer.get_experimental_options()
     tf.config.optimizer.set_experimental_options({**options, "disable_meta_optimizer": True})
     try:
-        maxes, counts, weight_maxes = (x.numpy() for x in concrete(*_flat_inputs(args, kwargs)))
+        maxes, counts, weight_maxes = (x.numpy() for x in concrete(args, kwargs))
     finally:
         tf.config.optimizer.set_experimental_options(options)
-        for variable, value in zip(restore, saved, strict=True):
-            variable.assign(value)
-    names = [n for n, _ in recorder.backward]
+        for component, value in saved:
+            component.assign(value)
+    recorder = recorders[0]
+    names = [_unreplicated(n) for n, _ in recorder.backward]
     weight_names = [n for n, _ in recorder.weights]
+    maxes, weight_maxes = maxes.max(axis=0), weight_maxes.max(axis=0)
+    counts = counts.sum(axis=0)
     if not (np.all(np.isfinite(maxes)) and np.all(np.isfinite(weight_maxes))):
         bad = [n for n, m in zip(names + weight_names, [*maxes, *weight_maxes], strict=True)
                if not np.isfinite(m)][:3]
         raise ValueError(f"the first batch's float32 gradients are not finite ({', '.join(bad)})")
     all_values = [*zip(names, maxes, strict=True), *zip(weight_names, weight_maxes, strict=True)]
     where, top = max(all_values, key=lambda item: item[1]) if all_values else ("-", 0.0)
-    scale = choose_scale(float(top), min_scale=min_scale)
-    ranges = [TensorRange.from_vector(n, n, "weight_gradient", row, m)
-              for n, row, m in zip(weight_names, counts, weight_maxes, strict=True)]
-    nonzero = sum(r.nonzero for r in ranges)
-    lost = sum(r.underflow_share(scale) * r.nonzero for r in ranges)
-    return StartScale(scale=scale, max_abs=float(top), where=where,
-                      weight_max=float(max(weight_maxes, default=0.0)),
-                      underflow_share=lost / nonzero if nonzero else 0.0,
-                      seconds=time.perf_counter() - start, batch_size=_rows(args))
+    ranges = tuple(TensorRange.from_vector(n, n, "weight_gradient", row, m)
+                   for n, row, m in zip(weight_names, counts, weight_maxes, strict=True))
+    return _Found(top=float(top), where=where,
+                  weight_max=float(max(weight_maxes, default=0.0)), ranges=ranges)
+
+
+def _unreplicated(name: str) -> str:
+    """An op's name without a replica's "replica_<n>/" scope (wherever it sits)."""
+    return re.sub(r"(^|/)replica_\d+/", r"\1", name)
 
 
 def assigned_variables(concrete) -> list:
@@ -307,11 +344,6 @@ def assigned_variables(concrete) -> list:
         if variable is not None:
             found.append(variable)
     return found
-
-
-def _flat_inputs(args, kwargs):
-    return [t for t in tf.nest.flatten((args, kwargs), expand_composites=True)
-            if isinstance(t, (tf.Tensor, tf.Variable, np.ndarray))]
 
 
 def _unique(variables) -> list:
@@ -338,107 +370,15 @@ def _label(variable) -> str:
     return str(getattr(variable, "name", "tensor")).split(":")[0]
 
 
-# -- the scale owner --------------------------------------------------------------------
+# -- fit's first batch --------------------------------------------------------------------
 
-def has_stepped(owner) -> bool:
-    """True if `owner` (a loss-scale optimizer or scale state) has taken a step.
+def first_batch(flavour, args, kwargs):
+    """Fit's first batch as Keras hands it to ``train_step`` (this worker's), or None.
 
-    Its ``iterations`` and ``skipped_steps`` are checkpointed: a restored run
-    keeps its scale.
+    Arrays and tensors are cut as Keras's own array adapter cuts them; a
+    tf.data Dataset is read for one element (it must be re-iterable, as ``fit``
+    reads it again); generators and Sequences are not read.
     """
-    for name in ("iterations", "skipped_steps"):
-        value = getattr(owner, name, None)
-        if value is None:
-            continue
-        try:
-            if int(np.asarray(value.numpy() if hasattr(value, "numpy") else value)) > 0:
-                return True
-        except (TypeError, ValueError):
-            continue
-    return False
-
-
-def set_scale(owner, scale: float) -> None:
-    """Sets `owner`'s current loss scale (a tfamp loss-scale optimizer or scale state)."""
-    if hasattr(owner, "_update_state"):  # tfamp's Keras 3 loss-scale optimizer (built)
-        owner.dynamic_scale.assign(scale)
-        return
-    state = getattr(owner, "_loss_scale", owner)
-    state.current_loss_scale.assign(scale)
-
-
-def is_dynamic(owner) -> bool:
-    return bool(getattr(owner, "is_dynamic", getattr(owner, "dynamic", False)))
-
-
-# -- fit ------------------------------------------------------------------------------
-
-def before_fit(model, state, args, kwargs) -> StartScale | None:
-    """What an enabled model's ``fit`` does first: calibrate its start scale once.
-
-    Runs only for a dynamic scale with ``initial_scale="auto"``, an owner that
-    has taken no step, and a first batch fit's data can give without consuming
-    it (arrays, tensors, a tf.data Dataset). Failing, whatever the cause, it
-    warns and training starts at the default scale: the probe never stops a
-    ``fit``.
-    """
-    if not getattr(state, "auto_start", False) or state.loop is None:
-        return None
-    if getattr(state, "start_scale", None) is not None:
-        return None
-    owner = state.loop.scale_owner()
-    if owner is None or not is_dynamic(owner):
-        return None
-    try:
-        return _calibrate_for_fit(model, state, owner, args, kwargs)
-    except Exception as err:  # training goes on at the default scale; the user is told
-        state.start_scale = False
-        start = _scale_now(owner)
-        _warn(f"tfamp: model {model.name!r}: no start scale from the gradients "
-              f"({type(err).__name__}: {err}); dynamic scaling starts at "
-              f"{'its initial scale' if start is None else format(start, 'g')}. Fix: pass "
-              f"initial_scale=<number> to tfamp.enable (TFAMP_INITIAL_SCALE) to choose it "
-              f"yourself.")
-        return None
-
-
-def _calibrate_for_fit(model, state, owner, args, kwargs) -> StartScale | None:
-    from tfamp.keras.custom_loop import _build_if_needed
-
-    batch = first_batch(model, args, kwargs)
-    if batch is None:
-        _warn(f"tfamp: model {model.name!r}: no start scale from the gradients: fit's data "
-              f"is not arrays, tensors or a tf.data.Dataset, which tfamp can read a batch "
-              f"from without consuming it, so dynamic scaling starts at 2^15 and may skip "
-              f"its first steps. Fix: pass arrays or a tf.data.Dataset, or call "
-              f"tfamp.calibrate_loss_scale(model.train_step, batch, model=model) first.")
-        state.start_scale = False
-        return None
-    cls = type(model)
-    found = probe_step(lambda data: cls.train_step(model, data), (batch,), {},
-                       extra_state=_state_variables(model),
-                       min_scale=getattr(owner, "min_scale", 1.0),
-                       op_lists=_float16_lists(state))
-    owner = state.loop.scale_owner()  # the probe may have built the model
-    _build_if_needed(owner, model)
-    if has_stepped(owner):
-        state.start_scale = False
-        return None
-    set_scale(owner, found.scale)
-    state.start_scale = found
-    log.info("%s", found.message())
-    return found
-
-
-def _float16_lists(state):
-    config = getattr(state, "config", None)
-    return config.op_lists if config is not None and config.dtype == "float16" else None
-
-
-def first_batch(model, args, kwargs):
-    """Fit's first batch as Keras hands it to ``train_step``, or None."""
-    from tfamp.keras.flavour import flavour_of
-
     x = args[0] if args else kwargs.get("x")
     y = args[1] if len(args) > 1 else kwargs.get("y")
     batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
@@ -452,54 +392,15 @@ def first_batch(model, args, kwargs):
             return None
         if x is None:
             return None
-        flavour = flavour_of(model)
-        dataset = _array_dataset(flavour, x, y, sample_weight, int(batch_size))
+        dataset = flavour.array_dataset(x, y, sample_weight, int(batch_size))
     for batch in dataset.take(1):
         return batch
     return None
 
 
-def _array_dataset(flavour, x, y, sample_weight, batch_size: int):
-    """The dataset each Keras's own array adapter builds (same element structure)."""
-    if flavour.is_keras3:
-        from keras.src.trainers.data_adapters import array_data_adapter
-
-        adapter = array_data_adapter.ArrayDataAdapter(
-            x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False)
-        return adapter.get_tf_dataset()
-    from tf_keras.src.engine import data_adapter
-
-    adapter = data_adapter.TensorLikeDataAdapter(
-        x, y, sample_weights=sample_weight, batch_size=batch_size, shuffle=False)
-    return adapter.get_dataset()
-
-
-def _state_variables(model) -> list:
-    from tfamp.numerics.keras_probe import state_variables
-
-    return state_variables(model)
-
-
-def _scale_now(owner) -> float | None:
-    """The owner's scale as a number, or None if it cannot be read (for messages)."""
-    from tfamp.keras.custom_loop import current_scale
-
-    try:
-        return float(current_scale(owner).numpy())
-    except Exception:  # a message must not fail on the value it reports
-        return None
-
-
-def _warn(message: str) -> None:
-    from tfamp.keras.custom_loop import user_stacklevel
-
-    log.warning("%s", message)
-    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
-
-
 # -- custom loops -----------------------------------------------------------------------
 
-def calibrate_loss_scale(step, *args, model=None, **kwargs) -> StartScale:
+def calibrate_loss_scale(step, *args, model=None, strategy=None, **kwargs) -> StartScale:
     """Sets the start loss scale of a custom loop from its step's own gradients.
 
     Call it once before the loop, with the step and its first batch. The step
@@ -508,10 +409,16 @@ def calibrate_loss_scale(step, *args, model=None, **kwargs) -> StartScale:
     (an enabled model: its loss-scale optimizer or custom-loop scale) or,
     under ``TFAMP_ENABLE``, the process-wide custom-loop scale.
 
+    Under a tf.distribute strategy, call it on every worker with the batch it
+    read: the step (which calls ``strategy.run`` itself) runs once, and every
+    worker sets the one scale the largest value of all of them gives.
+
     Args:
       step: the training step, a Python function or a tf.function.
       *args, **kwargs: its arguments for one batch.
       model: the enabled model whose scale the step uses (None: TFAMP_ENABLE's).
+      strategy: the strategy the step distributes with (default: the model's,
+        else the one in scope).
 
     Returns:
       the StartScale (also logged).
@@ -521,28 +428,29 @@ def calibrate_loss_scale(step, *args, model=None, **kwargs) -> StartScale:
       >>> tfamp.calibrate_loss_scale(train_step, x[:32], y[:32], model=model)
       >>> for x_batch, y_batch in data: train_step(x_batch, y_batch)
     """
-    owner = _custom_loop_owner(model)
-    python_step = getattr(step, "python_function", step)
-    extra = _state_variables(model) if model is not None else []
-    found = probe_step(python_step, args, kwargs, extra_state=extra,
-                       min_scale=getattr(owner, "min_scale", 1.0),
-                       op_lists=_float16_lists(getattr(model, "_tfamp_state", None)))
-    if model is not None:
-        from tfamp.keras.custom_loop import _build_if_needed
+    from tfamp.keras.range_probe import state_variables
 
-        _build_if_needed(owner, model)
-    set_scale(owner, found.scale)
-    state = getattr(model, "_tfamp_state", None)
-    if state is not None:
-        state.start_scale = found
+    lifecycle = getattr(model, "_tfamp_state", None) if model is not None else None
+    owner = _custom_loop_owner(model, lifecycle)
+    if strategy is None:
+        strategy = (lifecycle.strategy() if lifecycle is not None
+                    else tf.distribute.get_strategy())
+    python_step = getattr(step, "python_function", step)
+    found = probe_step(python_step, args, kwargs,
+                       extra_state=state_variables(model) if model is not None else [],
+                       min_scale=owner.min_scale,
+                       op_lists=lifecycle.float16_lists() if lifecycle is not None else None,
+                       strategy=strategy, per_replica=False)
+    owner.set_scale(found.scale)
+    if lifecycle is not None:
+        lifecycle.start_scale = found
     log.info("%s", found.message())
     return found
 
 
-def _custom_loop_owner(model):
+def _custom_loop_owner(model, lifecycle):
     if model is not None:
-        state = getattr(model, "_tfamp_state", None)
-        owner = state.loop.scale_owner() if state is not None and state.loop else None
+        owner = lifecycle.scale_owner() if lifecycle is not None else None
         if owner is None:
             raise ValueError(
                 f"calibrate_loss_scale needs a model tfamp.enable was called on with "
@@ -550,9 +458,7 @@ def _custom_loop_owner(model):
                 f"tfamp.enable(model) first (loss_scale='dynamic'), or pass model=None "
                 f"under TFAMP_ENABLE=1.")
         return owner
-    from tfamp.runtime import startup
-
-    owner = startup.process_scale_state()
+    owner = step_scope.process_owner()
     if owner is None:
         raise ValueError(
             "calibrate_loss_scale(model=None) sets TFAMP_ENABLE's custom-loop scale, but "
