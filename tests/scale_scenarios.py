@@ -159,6 +159,7 @@ def summary(strategy, model, history, x, y) -> dict:
         "evaluate": float(np.mean((model.predict(x, batch_size=BATCH, verbose=0) - y) ** 2)),
         "start_scale": getattr(start, "scale", None) if start else None,
         "start_max": getattr(start, "max_abs", None) if start else None,
+        "start_how": getattr(start, "how", None) if start else None,
         "keep_fp32": list(getattr(getattr(state, "config", None), "keep_fp32", ())),
         "moved": moved,
         "decisions": decisions,

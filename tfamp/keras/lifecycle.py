@@ -47,6 +47,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
+import weakref
 
 import tensorflow as tf
 
@@ -114,6 +116,8 @@ class ModelPrecision:
         self.warned_unscaled = False
         self._own_state = None  # a ScaleState when the model has no tfamp optimizer
         self._seen_nonfinite = None  # the agreed nonfinite counts at the last look
+        self._pending_probe = None  # fit's first batch, for the probe in the step's trace
+        self._recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.loop = ModelLoop(model, self.cls.call, lambda: self.config, settings.check,
                               self.built_scale_owner)
 
@@ -172,7 +176,10 @@ class ModelPrecision:
 
         def fit(*args, **kwargs):
             args, kwargs = self.before_fit(args, kwargs)
-            return cls.fit(model, *args, **kwargs)
+            try:
+                return cls.fit(model, *args, **kwargs)
+            finally:  # a probe waits for this fit's first step only
+                self._pending_probe = None
 
         def maker(attr):
             def make(force=False):
@@ -295,6 +302,8 @@ class ModelPrecision:
                         "to rewrite; it stays float32.", attr)
         elif rewritten and attr == "train_function":
             made.set_after_call(self.after_train_call)
+            for function in getattr(made, "rewritten", [made]):
+                function.set_on_trace(self._on_train_trace)
         return made
 
     def _rewrite(self, function):
@@ -334,59 +343,129 @@ class ModelPrecision:
         if self.settings.loss_scale is not None:
             # Last: BackupAndRestore restores in its on_train_begin before it reads.
             args, kwargs = _with_callback(args, kwargs, self._fit_callback())
-        self.start_scale_for_fit(args, kwargs)
+        self.start_scale_for_fit(args, kwargs, in_step=True)
         return tuple(args), kwargs
 
-    def start_scale_for_fit(self, args, kwargs):
+    def start_scale_for_fit(self, args, kwargs, *, in_step: bool = False):
         """The start scale from fit's first batch, once (``initial_scale="auto"``).
 
         Only for a dynamic scale, an owner that has taken no step, and data fit
-        can give a batch of without consuming it. Failing, whatever the cause,
-        it warns and training starts at the default scale: it never stops a fit.
+        can give a batch of without consuming it. With `in_step` (``fit``'s own
+        call) the probe waits for the step's first trace and reads that graph
+        (``_on_train_trace``: no second trace of the step) where it can; else it
+        traces the step now. Failing, whatever the cause, it warns and training
+        starts at the default scale: it never stops a fit.
+
+        Returns:
+          the StartScale when probed now, else None.
         """
+        owner = self._owner_to_calibrate()
+        if owner is None:
+            return None
+        try:
+            batch = start_scale.first_batch(self.flavour, args, kwargs)
+        except Exception as err:  # same as a probe that failed
+            return self._probe_failed(owner, err)
+        if batch is None:
+            self.start_scale = False
+            warn(f"tfamp: model {self.model.name!r}: no start scale from the gradients: "
+                 f"fit's data is not arrays, tensors or a tf.data.Dataset, which tfamp can "
+                 f"read a batch from without consuming it, so dynamic scaling starts at "
+                 f"2^15 and may skip its first steps. Fix: pass arrays or a "
+                 f"tf.data.Dataset, or call tfamp.calibrate_loss_scale(model.train_step, "
+                 f"batch, model=model) first.")
+            return None
+        if in_step and self._probe_in_step_possible():
+            self._pending_probe = batch
+            return None
+        return self._probe(batch)
+
+    def _owner_to_calibrate(self):
+        """The dynamic scale owner a start-scale probe should set, or None."""
         if not self.settings.auto_start or self.start_scale is not None:
             return None
         owner = self.scale_owner()
         if owner is None or not owner.is_dynamic:
             return None
+        return owner
+
+    def _probe_in_step_possible(self) -> bool:
+        """The train step is traced into the graph the rewrite sees, with its batch as
+        arguments or one iterator read: Keras 3 (not eagerly), tf_keras on one device
+        (not jit_compile, whose step is a function nested in it, nor
+        steps_per_execution, whose steps are a loop body; under a strategy its
+        replicas read their batch inside a conditional)."""
         model = self.model
+        if getattr(model, "run_eagerly", False):
+            return False
+        if self.flavour.is_keras3:
+            return True
+        steps = getattr(model, "_steps_per_execution", None)
+        steps = int(steps.numpy()) if hasattr(steps, "numpy") else 1
+        return (not getattr(model, "jit_compile", False) and steps == 1
+                and not replicas.is_distributed(self.strategy()))
+
+    def _on_train_trace(self, concrete) -> None:
+        """The train step's first trace, before it is rewritten and first runs: the
+        start-scale probe reads its graph."""
+        batch, self._pending_probe = self._pending_probe, None
+        if batch is None:
+            return
+        recorder = self._recorders.pop(concrete.graph, None)
+        with tf.init_scope():  # (Keras 3 traces the step inside its loop's trace)
+            self._probe(batch, trace=(concrete, recorder, batch) if recorder else None)
+
+    def _recorder_for(self, graph):
+        """The probe's recorder of this trace (shared by its replicas' threads). Its
+        scale owner is asked for after the trace (building it before the step's
+        first call would build a Keras 3 optimizer before an unbuilt model's
+        variables exist)."""
+        with _recorders_lock:
+            recorder = self._recorders.get(graph)
+            if recorder is None:
+                recorder = start_scale.Recorder(self.float16_lists())
+                recorder.owner_of = self.built_scale_owner
+                self._recorders[graph] = recorder
+            return recorder
+
+    def _probe(self, batch, trace=None):
+        """Probes, sets the owner's scale unless it has taken a step, says so."""
+        model = self.model
+        owner = self.scale_owner()
         try:
-            batch = start_scale.first_batch(self.flavour, args, kwargs)
-            if batch is None:
-                self.start_scale = False
-                warn(f"tfamp: model {model.name!r}: no start scale from the gradients: fit's "
-                     f"data is not arrays, tensors or a tf.data.Dataset, which tfamp can read "
-                     f"a batch from without consuming it, so dynamic scaling starts at 2^15 "
-                     f"and may skip its first steps. Fix: pass arrays or a tf.data.Dataset, "
-                     f"or call tfamp.calibrate_loss_scale(model.train_step, batch, "
-                     f"model=model) first.")
-                return None
             from tfamp.keras.range_probe import state_variables
 
             found = start_scale.probe_step(
                 lambda data: self.cls.train_step(model, data), (batch,), {},
                 extra_state=state_variables(model), min_scale=owner.min_scale,
-                op_lists=self.float16_lists(), strategy=self.strategy())
+                op_lists=self.float16_lists(), strategy=self.strategy(), trace=trace)
             owner = self.built_scale_owner()  # the probe may have built the model
-            if owner.has_stepped():
+            if owner.has_stepped():  # a restored run keeps its scale
                 self.start_scale = False
                 return None
             owner.set_scale(found.scale)
         except Exception as err:  # training goes on at the default scale; the user is told
-            self.start_scale = False
-            try:
-                start = float(current_scale(owner).numpy())
-            except Exception:  # a message must not fail on the value it reports
-                start = None
-            warn(f"tfamp: model {model.name!r}: no start scale from the gradients "
-                 f"({type(err).__name__}: {err}); dynamic scaling starts at "
-                 f"{'its initial scale' if start is None else format(start, 'g')}. Fix: "
-                 f"pass initial_scale=<number> to tfamp.enable (TFAMP_INITIAL_SCALE) to "
-                 f"choose it yourself.")
-            return None
+            return self._probe_failed(owner, err)
         self.start_scale = found
         log.info("%s", found.message())
         return found
+
+    @staticmethod
+    def _scale_or_none(owner):
+        try:
+            return float(current_scale(owner).numpy())
+        except Exception:  # a message must not fail on the value it reports
+            return None
+
+    def _probe_failed(self, owner, err):
+        self.start_scale = False
+        start = self._scale_or_none(owner)
+        warn(f"tfamp: model {self.model.name!r}: no start scale from the gradients "
+             f"({type(err).__name__}: {err}); dynamic scaling starts at "
+             f"{'its initial scale' if start is None else format(start, 'g')}. Fix: pass "
+             f"initial_scale=<number> to tfamp.enable (TFAMP_INITIAL_SCALE) to choose it "
+             f"yourself.")
+        return None
 
     def _fit_callback(self):
         return _fit_callback_class(self.flavour.callback_base)(self)
@@ -422,6 +501,8 @@ class ModelPrecision:
         tape.install()
         guard = self._step_guard()
         scope = step_scope.StepScope(self.built_scale_owner, self.loss_scale_optimizer)
+        if self._pending_probe is not None and not tf.executing_eagerly():
+            scope.recorder = self._recorder_for(tf.compat.v1.get_default_graph())
         with step_scope.train_step_scope(scope):
             logs = cls.train_step(model, data)
         if guard is not None:
@@ -444,6 +525,12 @@ class ModelPrecision:
 
     def _step_guard(self):
         if tf.executing_eagerly():
+            return None
+        if self.flavour.is_keras3 and not self.model.built:
+            # Keras 3 (without a strategy) builds the model in the step's first
+            # trace: building the optimizer here, before the model's variables
+            # exist, breaks its update. That trace makes variables, so
+            # tf.function traces the step again (the trace that runs), guarded.
             return None
         owner = self.built_scale_owner()
         skipped = getattr(owner, "skipped_steps", None) if owner is not None else None
@@ -607,6 +694,9 @@ class ModelPrecision:
         if owner is not None and "loss_scale" in state:
             owner.set_scale(float(state["loss_scale"]))
             owner.skipped_steps.assign(int(state.get("skipped_steps", 0)))
+
+
+_recorders_lock = threading.Lock()
 
 
 def _read_once(read):

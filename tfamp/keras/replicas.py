@@ -50,6 +50,19 @@ def replica_rows(batch):
     return tf.nest.map_structure(cut, batch)
 
 
+def host_rows(strategy, value, local_index: int) -> np.ndarray:
+    """``replica_rows`` on the host: local replica `local_index`'s rows of `value`."""
+    value = np.asarray(value)
+    if not is_distributed(strategy) or not value.shape:
+        return value
+    local = len(strategy.extended.worker_devices)
+    resolver = getattr(strategy, "cluster_resolver", None)
+    task = int(getattr(resolver, "task_id", 0) or 0) if resolver is not None else 0
+    index, count, rows = task * local + local_index, strategy.num_replicas_in_sync, len(value)
+    start = min(index * rows // count, max(rows - 1, 0))
+    return value[start:max((index + 1) * rows // count, start + 1)]
+
+
 def run_per_replica(strategy, fn, *args):
     """``fn(*args)`` once per replica, in replica context (inside a tf.function).
 

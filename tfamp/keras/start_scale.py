@@ -40,10 +40,12 @@ once before the loop (the same probe on the user's step function).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import re
+import threading
 import time
 
 import numpy as np
@@ -83,6 +85,8 @@ class StartScale:
         float16's smallest subnormal at `scale`.
       seconds: wall time of the probe (trace + run + restore).
       batch_size: rows of the batch the probe ran on (None if unknown).
+      how: what ran: the step's own first trace, cut down to what the
+        backward values need, or a trace of the step of its own.
     """
 
     scale: float
@@ -92,6 +96,7 @@ class StartScale:
     underflow_share: float
     seconds: float
     batch_size: int | None = None
+    how: str = "a trace of its own"  # or "the step's own trace" (no second trace)
 
     def message(self) -> str:
         exponent = int(math.log2(self.scale))
@@ -99,7 +104,7 @@ class StartScale:
                 f"batch's float32 gradients (max |g| {self.max_abs:.3g} in {self.where}; "
                 f"weight gradients max {self.weight_max:.3g}, "
                 f"{100 * self.underflow_share:.2g}% of their values below float16's "
-                f"smallest at this scale); probe cost {self.seconds:.2f} s. "
+                f"smallest at this scale); probe cost {self.seconds:.2f} s (on {self.how}). "
                 f"initial_scale=<number> (TFAMP_INITIAL_SCALE) skips the probe.")
 
 
@@ -126,88 +131,159 @@ def choose_scale(max_abs: float, *, min_scale: float = 1.0) -> float:
 
 # -- recording ------------------------------------------------------------------------
 
+# Ops whose output values are an arrangement or a selection of their inputs' (or
+# those masked to 0): never larger, so their outputs add nothing to the largest
+# value a scale must fit, and the probe does not reduce them (fewer ops to trace).
+_NO_LARGER_THAN_INPUTS = frozenset({
+    "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "Transpose",
+    "ConjugateTranspose", "Slice", "StridedSlice", "ConcatV2", "Pack", "Unpack", "Split",
+    "SplitV", "GatherV2", "GatherNd", "Select", "SelectV2", "ReluGrad", "Relu6Grad",
+    "Relu", "Relu6", "Tile", "BroadcastTo", "Pad", "PadV2", "MirrorPad", "ReverseV2",
+    "ZerosLike", "Snapshot", "StopGradient", "EnsureShape",
+})
+
+
+def reached_backward(graph, before: int, seeds, op_lists=None) -> list[tuple[str, tf.Tensor]]:
+    """(name, tensor) of the backward values the loss scale multiplies: the outputs of
+    the ops made after op number `before` that `seeds` (the tape's initial
+    gradient) reach, and that the rewritten step may compute in float16.
+
+    Only what the seed reaches scales with the loss scale: the backward also
+    recomputes forward values (a sigmoid for softplus's gradient), which the
+    scale never touches. Ops the rewrite never puts in float16 (deny or unlisted
+    for `op_lists`: RsqrtGrad, the BatchNorm variance's backward, ...) and
+    clear-list ops that read only such values stay float32 and bound nothing;
+    single values are the loss path's own (d mean / d sum); the outputs of ops
+    that only rearrange their inputs are covered by those inputs.
+    """
+    def list_of(op_type: str) -> str | None:
+        return op_lists.list_of(op_type) if op_lists is not None else None
+
+    reached = {s.op.name for s in tf.nest.flatten(seeds)}
+    float32 = set()  # reached ops whose values stay float32 in the rewritten step
+    bounded = set()  # reached ops every float output of which is recorded or covered
+    found = []
+    for op in graph.get_operations()[before:]:
+        if not any(t.op.name in reached for t in op.inputs):
+            continue
+        reached.add(op.name)
+        kind = list_of(op.type)
+        float_inputs = [t for t in op.inputs if t.dtype.is_floating]
+        if kind in ("deny", "unlisted") or (
+                kind == "clear" and float_inputs
+                and all(t.op.name in float32 for t in float_inputs)):
+            float32.add(op.name)
+            continue
+        reached_inputs = [t for t in float_inputs if t.op.name in reached]
+        if (op.type in _NO_LARGER_THAN_INPUTS and reached_inputs
+                and all(t.op.name in bounded for t in reached_inputs)):
+            # Covered by its inputs only where they were recorded: a select of a
+            # value that stays float32 (l2_normalize's backward: the Maximum's
+            # SelectV2 after RsqrtGrad) may itself run in float16.
+            bounded.add(op.name)
+            continue
+        outputs = [out for out in op.outputs if out.dtype.is_floating]
+        recorded = [out for out in outputs
+                    if out.shape.rank is None or out.shape.num_elements() is None
+                    or out.shape.num_elements() > 1]
+        found.extend((op.name, out) for out in recorded)
+        if outputs and len(recorded) == len(outputs):
+            bounded.add(op.name)
+    return found
+
+
+def weight_gradients(sources, grads) -> list[tuple[str, tf.Tensor]]:
+    """(variable label, gradient values) of a tape's non-None gradients."""
+    found = []
+    for source, grad in zip(tf.nest.flatten(sources), tf.nest.flatten(grads), strict=False):
+        if grad is None:
+            continue
+        if isinstance(grad, tf.IndexedSlices):
+            grad = grad.values
+        found.append((_label(source), grad))
+    return found
+
+
 class Recorder:
-    """What one probe trace saw: the backward tensors of every scaled tape."""
+    """What tapes differentiated in one trace: the backward values the loss scale
+    multiplies, and the weight gradients.
+
+    In probe mode (``gradient``, a trace of its own) every float loss is
+    differentiated unscaled; in an enabled model's own step (``record``, the
+    step's first trace) the tape seeds as it would and the values carry the
+    scale. Replica threads of one trace may share a recorder.
+    """
 
     def __init__(self, op_lists=None):
-        # Ops the rewrite can never put in float16 (deny or unlisted: RsqrtGrad,
-        # the BatchNorm variance's backward, ...) do not bound the scale: their
-        # values stay float32 in the rewritten step.
-        self._never_16bit = (
-            (lambda op: op_lists.list_of(op) in ("deny", "unlisted"))
-            if op_lists is not None else (lambda op: False))
-        # Clear-list ops (Reshape, Identity, Tile, ...) take their input's dtype: one
-        # that reads only such float32 values stays float32 too (the BatchNorm
-        # gradient's per-channel sums and their reshapes).
-        self._follows_input = (
-            (lambda op: op_lists.list_of(op) == "clear")
-            if op_lists is not None else (lambda op: False))
+        self._op_lists = op_lists
+        self.owner_of = None  # () -> the scale owner a recorded step seeds with
         self.backward: list[tuple[str, tf.Tensor]] = []
         self.weights: list[tuple[str, tf.Tensor]] = []
         self.tapes = 0
+        self._lock = threading.Lock()
 
     def gradient(self, original, tape, target, sources, output_gradients, kwargs):
         """``tape.gradient`` in probe mode: unscaled, recording what tfamp would scale."""
         if (tf.executing_eagerly() or output_gradients is not None
                 or not is_loss_target(target, sources)):
             return original(tape, target, sources, output_gradients, **kwargs)
-        graph = tf.compat.v1.get_default_graph()
         # What the tape seeds with by default (every element of every target).
         seed = tf.nest.map_structure(tf.ones_like, target)
+        return self.record(original, tape, target, sources, seed, kwargs)
+
+    def record(self, original, tape, target, sources, seed, kwargs):
+        """``original(tape, target, sources, seed)``, recording what the seed reaches."""
+        graph = tf.compat.v1.get_default_graph()
         before = len(graph.get_operations())
         grads = original(tape, target, sources, seed, **kwargs)
-        self.tapes += 1
-        # Only what the seed reaches scales with the loss scale: the backward
-        # also recomputes forward values (a sigmoid for softplus's gradient),
-        # which the scale never touches.
-        reached = {s.op.name for s in tf.nest.flatten(seed)}
-        float32 = set()  # reached ops whose values stay float32 in the rewritten step
-        for op in graph.get_operations()[before:]:
-            if not any(t.op.name in reached for t in op.inputs):
-                continue
-            reached.add(op.name)
-            float_inputs = [t for t in op.inputs if t.dtype.is_floating]
-            if self._never_16bit(op.type) or (
-                    self._follows_input(op.type) and float_inputs
-                    and all(t.op.name in float32 for t in float_inputs)):
-                float32.add(op.name)
-                continue
-            for out in op.outputs:
-                # Single values are the loss path's own (d mean / d sum and
-                # their reshapes): float32 in the rewritten step.
-                size = out.shape.num_elements() if out.shape.rank is not None else None
-                if out.dtype.is_floating and (size is None or size > 1):
-                    self.backward.append((op.name, out))
-        for source, grad in zip(tf.nest.flatten(sources), tf.nest.flatten(grads),
-                                strict=False):
-            if grad is None:
-                continue
-            if isinstance(grad, tf.IndexedSlices):
-                grad = grad.values
-            self.weights.append((_label(source), grad))
+        backward = reached_backward(graph, before, seed, self._op_lists)
+        with self._lock:
+            self.tapes += 1
+            self.backward.extend(backward)
+            self.weights.extend(weight_gradients(sources, grads))
         return grads
 
-    def outputs(self):
-        """(backward maxes, weight-gradient counts, weight-gradient maxes) as tensors."""
-        from tfamp.numerics.ranges import NUM_COLUMNS, bucket_counts_many
+    def in_graph(self, graph) -> tuple[list, list]:
+        """(backward, weights) recorded in `graph` (not in functions nested in it)."""
+        with self._lock:
+            return ([(n, t) for n, t in self.backward if t.graph is graph],
+                    [(n, t) for n, t in self.weights if t.graph is graph])
 
-        graph = tf.compat.v1.get_default_graph()
-        self.backward = [(n, t) for n, t in self.backward if t.graph is graph]
-        self.weights = [(n, t) for n, t in self.weights if t.graph is graph]
-        maxes = (tf.stack([tf.reduce_max(tf.abs(tf.cast(t, tf.float32)))
-                           for _, t in self.backward])
-                 if self.backward else tf.zeros([0]))
-        if self.weights:
-            counts, weight_maxes = bucket_counts_many([t for _, t in self.weights])
-        else:
-            counts, weight_maxes = tf.zeros([0, NUM_COLUMNS], tf.int32), tf.zeros([0])
-        return maxes, counts, weight_maxes
+    def outputs(self, scale=None):
+        """(backward maxes, weight-gradient maxes, the weight gradients' log2 counts
+        together) as tensors; the values divided by `scale` when given."""
+        backward, weights = self.in_graph(tf.compat.v1.get_default_graph())
+        return _summaries([t for _, t in backward], [t for _, t in weights], scale)
+
+
+def _summaries(backward, weights, scale=None):
+    """(max |t| of each backward tensor, of each weight gradient, and one log2
+    histogram of every weight-gradient value), divided by `scale` when given."""
+    from tfamp.numerics.ranges import NUM_COLUMNS, bucket_counts
+
+    def largest(tensors):
+        if not tensors:
+            return tf.zeros([0])
+        return tf.stack([tf.cast(tf.reduce_max(tf.abs(t)), tf.float32) for t in tensors])
+
+    maxes, weight_maxes = largest(backward), largest(weights)
+    if weights:
+        values = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in weights], 0)
+        if scale is not None:
+            values = values / scale
+        counts = bucket_counts(values)
+    else:
+        counts = tf.zeros([NUM_COLUMNS], tf.int32)
+    if scale is not None:
+        maxes, weight_maxes = maxes / scale, weight_maxes / scale
+    return maxes, weight_maxes, counts
 
 
 # -- running a probe ----------------------------------------------------------------
 
 def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
-               op_lists=None, strategy=None, per_replica: bool = True) -> StartScale:
+               op_lists=None, strategy=None, per_replica: bool = True,
+               trace=None) -> StartScale:
     """Runs ``step(*args, **kwargs)`` once in probe mode; returns the chosen scale.
 
     Args:
@@ -223,18 +299,35 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
       per_replica: run `step` once per replica of `strategy` (a Keras
         ``train_step``); False for a step that distributes itself (a custom
         loop's, calling ``strategy.run``).
+      trace: (ConcreteFunction, Recorder, batch) of the step's own first trace,
+        whose recorder saw its tapes: the probe then runs a part of that graph
+        (``_probe_in_trace``) instead of tracing the step again; when it cannot,
+        the step is traced as above.
 
     Raises:
       ValueError: the step differentiated no float loss, or its float32
         gradients are not finite (no scale helps: see the message), here or
         on another replica or worker.
     """
-    tape.install()
     start = time.perf_counter()
+    local, error, how = None, None, "a trace of its own"
     try:
-        local = _probe_locally(step, args, kwargs, extra_state, op_lists,
-                               strategy if per_replica else None)
-        error = None
+        measured = None
+        if trace is not None:
+            try:
+                measured = _probe_in_trace(*trace, strategy=strategy)
+            except Exception as err:  # traced again below; the reason for the debug log
+                log.debug("tfamp: start-scale probe from the step's trace: %s: %s; tracing "
+                          "the step for it instead", type(err).__name__, err)
+        if measured is not None:
+            # What the values say (not finite: no scale helps) is the probe's answer,
+            # not a reason to trace the step again.
+            local, how = _found(*measured), "the step's own trace"
+        else:
+            tape.install()
+            with _tapes_recording():
+                local = _probe_locally(step, args, kwargs, extra_state, op_lists,
+                                       strategy if per_replica else None)
     except Exception as err:  # every worker must still reach the agreement below
         local, error = None, err
     row = ([1.0, local.top, local.weight_max] if local is not None else [0.0, 0.0, 0.0])
@@ -248,7 +341,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
     scale = choose_scale(top, min_scale=min_scale)
     return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
                       underflow_share=local.underflow_share(scale),
-                      seconds=time.perf_counter() - start, batch_size=_rows(args))
+                      seconds=time.perf_counter() - start, batch_size=_rows(args), how=how)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,18 +351,31 @@ class _Found:
     top: float
     where: str
     weight_max: float
-    ranges: tuple  # TensorRange of each weight gradient (counts summed over replicas)
+    weights: object  # TensorRange of every weight-gradient value together, or None
 
     def underflow_share(self, scale: float) -> float:
-        nonzero = sum(r.nonzero for r in self.ranges)
-        lost = sum(r.underflow_share(scale) * r.nonzero for r in self.ranges)
-        return lost / nonzero if nonzero else 0.0
+        return self.weights.underflow_share(scale) if self.weights is not None else 0.0
+
+
+def _found(names, maxes, weight_names, weight_maxes, counts) -> _Found:
+    from tfamp.numerics.ranges import TensorRange
+
+    if not (np.all(np.isfinite(maxes)) and np.all(np.isfinite(weight_maxes))):
+        bad = [n for n, m in zip(names + weight_names, [*maxes, *weight_maxes], strict=True)
+               if not np.isfinite(m)][:3]
+        raise ValueError(f"the first batch's float32 gradients are not finite ({', '.join(bad)})")
+    all_values = [*zip(names, maxes, strict=True), *zip(weight_names, weight_maxes, strict=True)]
+    where, top = max(all_values, key=lambda item: item[1]) if all_values else ("-", 0.0)
+    weights = (TensorRange.from_vector("weight gradients", "", "weight_gradient", counts,
+                                       float(max(weight_maxes, default=0.0)))
+               if weight_names else None)
+    return _Found(top=float(top), where=_unreplicated(where),
+                  weight_max=float(max(weight_maxes, default=0.0)), weights=weights)
 
 
 def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy) -> _Found:
-    """The probe on this worker's replicas (no communication with other workers)."""
-    from tfamp.numerics.ranges import TensorRange
-
+    """The probe on this worker's replicas, in a trace of its own (no communication
+    with other workers)."""
     recorders = []
 
     def replica_step(args, kwargs):
@@ -282,45 +388,177 @@ def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy) -> _Foun
 
     def run(args, kwargs):
         per_replica = replicas.run_per_replica(strategy, replica_step, args, kwargs)
-        maxes, counts, weight_maxes = zip(*per_replica, strict=True)
-        return tf.stack(maxes), tf.stack(counts), tf.stack(weight_maxes)
+        maxes, weight_maxes, counts = zip(*per_replica, strict=True)
+        return tf.stack(maxes), tf.stack(weight_maxes), tf.stack(counts)
 
     concrete = plain_function(run).get_concrete_function(args, kwargs)
-    if not recorders or not recorders[0].tapes:
+    # (tf.function traces twice when the first trace made variables: the last counts.)
+    final = [r for r in recorders if any(r.in_graph(concrete.graph))]
+    if not final:
         raise ValueError("the step differentiated no float loss with a GradientTape")
     restore = _unique([*assigned_variables(concrete), *extra_state])
     saved = [(c, np.array(c.numpy(), copy=True))
              for v in restore for c in replicas.local_components(v)]
-    # Grappler is off for this one call: on a ResNet-50 step (14k ops) it took
-    # 20-28 s of the probe's first run, which then took 4 s without it.
-    options = tf.config.optimizer.get_experimental_options()
-    tf.config.optimizer.set_experimental_options({**options, "disable_meta_optimizer": True})
     try:
-        maxes, counts, weight_maxes = (x.numpy() for x in concrete(args, kwargs))
+        maxes, weight_maxes, counts = (x.numpy() for x in _without_grappler(concrete)(
+            args, kwargs))
     finally:
-        tf.config.optimizer.set_experimental_options(options)
         for component, value in saved:
             component.assign(value)
-    recorder = recorders[0]
-    names = [_unreplicated(n) for n, _ in recorder.backward]
-    weight_names = [n for n, _ in recorder.weights]
-    maxes, weight_maxes = maxes.max(axis=0), weight_maxes.max(axis=0)
-    counts = counts.sum(axis=0)
-    if not (np.all(np.isfinite(maxes)) and np.all(np.isfinite(weight_maxes))):
-        bad = [n for n, m in zip(names + weight_names, [*maxes, *weight_maxes], strict=True)
-               if not np.isfinite(m)][:3]
-        raise ValueError(f"the first batch's float32 gradients are not finite ({', '.join(bad)})")
-    all_values = [*zip(names, maxes, strict=True), *zip(weight_names, weight_maxes, strict=True)]
-    where, top = max(all_values, key=lambda item: item[1]) if all_values else ("-", 0.0)
-    ranges = tuple(TensorRange.from_vector(n, n, "weight_gradient", row, m)
-                   for n, row, m in zip(weight_names, counts, weight_maxes, strict=True))
-    return _Found(top=float(top), where=where,
-                  weight_max=float(max(weight_maxes, default=0.0)), ranges=ranges)
+    backward, weights = final[0].in_graph(concrete.graph)
+    return _found([n for n, _ in backward], maxes.max(axis=0), [n for n, _ in weights],
+                  weight_maxes.max(axis=0), counts.sum(axis=0))
+
+
+@contextlib.contextmanager
+def _tapes_recording():
+    """Gradient tapes record within it, also under ``tf.init_scope``, which stops
+    them on this thread: the probe of a step's own trace runs there (Keras 3
+    traces that step inside its loop's function), and the step it traces again
+    when it cannot cut that graph needs its tapes (else no gradient: "the step
+    differentiated no float loss"). TensorFlow has no public way to resume them."""
+    from tensorflow.python import pywrap_tfe
+
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    try:
+        yield
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
+def _without_grappler(function):
+    """`function` called with TensorFlow's graph optimizer off.
+
+    On a ResNet-50 step (14k ops) grappler took 20-28 s of the probe's first
+    run, which then took 4 s without it; the probe runs once.
+    """
+    def call(*args, **kwargs):
+        options = tf.config.optimizer.get_experimental_options()
+        tf.config.optimizer.set_experimental_options({**options,
+                                                      "disable_meta_optimizer": True})
+        try:
+            return function(*args, **kwargs)
+        finally:
+            tf.config.optimizer.set_experimental_options(options)
+    return call
 
 
 def _unreplicated(name: str) -> str:
     """An op's name without a replica's "replica_<n>/" scope (wherever it sits)."""
     return re.sub(r"(^|/)replica_\d+/", r"\1", name)
+
+
+# -- the probe from the step's own trace ------------------------------------------------
+
+# Ops that read a batch from an iterator inside a step (tf_keras's train function).
+_NEXT_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync",
+                       "MultiDeviceIteratorGetNextFromShard"})
+
+
+def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None) -> tuple:
+    """The probe from the float32 graph of the step's own first trace: ``_found``'s
+    arguments (names and values measured; not yet checked).
+
+    The step was traced once, for Keras, with a recorder on its tapes; the part
+    of its graph the recorded backward values depend on (the forward, the loss,
+    the backward; no update, no metric, no iterator) is run once on fit's first
+    batch, each replica's copy on its rows, with the model's live variables.
+    Nothing is written, so nothing is restored. The recorded values carry the
+    loss scale the step seeds with (its current value), which is divided out.
+
+    Raises:
+      ValueError: the graph is not one this can cut (its tapes in a nested
+        function, no batch input it can find): the caller traces the step.
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    from tfamp.runtime.runner import _register_renamed_library
+
+    graph = concrete.graph
+    backward, weights = recorder.in_graph(graph)
+    if not backward and not weights:
+        raise ValueError("no tape recorded in the step's own graph")
+    if len(backward) + len(weights) != len(recorder.backward) + len(recorder.weights):
+        raise ValueError("tapes inside functions nested in the step")
+    graph_def = graph.as_graph_def()
+    sources = _batch_sources(concrete, graph_def, batch, strategy)
+    placeholder = {name: f"tfamp_probe_batch_{k}" for k, (name, _) in enumerate(sources)}
+    cut = graph_pb2.GraphDef()
+    cut.CopyFrom(graph_def)
+    for k, (_, value) in enumerate(sources):
+        node = cut.node.add()
+        node.name, node.op = f"tfamp_probe_batch_{k}", "Placeholder"
+        node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+    for node in cut.node:
+        # Data edges only: a control edge could reach an update or the iterator.
+        inputs = [i for i in node.input if not i.startswith("^")]
+        del node.input[:]
+        node.input.extend(placeholder.get(i if ":" in i else f"{i}:0", i) for i in inputs)
+    fetches = [t.name for _, t in backward + weights]
+    from tensorflow.python.util import deprecation
+
+    with deprecation.silence():  # (TensorFlow's v1 name; no other public one)
+        cut = tf.compat.v1.graph_util.extract_sub_graph(
+            cut, sorted({f.split(":")[0] for f in fetches}))
+    _register_renamed_library(cut, "_tfamp_probe")
+    present = {node.name for node in cut.node}
+    captures = [(internal.name, external) for external, internal in graph.captures
+                if internal.op.name in present]
+    scale = _scale_in(recorder)
+
+    def run(*values):
+        inner = tf.compat.v1.get_default_graph()
+        input_map = {f"tfamp_probe_batch_{k}:0": v for k, v in enumerate(values)}
+        for name, external in captures:
+            input_map[name] = inner.capture(external)
+        fetched = tf.graph_util.import_graph_def(cut, input_map=input_map,
+                                                 return_elements=fetches, name="")
+        return _summaries(fetched[:len(backward)], fetched[len(backward):], scale)
+
+    values = [value for _, value in sources]
+    maxes, weight_maxes, counts = (x.numpy() for x in _without_grappler(
+        plain_function(run, autograph=False))(*values))
+    return [n for n, _ in backward], maxes, [n for n, _ in weights], weight_maxes, counts
+
+
+def _scale_in(recorder: Recorder) -> float:
+    """The loss scale the recorded step seeds with now (its owner's current one)."""
+    if recorder.owner_of is None:
+        raise ValueError("the recorded step's scale owner is unknown")
+    return float(np.asarray(recorder.owner_of().scale_tensor()))
+
+
+def _batch_sources(concrete, graph_def, batch, strategy) -> list[tuple[str, np.ndarray]]:
+    """(tensor name in the step's graph, the value to feed for it) for every tensor
+    that carries the batch in: the step's own arguments (Keras 3: one per
+    component of each replica's batch, component by component) or what its
+    iterator op returns (tf_keras on one device), each replica's share of the
+    rows of `batch`. (tf_keras under a strategy reads its batch inside a
+    conditional: not cut here, the probe traces the step instead.)"""
+    graph = concrete.graph
+    flat = [np.asarray(value) for value in tf.nest.flatten(batch)]
+    local = len(strategy.extended.worker_devices) if replicas.is_distributed(strategy) else 1
+    # The step's own arguments come first among its inputs (captures follow).
+    count = len(tf.nest.flatten(concrete.structured_input_signature, expand_composites=True))
+    arguments = [t for t in graph.inputs[:count] if t.dtype not in (tf.resource, tf.variant)]
+    if arguments:
+        if len(arguments) != local * len(flat):
+            raise ValueError(f"the step takes {len(arguments)} batch tensors, the batch has "
+                             f"{len(flat)} per replica")
+        # A structure of per-replica values flattens component by component.
+        return [(arguments[i * local + r].name, replicas.host_rows(strategy, leaf, r))
+                for i, leaf in enumerate(flat) for r in range(local)]
+    nexts = [node for node in graph_def.node if node.op in _NEXT_OPS]
+    if len(nexts) != local:
+        raise ValueError(f"{len(nexts)} iterator reads for {local} replicas")
+    for node in nexts:
+        if len(node.attr["output_types"].list.type) != len(flat):
+            raise ValueError("the iterator's elements do not match fit's first batch")
+    return [(f"{node.name}:{i}", replicas.host_rows(strategy, leaf, r))
+            for r, node in enumerate(nexts) for i, leaf in enumerate(flat)]
 
 
 def assigned_variables(concrete) -> list:

@@ -84,6 +84,7 @@ class StepScope:
         self.scaled = 0
         self.unscaled = 0
         self.own_losses = 0  # losses a loss-scale optimizer scaled itself, not yet applied
+        self.recorder = None  # start_scale.Recorder: the tapes record for the probe
 
     def owner_for_tape(self):
         """The owner whose scale this step's tapes use (made and built on first use)."""

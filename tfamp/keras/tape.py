@@ -92,9 +92,20 @@ def variable_ids(variables) -> set[int]:
 def _scaled_gradient(original, tape, target, sources, owner, kwargs):
     with scale_update.loss_scale_ops():
         scale = tf.cast(owner.scale_tensor(), tf.float32)
-    grads = original(tape, target, sources, scale_update.seed(target, scale), **kwargs)
+    grads = _differentiate(original, tape, target, sources,
+                           scale_update.seed(target, scale), kwargs)
     step_scope.push_pending(owner)
     return tf.nest.map_structure(lambda g: scale_update.unscale(g, scale), grads)
+
+
+def _differentiate(original, tape, target, sources, seed, kwargs):
+    """``original(tape, target, sources, seed)``; recorded for the start-scale probe
+    when the train step being traced asks (its first trace: ``StepScope.recorder``)."""
+    scope = step_scope.current_step()
+    recorder = getattr(scope, "recorder", None) if scope is not None else None
+    if recorder is None:
+        return original(tape, target, sources, seed, **kwargs)
+    return recorder.record(original, tape, target, sources, seed, kwargs)
 
 
 def _patch_tape() -> None:
@@ -109,9 +120,19 @@ def _patch_tape() -> None:
             owner = owner_for(target, sources)
             if owner is not None:
                 return _scaled_gradient(original, self, target, sources, owner, kwargs)
+            if _records_losses(target, sources):  # scaled by a loss-scale optimizer
+                seed = tf.nest.map_structure(tf.ones_like, target)  # the tape's own seed
+                return _differentiate(original, self, target, sources, seed, kwargs)
         return original(self, target, sources, output_gradients, **kwargs)
 
     tf.GradientTape.gradient = gradient
+
+
+def _records_losses(target, sources) -> bool:
+    """A train step being traced records its losses (for the probe), and this is one."""
+    scope = step_scope.current_step()
+    return (scope is not None and getattr(scope, "recorder", None) is not None
+            and not tf.executing_eagerly() and scale_update.is_loss_target(target, sources))
 
 
 def is_tfamp_optimizer(optimizer) -> bool:
