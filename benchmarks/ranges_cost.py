@@ -27,8 +27,8 @@ import tf_keras as keras
 
 from tfamp import demo
 from tfamp.config import AmpConfig
-from tfamp.keras.loss_scale import LossScaleOptimizer
-from tfamp.numerics.keras_probe import KerasRangeProbe
+from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
+from tfamp.keras.range_probe import KerasRangeProbe
 from tfamp.runtime.runner import function as amp_function
 
 

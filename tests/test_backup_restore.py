@@ -33,7 +33,7 @@ def _model(keras_module):
 
 
 def _state(model):
-    scale, skipped = tfamp.keras.hooks.read_scale(model._tfamp_state)
+    scale, skipped = model._tfamp_state.read_scale()
     return [w.copy() for w in model.get_weights()], scale, skipped
 
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import tfamp
-from tfamp.keras.loss_scale import LossScaleOptimizer
+from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
 from tfamp.runtime.runner import RewrittenFunction
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ import tensorflow as tf
 import tf_keras
 
 import tfamp
-from tfamp.keras import custom_loop
+from tfamp.keras import scale_state
 
 FLAVOURS = ["tf_keras", "keras3"]
 HALF = tf.float16.as_datatype_enum
@@ -85,7 +85,7 @@ def matmul_types(concrete):
 
 
 def scale_of(model):
-    return float(custom_loop.current_scale(model._tfamp_state.loop.scale_owner()))
+    return float(scale_state.current_scale(model._tfamp_state.scale_owner()))
 
 
 def record_warnings(fn):
@@ -163,7 +163,7 @@ def test_loss_scaled_by_hand_is_scaled_once(flavour):
     # Scaled twice, the update would be 2**15 times too large (or small): no match.
     np.testing.assert_allclose(got, want, rtol=0.02)
     assert got[-1] < 0.3 * got[0]
-    assert float(custom_loop.current_scale(optimizer)) == 2.0 ** 15
+    assert float(scale_state.current_scale(optimizer)) == 2.0 ** 15
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

@@ -16,7 +16,7 @@ import tf_keras
 
 import tfamp
 from tests.test_zoo_training import _build, _expect_converted, _make_data
-from tfamp.keras.loss_scale3 import LossScaleOptimizer as Keras3LossScaleOptimizer
+from tfamp.keras.optimizer_keras3 import LossScaleOptimizer as Keras3LossScaleOptimizer
 
 EPOCHS = 6
 REL_TOL = 0.05

@@ -17,7 +17,7 @@ import pytest
 import tf_keras
 
 import tfamp
-from tfamp.keras import fallback
+from tfamp.keras import fallback, lifecycle
 from tfamp.numerics import nonfinite
 
 KERASES = {"tf_keras": tf_keras, "keras3": keras}
@@ -141,10 +141,10 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     _fit(reference, x, y)
     want = reference.evaluate(x, y, verbose=0)
 
-    # Without the fallback every step is skipped and the loss is NaN.
+    # Without the fallback every step is skipped and the epoch's loss is NaN.
     stalled = tfamp.enable(pipeline_model(k), verbose=False)
     with monkeypatch.context() as patch:
-        patch.setattr(fallback, "after_train_call", lambda *args: False)
+        patch.setattr(lifecycle.ModelPrecision, "_fallback_after_call", lambda *args: False)
         history = _fit(stalled, x, y, epochs=1)
     assert np.isnan(history.history["loss"][-1])
     assert history.history["skipped_steps"][-1] == len(x) // BATCH
@@ -160,7 +160,7 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     assert "frozen" in pattern and f"now keeping {pattern!r} float32" in line
     assert f"TFAMP_KEEP_FP32={pattern!r}" in line and "AmpConfig(keep_fp32=" in line
     assert model._tfamp_state.config.keep_fp32 == (pattern,)
-    assert fallback.decode(fallback.record_variable(model, model._tfamp_state).numpy()) == (
+    assert fallback.decode(model._tfamp_state.record_variable().numpy()) == (
         pattern,)
 
 
@@ -249,7 +249,7 @@ def test_resumed_run_keeps_the_fallback_from_its_first_step(flavour, tmp_path, c
     with pytest.raises(RuntimeError, match="interrupted"):
         _fit(first, x, y, callbacks=[k.callbacks.BackupAndRestore(backup), Interrupt()])
     [pattern] = first._tfamp_state.fallback.moved
-    skipped_before = tfamp.keras.hooks.read_scale(first._tfamp_state)[1]
+    skipped_before = first._tfamp_state.read_scale()[1]
 
     caplog.clear()
     caplog.set_level(logging.INFO, logger="tfamp")
@@ -261,7 +261,7 @@ def test_resumed_run_keeps_the_fallback_from_its_first_step(flavour, tmp_path, c
     [line] = _messages(caplog, "float32 fallback")
     assert "restored from the checkpoint" in line
     # No step of the resumed run overflowed: the first one ran the fallback graph.
-    assert tfamp.keras.hooks.read_scale(state)[1] == skipped_before
+    assert state.read_scale()[1] == skipped_before
     assert all(r.kept_fp32.get("user override") for r in resumed.train_function.reports)
 
 
@@ -321,3 +321,77 @@ def test_tfamp_enable_variable_falls_back_too(flavour, tmp_path):
     assert abs(got["loss"] - want) <= 0.1 * want and got["skipped"] <= 3, (got, want)
     lines = [line for line in result.stderr.splitlines() if "float32 fallback" in line]
     assert len(lines) == 1 and "frozen" in lines[0] and "TFAMP_KEEP_FP32=" in lines[0]
+
+
+# -- what a rescued run reports (issue 28.4) -------------------------------------------
+
+def _rescued_fit(k, model, x, y):
+    """3 epochs with TerminateOnNaN; (history, epochs run)."""
+    history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[k.callbacks.TerminateOnNaN()])
+    return history.history
+
+
+def _check_rescued(history, want_last_loss):
+    # The fallback moved the frozen layer after the first skipped steps; those steps'
+    # inf/nan losses are left out of the epoch's mean, so the run is neither reported
+    # as NaN nor stopped by TerminateOnNaN.
+    assert len(history["loss"]) == 3, history
+    assert all(np.isfinite(history["loss"])), history["loss"]
+    assert 0 < history["skipped_steps"][-1] <= 3
+    assert history["loss"][-1] <= 2 * want_last_loss, (history["loss"], want_last_loss)
+
+
+@pytest.mark.parametrize("flavour", sorted(KERASES))
+def test_rescued_run_is_not_reported_or_stopped_as_nan(flavour):
+    k = KERASES[flavour]
+    x, y = pipeline_data()
+    reference = _rescued_fit(k, pipeline_model(k), x, y)
+    model = tfamp.enable(pipeline_model(k), verbose=False)
+    history = _rescued_fit(k, model, x, y)
+    assert model._tfamp_state.fallback.moved
+    _check_rescued(history, reference["loss"][-1])
+
+
+def test_an_epoch_with_every_step_skipped_still_ends_in_nan():
+    # Nothing trained in it: its metrics received nothing, and an empty mean (0) would
+    # claim a perfect loss. (The per-batch logs show the empty mean, so TerminateOnNaN
+    # does not see a NaN per batch; the epoch's History does.)
+    model = tfamp.enable(pipeline_model(keras), verbose=False)
+    x, y = pipeline_data()
+    state = model._tfamp_state
+    state.fallback.stopped = "planted"  # no fallback: every step skipped
+    history = _fit(model, x, y, epochs=1)
+    assert history.history["skipped_steps"][-1] == len(x) // BATCH
+    assert np.isnan(history.history["loss"][-1])
+
+
+RESCUED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from test_fallback import pipeline_data, pipeline_model, _rescued_fit
+    if sys.argv[1] == "tf_keras":
+        import tf_keras as k
+    else:
+        import keras as k
+    x, y = pipeline_data()
+    print(json.dumps(_rescued_fit(k, pipeline_model(k), x, y)))
+""")
+
+
+@pytest.mark.parametrize("flavour", ["keras3", pytest.param("tf_keras", marks=pytest.mark.slow)])
+def test_rescued_run_under_tfamp_enable_is_not_reported_or_stopped_as_nan(flavour, tmp_path):
+    import json
+
+    script = tmp_path / "rescued.py"
+    script.write_text(RESCUED_SCRIPT.format(tests=str(REPO / "tests")))
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    environment.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(REPO), TFAMP_ENABLE="1")
+    result = subprocess.run([sys.executable, str(script), flavour], capture_output=True,
+                            text=True, timeout=600, env=environment, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = json.loads(result.stdout.strip().splitlines()[-1])
+    k = KERASES[flavour]
+    x, y = pipeline_data()
+    reference = _rescued_fit(k, pipeline_model(k), x, y)
+    _check_rescued(history, reference["loss"][-1])

@@ -13,9 +13,11 @@
   and ``apply_gradients``;
 * the same custom loop under ``MultiWorkerMirroredStrategy`` with two worker
   processes on 127.0.0.1, the overflow on worker 1 only: both workers skip it
-  and end with identical weights (slow). Keras 3's own ``fit`` under
-  MultiWorkerMirroredStrategy fails in this setup with or without tfamp
-  ("Attempt to convert a value (PerReplica...)"), so it is not tested.
+  and end with identical weights (slow); with ``tfamp.enable`` and
+  ``calibrate_loss_scale`` on workers reading different data, one start scale
+  everywhere. Keras 3's own ``fit`` under MultiWorkerMirroredStrategy fails in
+  Keras 3 itself, with or without tfamp (tests/test_lifecycle_at_scale.py pins
+  it; README says what works).
 
 Logical devices must be configured before TensorFlow initialises, so each
 scenario runs in its own process and prints one JSON line.
@@ -41,7 +43,7 @@ _SCRIPT = textwrap.dedent(r'''
     import tensorflow as tf
 
     mode, replicas = sys.argv[1], int(sys.argv[2])
-    if mode == "mw_loop":  # MultiWorkerMirroredStrategy, TF_CONFIG from the env
+    if mode in ("mw_loop", "mw_enable_loop"):  # MultiWorkerMirroredStrategy, TF_CONFIG
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     elif replicas == 2:
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -159,6 +161,47 @@ _SCRIPT = textwrap.dedent(r'''
         out["scale"] = float(state.current_loss_scale.numpy())
         out["skipped"] = int(state.skipped_steps.numpy())
         out["iterations"] = [int(v) for v in local(optimizer.iterations)]
+    elif mode == "mw_enable_loop":  # MultiWorkerMirroredStrategy, tfamp.enable
+        import tfamp
+        worker = json.loads(__import__("os").environ["TF_CONFIG"])["task"]["index"]
+        # Each worker reads its own data; worker 1's inputs are 30 times larger, so
+        # its gradients alone would choose a smaller start scale.
+        xw = x[128 * worker:128 * (worker + 1)] * (30.0 if worker == 1 else 1.0)
+        yw = y[128 * worker:128 * (worker + 1)]
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF)
+        dataset = tf.data.Dataset.from_tensor_slices((xw, yw)).batch(16).with_options(options)
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+            tfamp.enable(model, verbose=False)
+        optimizer = model.optimizer
+
+        def replica_step(bx, by):
+            with tf.GradientTape() as tape:
+                per_example = tf.reduce_mean((model(bx, training=True) - by) ** 2, axis=1)
+                loss = tf.reduce_sum(per_example) / 32.0
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+
+        @tf.function
+        def step(batch):
+            strategy.run(replica_step, args=batch)
+
+        batches = iter(strategy.experimental_distribute_dataset(dataset))
+        first = next(iter(dataset))
+        found = tfamp.calibrate_loss_scale(step, next(batches), model=model)
+        out["start"] = found.scale
+        out["probe"] = [found.max_abs, found.where, found.how,
+                        type(model._tfamp_state.strategy()).__name__,
+                        model._tfamp_state.strategy().num_replicas_in_sync]
+        out["local_first_batch_max"] = float(np.abs(first[0].numpy()).max())
+        for batch in batches:
+            step(batch)
+        out["scale"] = float(optimizer.dynamic_scale.numpy())
+        out["skipped"] = int(optimizer.skipped_steps.numpy())
+        out["weights"] = [v.numpy().ravel().tolist() for v in model.weights]
     elif mode == "mw_loop":  # MultiWorkerMirroredStrategy, TFAMP_ENABLE=1
         worker = json.loads(__import__("os").environ["TF_CONFIG"])["task"]["index"]
         xw, yw = x[128 * worker:128 * (worker + 1)].copy(), y[128 * worker:128 * (worker + 1)]
@@ -284,6 +327,18 @@ def run_workers(mode, **env):
         assert proc.returncode == 0, stderr[-4000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     return results
+
+
+@pytest.mark.slow  # two TensorFlow worker processes with gRPC servers
+def test_multiworker_enabled_custom_loop_calibrates_one_scale_on_every_worker():
+    # Issue 29: calibrate_loss_scale on every worker, each with the batch it read,
+    # sets the one scale the largest gradient of all gives (worker 1's inputs are
+    # 30x larger: alone, worker 0 would pick a much larger scale).
+    first, second = run_workers("mw_enable_loop")
+    assert first["start"] == second["start"] < 2.0**15
+    assert first["skipped"] == second["skipped"] == 0
+    assert first["scale"] == second["scale"] == first["start"]
+    np.testing.assert_array_equal(flat(first["weights"]), flat(second["weights"]))
 
 
 @pytest.mark.slow  # two TensorFlow worker processes with gRPC servers

@@ -10,8 +10,8 @@ import tensorflow as tf
 
 import tfamp
 from tests.keras3_helpers import data, mlp
-from tfamp.keras.keras3 import StepFunctions
-from tfamp.keras.loss_scale3 import LossScaleOptimizer
+from tfamp.keras.flavour import StepFunctions
+from tfamp.keras.optimizer_keras3 import LossScaleOptimizer
 from tfamp.runtime.runner import RewrittenFunction
 
 
@@ -223,9 +223,7 @@ def test_keras_loss_scale_optimizer_is_refused_with_the_fix():
 def test_other_keras_backend_is_refused_saying_why(monkeypatch):
     # Keras 3's other backends (jax, torch, numpy+scipy) are not installed here;
     # what tfamp checks is keras.backend.backend(), which KERAS_BACKEND sets.
-    import tfamp.keras.keras3 as hooks
-
-    monkeypatch.setattr(hooks.keras.backend, "backend", lambda: "jax")
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(ValueError, match=r"tfamp rewrites TensorFlow graphs, but Keras 3 is "
                                          r"running on the 'jax' backend.*"
                                          r"KERAS_BACKEND=tensorflow"):

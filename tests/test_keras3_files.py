@@ -12,7 +12,7 @@ import pytest
 
 import tfamp
 from tests.keras3_helpers import data, mlp, optimizer_state, overflow_batch, weights_of
-from tfamp.keras.loss_scale3 import LossScaleOptimizer
+from tfamp.keras.optimizer_keras3 import LossScaleOptimizer
 
 
 def clean_env(**extra):
@@ -115,7 +115,7 @@ _LOAD_WITH_TFAMP_ENABLE = textwrap.dedent("""
 def test_reload_under_tfamp_enable_keeps_all_optimizer_state(saved):
     path, model = saved
     got, _ = run(_LOAD_WITH_TFAMP_ENABLE, path, TFAMP_ENABLE="1")
-    assert got["optimizer"] == "tfamp.keras.loss_scale3.LossScaleOptimizer"
+    assert got["optimizer"] == "tfamp.keras.optimizer_keras3.LossScaleOptimizer"
     assert not [w for w in got["warnings"] if "optimizer" in w.lower()], got["warnings"]
     assert got["iterations"] == 8 and got["skipped"] == 1 and got["scale"] == 2.0**9
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tfamp
 from tests.keras3_helpers import data, mlp, optimizer_state, overflow_batch, weights_of
-from tfamp.keras.loss_scale3 import LossScaleOptimizer
+from tfamp.keras.optimizer_keras3 import LossScaleOptimizer
 
 
 def enabled_mlp(optimizer=None, **enable_kwargs):

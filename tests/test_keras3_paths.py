@@ -30,7 +30,7 @@ import pytest
 import tensorflow as tf
 
 import tfamp
-from tfamp.numerics.keras_probe import current_loss_scale
+from tfamp.keras.range_probe import current_loss_scale
 from tests.keras3_helpers import data, mlp, overflow_batch, weights_of
 
 STEPS = 5
@@ -322,7 +322,7 @@ def test_tfamp_enable_compile_path_fixed_scale_is_fixed_and_keras_policy_is_left
     assert result.returncode == 0, result.stderr[-4000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     tfamp_run = out["float32"]
-    assert tfamp_run["optimizer"] == "tfamp.keras.loss_scale3.LossScaleOptimizer"
+    assert tfamp_run["optimizer"] == "tfamp.keras.optimizer_keras3.LossScaleOptimizer"
     # Fixed: 1024 throughout, the overflowing batch (one per epoch) skipped each time.
     assert tfamp_run["history"]["loss_scale"] == [1024.0, 1024.0]
     assert tfamp_run["history"]["skipped_steps"] == [1, 2]

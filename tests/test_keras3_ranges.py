@@ -16,9 +16,9 @@ import tf_keras
 
 import tfamp
 from tfamp import cli
-from tfamp.numerics.nonfinite import locate_keras_nonfinite
-from tfamp.numerics.keras_probe import KerasRangeProbe, collect_keras_ranges
-from tfamp.numerics.monitor import RangeMonitor
+from tfamp.keras.overflow_locator import locate_keras_nonfinite
+from tfamp.keras.range_probe import KerasRangeProbe, collect_keras_ranges
+from tfamp.keras.range_monitor import RangeMonitor
 from tests import keras3_helpers, test_ranges
 from tests.test_nonfinite import EXP_16BIT, X, Y, fit_until_stuck
 from tests.test_ranges import (

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
-from tfamp.keras.loss_scale import LossScaleOptimizer
+from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
 
 
 def make(**kwargs):

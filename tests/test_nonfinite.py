@@ -12,9 +12,9 @@ import tf_keras as keras
 
 import tfamp
 from tfamp.config import AmpConfig
-from tfamp.keras import fallback
+from tfamp.keras import lifecycle
 from tfamp.numerics import nonfinite
-from tfamp.numerics.nonfinite import locate_keras_nonfinite
+from tfamp.keras.overflow_locator import locate_keras_nonfinite
 
 
 def overflow_model(batch_norm: bool = False):
@@ -104,7 +104,7 @@ def fit_until_stuck(model) -> str:
     tfamp.enable(model, config=EXP_16BIT, initial_scale=2.0, min_scale=1.0)
     weights = [v.numpy().copy() for v in model.trainable_variables]
     with warnings.catch_warnings(record=True) as caught, mock.patch.object(
-            fallback, "after_train_call", lambda *args: False):
+            lifecycle.ModelPrecision, "_fallback_after_call", lambda *args: False):
         warnings.simplefilter("always")
         model.fit(X, Y, batch_size=16, epochs=5, verbose=0)
     stuck = [w for w in caught if "stuck at its floor" in str(w.message)]

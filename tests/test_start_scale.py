@@ -18,7 +18,7 @@ import pytest
 import tfamp
 from tests import patterns
 from tfamp.env import EnvError, settings_from_env
-from tfamp.keras import custom_loop, start_scale
+from tfamp.keras import scale_state, start_scale
 
 FLAVOURS = ["keras3", "tf_keras"]
 
@@ -105,16 +105,16 @@ def test_probe_changes_nothing_but_the_scale(flavour):
     model(x[:2])  # built
     before = [np.array(v.numpy(), copy=True) for v in model.weights]
     state = model._tfamp_state
-    found = start_scale.before_fit(model, state, (x, y), {"batch_size": 16})
+    found = state.start_scale_for_fit((x, y), {"batch_size": 16})
     assert found is not None and found.batch_size == 16
     after = [np.array(v.numpy(), copy=True) for v in model.weights]
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(a, b)  # BatchNorm statistics restored too
-    owner = state.loop.scale_owner()
+    owner = state.scale_owner()
     assert int(owner.iterations.numpy()) == 0
-    assert float(custom_loop.current_scale(owner).numpy()) == found.scale
+    assert float(scale_state.current_scale(owner).numpy()) == found.scale
     # Called again (a second fit): no second probe.
-    assert start_scale.before_fit(model, state, (x, y), {"batch_size": 16}) is None
+    assert state.start_scale_for_fit((x, y), {"batch_size": 16}) is None
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -124,13 +124,13 @@ def test_a_scale_that_has_taken_steps_is_kept(flavour):
     tfamp.enable(model, verbose=False)
     x = np.ones((16, 8), "float32")
     model(x[:2])
-    owner = model._tfamp_state.loop.scale_owner()
-    custom_loop._build_if_needed(owner, model)
+    owner = model._tfamp_state.scale_owner()
+    owner.ensure_built(model.trainable_variables)
     owner.iterations.assign(7)  # as a restored checkpoint of a run that trained
-    start_scale.set_scale(owner, 512.0)
-    assert start_scale.has_stepped(owner)
-    assert start_scale.before_fit(model, model._tfamp_state, (x, x[:, :1]), {}) is None
-    assert float(custom_loop.current_scale(owner).numpy()) == 512.0
+    owner.set_scale(512.0)
+    assert owner.has_stepped()
+    assert model._tfamp_state.start_scale_for_fit((x, x[:, :1]), {}) is None
+    assert float(scale_state.current_scale(owner).numpy()) == 512.0
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -155,7 +155,7 @@ def test_custom_loop_calibration(flavour):
         return loss
 
     found = tfamp.calibrate_loss_scale(step, x[:32], y[:32], model=model)
-    owner = model._tfamp_state.loop.scale_owner()
+    owner = model._tfamp_state.scale_owner()
     assert math.log2(found.scale) < 15
     before = [np.array(v.numpy(), copy=True) for v in model.trainable_variables]
     step(x[:32], y[:32])
@@ -206,3 +206,74 @@ def test_any_probe_failure_is_a_warning_and_fit_trains(flavour, monkeypatch):
         run = patterns.train(keras, "per_pixel", before_fit=hook)
     assert found["model"]._tfamp_state.start_scale is False
     assert np.isfinite(run["history"]["n_loss"]) and np.linalg.norm(run["delta"]) > 0
+
+
+@pytest.mark.parametrize("pattern", ["sum_loss", "wgan_gp"])
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_fit_probes_from_the_steps_own_trace_with_the_same_answer(flavour, pattern,
+                                                                    monkeypatch):
+    # Issue 29.3: the probe was a second trace of the step (plus a float32 run); fit
+    # now records the tapes of the step's own first trace and runs the part of that
+    # graph the backward values need. It must find what the separate probe finds.
+    keras = patterns.keras_module(flavour)
+    model, data, _ = patterns.build(keras, pattern)
+    tfamp.enable(model, verbose=False)
+    separate = model._tfamp_state.start_scale_for_fit(
+        (data[0][:patterns.BATCH],), {"batch_size": patterns.BATCH})
+    assert separate.how == "a trace of its own"
+
+    traced_again = []
+    real = start_scale._probe_locally
+    monkeypatch.setattr(start_scale, "_probe_locally",
+                        lambda *a, **k: traced_again.append(1) or real(*a, **k))
+    hook, found = _enable()
+    run = patterns.train(keras, pattern, before_fit=hook)
+    chosen = found["model"]._tfamp_state.start_scale
+    assert chosen.how == "the step's own trace" and traced_again == []
+    assert chosen.scale == separate.scale
+    assert chosen.max_abs == pytest.approx(separate.max_abs, rel=1e-4)
+    assert run["history"]["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_fit_traces_the_step_again_where_its_own_trace_cannot_be_cut(flavour, monkeypatch):
+    # Issue 29.3: where the step's own graph cannot be cut (tapes in a nested
+    # function, a batch it cannot find), the probe traces the step itself. Keras 3
+    # traces its step inside its loop's function, where tf.init_scope stops every
+    # tape: that trace recorded no gradient ("the step differentiated no float
+    # loss") and fit started at 2^15.
+    keras = patterns.keras_module(flavour)
+
+    def cannot(*args, **kwargs):
+        raise ValueError("planted: cannot cut")
+
+    monkeypatch.setattr(start_scale, "_probe_in_trace", cannot)
+    hook, found = _enable()
+    run = patterns.train(keras, "sum_loss", before_fit=hook)
+    chosen = found["model"]._tfamp_state.start_scale
+    assert isinstance(chosen, start_scale.StartScale), chosen
+    assert chosen.how == "a trace of its own" and chosen.scale < 2.0**15
+    assert run["history"]["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_non_finite_float32_gradients_in_the_steps_trace_are_the_answer(flavour,
+                                                                         monkeypatch):
+    # Gradients that are inf/nan in float32 on the step's own trace are what the
+    # probe found (no scale helps): it says so, without tracing the step again.
+    keras = patterns.keras_module(flavour)
+    traced_again = []
+    real = start_scale._probe_locally
+    monkeypatch.setattr(start_scale, "_probe_locally",
+                        lambda *a, **k: traced_again.append(1) or real(*a, **k))
+    model, data, _ = patterns.build(keras, "sum_loss")
+    tfamp.enable(model, verbose=False)
+    x = (data[0] * 1e30).astype("float32")  # a squared error of ~1e60: inf in float32
+    y = data[1] if len(data) > 1 else None
+    with pytest.warns(UserWarning, match=r"no start scale from the gradients \(ValueError: "
+                                         r"the first batch's float32 gradients are not "
+                                         r"finite"):
+        model.fit(x, y, batch_size=patterns.BATCH, epochs=1, steps_per_epoch=1, verbose=0)
+    assert model._tfamp_state.start_scale is False
+    assert traced_again == []
+

@@ -19,9 +19,9 @@ _EXPORTS = {
     "DEFAULT_OP_LISTS": "tfamp.oplists",
     "GraphCheckError": "tfamp.rewrite.check",
     "OpLists": "tfamp.oplists",
-    "RangeMonitor": "tfamp.numerics.monitor",
+    "RangeMonitor": "tfamp.keras.range_monitor",
     "RewriteReport": "tfamp.rewrite.report",
-    "LossScaleOptimizer": "tfamp.keras.loss_scale",
+    "LossScaleOptimizer": "tfamp.keras.optimizer_tf_keras",
     "calibrate_loss_scale": "tfamp.keras.start_scale",
     "check_graph_def": "tfamp.rewrite.check",
     "disable": "tfamp.keras.activation",
@@ -53,15 +53,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from tfamp.keras.activation import disable, enable
-    from tfamp.keras.start_scale import calibrate_loss_scale
-    from tfamp.rewrite.check import GraphCheckError, check_graph_def
     from tfamp.config import AmpConfig
-    from tfamp.keras.loss_scale import LossScaleOptimizer
-    from tfamp.numerics.monitor import RangeMonitor
+    from tfamp.keras.activation import disable, enable
+    from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
+    from tfamp.keras.range_monitor import RangeMonitor
+    from tfamp.keras.start_scale import calibrate_loss_scale
     from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
-    from tfamp.rewrite.report import RewriteReport
+    from tfamp.rewrite.check import GraphCheckError, check_graph_def
     from tfamp.rewrite.pipeline import rewrite_graph_def
+    from tfamp.rewrite.report import RewriteReport
     from tfamp.runtime.runner import function, rewrite_concrete_function, rewrite_function
     from tfamp.serving.api import export
 

@@ -387,7 +387,7 @@ def _import_modules(names: list[str]) -> None:
 
 
 def _inspect_ranges(args, config) -> int:
-    from tfamp.numerics.graph_probe import collect_file_ranges
+    from tfamp.keras.range_probe import collect_file_ranges
     from tfamp.numerics.monitor import DEFAULT_OUTPUT_DIR, write_outputs
     from tfamp.runtime import log_lines
     from tfamp.runtime.progress import Counter

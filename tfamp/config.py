@@ -18,7 +18,7 @@ from tensorflow.core.framework import op_def_pb2, types_pb2
 from tensorflow.python.client import pywrap_tf_session
 from tensorflow.python.framework import op_def_registry
 
-from tfamp.env import RUNTIME_WORDS
+from tfamp.choices import RUNTIME_WORDS
 from tfamp.oplists import DATA_BOUND_OPS, DEFAULT_OP_LISTS, LIST_NAMES, OpLists
 
 # Target name -> DataType enum. Accepts tf.DType too (by its .name).

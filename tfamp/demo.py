@@ -14,10 +14,9 @@ import tensorflow as tf
 import tf_keras as keras
 
 from tfamp.config import AmpConfig
-from tfamp.keras.loss_scale import LossScaleOptimizer
+from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
 from tfamp.rewrite.report import RewriteReport
 from tfamp.runtime.runner import function as amp_function
-
 
 RANGES_DIR = "tfamp_demo_out/ranges"
 
@@ -127,7 +126,7 @@ def _megabytes(count: int) -> str:
 
 def show_ranges(result: TrainResult, seed: int, out, folder: str = RANGES_DIR) -> None:
     """Where the trained float16 model's gradients sit against float16's limits."""
-    from tfamp.numerics.keras_probe import collect_keras_ranges
+    from tfamp.keras.range_probe import collect_keras_ranges
     from tfamp.numerics.monitor import write_outputs
 
     model = result.model

@@ -32,8 +32,6 @@ from collections.abc import Mapping
 TRUE_WORDS = ("1", "true", "yes", "on")
 # tfamp_startup.pth repeats these words so that "off" imports nothing at all.
 FALSE_WORDS = ("0", "false", "no", "off")
-# What a rewritten step runs on (tfamp.rewrite.runtime_cost); AmpConfig.runtime.
-RUNTIME_WORDS = ("auto", "executor", "xla")
 # Whose kernels the rewrite targets (AmpConfig.device_type), as TFAMP_DEVICE_TYPE spells them.
 DEVICE_WORDS = {"auto": "auto", "gpu": "GPU", "cpu": "CPU"}
 VERBOSITY_WORDS = {"0": 0, "quiet": 0, "1": 1, "info": 1, "2": 2, "debug": 2}
@@ -127,7 +125,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None, *,
 
     ranges_dir = _parse_ranges(environ.get("TFAMP_RANGES", ""))
     runtime = environ.get("TFAMP_RUNTIME", "").strip().lower() or "auto"
-    if runtime not in RUNTIME_WORDS:
+    if runtime != "auto" and runtime not in _runtime_words():
         raise EnvError(f"TFAMP_RUNTIME={environ['TFAMP_RUNTIME']!r} is not valid; accepted "
                        f"values: auto (xla for a jit_compile step, else executor), executor "
                        f"(TensorFlow's, every op a kernel), xla (fused)")
@@ -270,3 +268,10 @@ def _check_unknown_variables(environ: Mapping[str, str]) -> None:
     message = unknown_variable_message(environ)
     if message is not None:
         raise EnvError(message)
+
+
+def _runtime_words() -> tuple[str, ...]:
+    # Only when TFAMP_RUNTIME is set: the start-up hook imports no more than it needs.
+    from tfamp.choices import RUNTIME_WORDS
+
+    return RUNTIME_WORDS

@@ -1,49 +1,29 @@
-"""``tfamp.enable(model)`` / ``tfamp.disable(model)`` for tf_keras and Keras 3 models.
+"""``tfamp.enable(model)`` / ``tfamp.disable(model)``: the public entry to the lifecycle.
 
-A Keras 3 model (``import keras`` / ``tf.keras``, TensorFlow backend) is handed
-to ``tfamp.keras.keras3``, which installs the same kind of hooks with Keras 3's
-names and tfamp's Keras 3 loss-scale optimizer. What follows is the tf_keras path.
-
-Enabling installs per-instance hooks (nothing on the class, so other models and
-saved files are unaffected): ``make_train_function``, ``make_test_function`` and
-``make_predict_function`` wrap the tf.functions Keras builds in tfamp's
-``RewrittenFunction``; ``train_step`` runs in the model's step scope (every loss
-scaled once by the model's scale, an overridden step included) and adds
-``loss_scale`` and ``skipped_steps`` to the logs (so they reach History and
-TensorBoard); ``compile`` wraps the optimizer it is given; ``call`` runs the model rewritten, with loss scaling, inside
-the user's own tf.function (``tfamp.keras.custom_loop``). Disabling removes the
-hooks and unwraps the optimizer.
+``enable`` validates its arguments, then hands the model to one
+``lifecycle.ModelPrecision`` (tf_keras and Keras 3 alike: the few facts where
+they differ are ``flavour.py``'s), which installs per-instance hooks (nothing on
+the class, so other models and saved files are unaffected) and wraps the
+optimizer. ``enable_for_compile`` is the small entry the ``TFAMP_ENABLE``
+start-up hook uses when a script compiles a model.
 """
 
 from __future__ import annotations
 
 import logging
 
-import tensorflow as tf
-import tf_keras as keras
-
 from tfamp.config import AmpConfig
-from tfamp.keras import hooks
-from tfamp.keras.loss_scale import (
+from tfamp.keras.flavour import flavour_of, mixed_policy_of_layers
+from tfamp.keras.lifecycle import ModelPrecision, Settings
+from tfamp.keras.scale_state import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INITIAL_SCALE,
     DEFAULT_MIN_SCALE,
-    LossScaleOptimizer,
     validate_settings,
 )
-from tfamp.keras.state import EnabledState
 from tfamp.runtime import log_lines
-from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
-
-class _EnabledState(EnabledState):
-    """tf_keras: tfamp's LossScaleOptimizer around a tf_keras optimizer."""
-
-    tfamp_optimizer = LossScaleOptimizer
-    keras_loss_scale_optimizer = keras.mixed_precision.LossScaleOptimizer
-    optimizer_base = keras.optimizers.Optimizer
-    keras_name = "tf_keras"
 
 
 def enable(model, *, dtype: str = "float16", loss_scale="default",
@@ -93,7 +73,7 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
       >>> tfamp.enable(model)            # float16 with dynamic loss scaling
       >>> model.fit(x, y, epochs=3)      # history has loss_scale, skipped_steps
     """
-    keras3 = _check_model(model)
+    flavour = _check_model(model)
     _show_log_lines(verbose)
     config = config or AmpConfig(dtype=dtype)
     if loss_scale == "default":
@@ -109,25 +89,11 @@ def enable(model, *, dtype: str = "float16", loss_scale="default",
         auto_start = loss_scale == "dynamic"
     if loss_scale is not None:  # fail now, not at the first fit
         validate_settings(loss_scale, initial_scale, growth_interval, min_scale)
-    ranges = _check_ranges(ranges)
-    if keras3 is not None:
-        keras3.enable(model, keras3.Keras3State(
-            config, loss_scale, initial_scale, growth_interval, min_scale, check,
-            ranges=ranges, auto_start=auto_start))
-        log.info("tfamp: enabled %s on Keras 3 model %r (loss scale: %s)", config.dtype,
-                 model.name, loss_scale)
-        return model
-    _check_no_other_mixed_precision(model)
-    state = _EnabledState(config, loss_scale, initial_scale, growth_interval, min_scale, check,
-                          ranges=ranges, auto_start=auto_start)
-    if getattr(model, "_tfamp_state", None) is not None:
-        disable(model)
-    _install_hooks(model, state)
-    if getattr(model, "optimizer", None) is not None:
-        model.optimizer = state.wrap_optimizer(model.optimizer)
-    hooks.reset_functions(model)
-    log.info("tfamp: enabled %s on model %r (loss scale: %s)", config.dtype, model.name,
-             loss_scale)
+    settings = Settings(config, loss_scale, initial_scale, growth_interval, min_scale,
+                        check, ranges=_check_ranges(ranges), auto_start=auto_start)
+    ModelPrecision(model, settings).enable()
+    log.info("tfamp: enabled %s on %smodel %r (loss scale: %s)", config.dtype,
+             "Keras 3 " if flavour.is_keras3 else "", model.name, loss_scale)
     return model
 
 
@@ -137,25 +103,46 @@ def disable(model):
     Returns:
       `model` itself. A model tfamp never enabled is returned unchanged.
     """
-    keras3 = _check_model(model)
-    if keras3 is not None:
-        return keras3.disable(model)
-    if getattr(model, "_tfamp_state", None) is None:
-        return model
-    hooks.uninstall(model)
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, LossScaleOptimizer):
-        inner = optimizer.inner_optimizer
-        inner._is_wrapped_by_loss_scale_optimizer = False
-        model.optimizer = inner
-    object.__setattr__(model, "_tfamp_state", None)
-    hooks.reset_functions(model)
+    _check_model(model)
+    precision = getattr(model, "_tfamp_state", None)
+    if precision is not None:
+        precision.disable()
     return model
 
 
 def is_enabled(model) -> bool:
     """True if `tfamp.enable` is in force on `model`."""
     return getattr(model, "_tfamp_state", None) is not None
+
+
+def enable_for_compile(model, *, config: AmpConfig, loss_scale, initial_scale, ranges) -> None:
+    """What ``TFAMP_ENABLE`` does when a script compiles a model (either Keras).
+
+    A model that runs a Keras mixed policy is left to Keras (the start-up hook
+    says so when it builds its functions); a model compiled with Keras's own
+    ``LossScaleOptimizer`` keeps it (its graphs are rewritten, its loss scaling
+    stays Keras's: one line says so); any other is enabled once.
+    """
+    if is_enabled(model) or mixed_policy_name(model) is not None:
+        return
+    flavour = flavour_of(model)
+    optimizer = getattr(model, "optimizer", None)
+    keras_lso = (isinstance(optimizer, flavour.keras_loss_scale_optimizer)
+                 and not type(optimizer).__module__.startswith("tfamp."))
+    if keras_lso or flavour.mixed_policy(model) is not None:
+        # Keras's own loss scaling (the user's, or restored by load_model from a
+        # SavedModel), or its global mixed policy.
+        log.info("tfamp: model %r uses Keras's own %s: tfamp rewrites its graphs and leaves "
+                 "loss scaling to Keras.", model.name,
+                 "LossScaleOptimizer" if keras_lso else "mixed policy")
+        return
+    enable(model, config=config, loss_scale=loss_scale, ranges=ranges,
+           initial_scale=initial_scale)
+
+
+def mixed_policy_name(model) -> str | None:
+    """The Keras mixed policy (e.g. "mixed_float16") some layer of `model` runs, or None."""
+    return mixed_policy_of_layers(model)
 
 
 def _show_log_lines(verbose: bool | None) -> None:
@@ -172,44 +159,16 @@ def _show_log_lines(verbose: bool | None) -> None:
 
 
 def _check_model(model):
-    """Returns None for a tf_keras model, the Keras 3 hooks module for a Keras 3 one."""
-    if isinstance(model, keras.Model):
-        return None
-    keras3 = _keras3_module()
-    if keras3 is not None and keras3.is_keras3_model(model):
-        return keras3
-    kind = f"{type(model).__module__}.{type(model).__name__}"
-    raise TypeError(
-        f"tfamp.enable expects a Keras model: a Keras 3 keras.Model (import keras, or "
-        f"tf.keras) or a tf_keras.Model (import tf_keras); received {kind}. For a "
-        f"training loop without a Keras model, use @tfamp.function on the step, or run "
-        f"the script with TFAMP_ENABLE=1.")
-
-
-def _keras3_module():
-    """tfamp's Keras 3 module (``tfamp.keras.keras3``) when Keras 3 is installed."""
-    from tfamp.keras.flavour import keras3_module
-
-    if keras3_module() is None:
-        return None
-    from tfamp.keras import keras3 as hooks
-
-    return hooks
-
-
-def mixed_policy_name(model) -> str | None:
-    """The Keras mixed policy (e.g. "mixed_float16") some layer of `model` runs, or None.
-
-    Works for tf_keras and Keras 3 models: both give every layer a
-    ``dtype_policy`` whose name starts with "mixed_" under a mixed policy.
-    """
-    flatten = getattr(model, "_flatten_layers", None)
-    layers = list(flatten(include_self=True)) if callable(flatten) else [model]
-    for layer in layers:
-        name = getattr(getattr(layer, "dtype_policy", None), "name", None)
-        if isinstance(name, str) and name.startswith("mixed_"):
-            return name
-    return None
+    """The model's flavour; a TypeError naming what was received for anything else."""
+    try:
+        return flavour_of(model)
+    except TypeError:
+        kind = f"{type(model).__module__}.{type(model).__name__}"
+        raise TypeError(
+            f"tfamp.enable expects a Keras model: a Keras 3 keras.Model (import keras, or "
+            f"tf.keras) or a tf_keras.Model (import tf_keras); received {kind}. For a "
+            f"training loop without a Keras model, use @tfamp.function on the step, or run "
+            f"the script with TFAMP_ENABLE=1.") from None
 
 
 def _check_ranges(ranges):
@@ -218,61 +177,3 @@ def _check_ranges(ranges):
     if ranges is True or (isinstance(ranges, str) and ranges) or hasattr(ranges, "__fspath__"):
         return ranges
     raise TypeError(f"ranges must be None, True or an output directory, received {ranges!r}")
-
-
-def _check_no_other_mixed_precision(model) -> None:
-    policy = keras.mixed_precision.global_policy().name
-    mixed = mixed_policy_name(model)
-    if policy.startswith("mixed_") or mixed:
-        name = policy if policy.startswith("mixed_") else mixed
-        raise ValueError(
-            f"a Keras {name!r} policy is in force and so is tfamp: they would both "
-            f"convert the model. Use one: for tfamp, call "
-            f"keras.mixed_precision.set_global_policy('float32') before building the "
-            f"model; or keep the Keras policy and do not call tfamp.enable.")
-    if tf.config.optimizer.get_experimental_options().get("auto_mixed_precision"):
-        raise ValueError(
-            "TensorFlow's own auto_mixed_precision graph rewrite is on "
-            "(tf.config.optimizer.set_experimental_options) and so is tfamp: they would "
-            "both convert the graph. Turn TensorFlow's off with "
-            "tf.config.optimizer.set_experimental_options({'auto_mixed_precision': "
-            "False}), or do not call tfamp.enable.")
-
-
-def _install_hooks(model, state: _EnabledState) -> None:
-    cls = type(model)
-    object.__setattr__(model, "_tfamp_state", state)
-
-    def compile(*args, **kwargs):  # noqa: A001  (mirrors Model.compile)
-        result = cls.compile(model, *args, **kwargs)
-        model.optimizer = state.wrap_optimizer(model.optimizer)
-        return result
-
-    def hooked_maker(attr: str, maker_name: str, after_call=None):
-        def make(force=False):
-            made = getattr(cls, maker_name)(model, force)
-            current = model.__dict__.get(attr, made)
-            # RewrittenFunction first: it is a tf.function (PolymorphicFunction) too.
-            if isinstance(current, RewrittenFunction):
-                # Built by TFAMP_ENABLE's tf.function: the model's own settings rule
-                # (they differ after a float32 fallback, keras/fallback.py).
-                if current.config is not state.config:
-                    current = current.with_config(state.config)
-                    object.__setattr__(model, attr, current)
-                if after_call is not None:
-                    current.set_after_call(after_call)
-                return current
-            if isinstance(current, tf.types.experimental.PolymorphicFunction):
-                wrapped = RewrittenFunction(current, state.config, check=state.check,
-                                            after_call=after_call)
-                object.__setattr__(model, attr, wrapped)
-                return wrapped
-            if current is not None:
-                log.warning("tfamp: %s runs eagerly (run_eagerly=True), so there is no "
-                            "graph to rewrite; it stays float32.", attr)
-            return current
-        return make
-
-    hooks.install(model, cls, state, LossScaleOptimizer, compile=compile,
-                  hooked_maker=hooked_maker, metrics_method="_validate_and_get_metrics_result",
-                  replicated_logs=True)

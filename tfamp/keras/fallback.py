@@ -9,7 +9,7 @@ Algorithm (an enabled model with loss scaling, after each train call)::
 
     consecutive = skipped steps since the last applied one
     if consecutive >= next_probe_at                   # 2 (8 once layers moved)
-            and (fit's running loss is not finite     # a forward pass overflowed
+            and (a skipped step's logs held inf/nan   # a forward pass overflowed
                  or the scale is at its floor):
         reset inf/nan in BatchNorm moving statistics (the skipped steps' forward
             passes wrote them; undone unless layers move)
@@ -40,26 +40,42 @@ overflow, the next layer follows, up to ``MAX_MOVED`` layers per model.
 moved layer computes in float32 there, so an overflow it still makes is
 float32's, reported as such, and nothing moves.
 
-Every replica runs the same graph: the decision is made once on the host and
-applied by rebuilding the model's step functions (``make_train_function(force=True)``;
-``fit`` reads ``model.train_function`` before each step, so the next step
-uses it). Under a multi-worker strategy each worker decides on its own; they agree
-when they pass ``fit`` the same data (BUILD_NOTES.md, Known limits).
+**At scale** every replica and worker runs the same graph. The locator runs
+the step the way it runs, once per replica in a replica context, each replica
+on its share of the batch its worker read (``overflow_locator``, with
+``replicas.run_per_replica``); each worker decides on what its replicas saw,
+then every worker's decision is gathered (``replicas.agree_rows``) and
+``combine`` makes one: the patterns any worker would move, in worker order
+(capped), else the first reason to stop, else nothing found. Every worker then
+applies the same patterns at the same step, rebuilding the model's step
+functions (``make_train_function(force=True)``; ``fit`` reads
+``model.train_function`` before each step, so the next step uses it). When
+to look is decided from what every worker shares: the skipped-step counter and
+the scale (the same everywhere), and the count of skipped steps whose logs were
+inf/nan, summed over replicas and workers.
 
 Checkpoints: the moved patterns are written, UTF-8 encoded, into the int32
 variable ``fallback_fp32`` of the model's loss-scale state, so whatever saves
 the optimizer saves them (``tf.train.Checkpoint``, tf_keras ``BackupAndRestore``
 and TF-format ``save_weights``, Keras 3 ``save_weights`` / ``BackupAndRestore`` /
 ``.keras``). At the start of every ``fit`` (after ``BackupAndRestore`` restored,
-before the first step) the record is read and any pattern not yet applied is.
+before the first step) the record is read and any pattern not yet applied is
+(on every worker: each restores the same record).
+
+This module decides and says; the lifecycle (``lifecycle.py``) asks it after
+each train call and applies what it decides.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
+
+import numpy as np
+
+from tfamp.keras import replicas
+from tfamp.keras.scale_state import RECORD_LENGTH
 
 log = logging.getLogger("tfamp")
 
@@ -71,8 +87,6 @@ FIRST_PROBE_AFTER = 2
 PROBE_AFTER_MOVE = 8
 # Layers moved per model at most (all decisions together).
 MAX_MOVED = 4
-# Length of the checkpointed record (int32 codes of the UTF-8 patterns, "\n"-joined).
-RECORD_LENGTH = 512
 
 # -- what a decision can be ------------------------------------------------------
 # Every value finite once the patterns are float32: they move.
@@ -89,6 +103,14 @@ NOT_COVERED = "pattern does not cover the op"
 CAP_REACHED = "too many layers"
 # No batch to look at (train_on_batch, a generator fit cannot re-read).
 NO_BATCH = "no batch"
+# Finding the op failed (the warning says why).
+FAILED = "failed"
+# Codes for agreeing across workers, and which decision wins when they differ:
+# moving wins (what one worker's data needs, every worker moves), then a reason
+# to stop, then nothing found.
+KIND_CODES = {MOVED: 1, OVERFLOWS_IN_FP32: 2, NOT_COVERED: 3, CAP_REACHED: 4, FAILED: 5,
+              NOT_FOUND: 6, NO_BATCH: 7}
+_STOP_KINDS = (OVERFLOWS_IN_FP32, NOT_COVERED, CAP_REACHED, FAILED, NO_BATCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +123,7 @@ class FallbackDecision:
     findings: tuple = ()
     seconds: float = 0.0
     repaired: tuple[str, ...] = ()  # "variable: entries" reset from inf/nan (repair_state)
+    elsewhere: bool = False  # decided from another replica's or worker's batch
 
     @property
     def last(self):
@@ -113,29 +136,62 @@ class FallbackState:
 
     moved: tuple[str, ...] = ()
     last_skipped: int | None = None  # skipped_steps at the last train call
+    last_nonfinite: int = 0  # the model's count of skipped steps with inf/nan logs, then
     consecutive: int = 0  # skipped steps in a row
     next_probe_at: int = FIRST_PROBE_AFTER
     stopped: str = ""  # a decision kind: never look again (said once)
     decisions: list = dataclasses.field(default_factory=list)
 
+    def should_look(self, skipped: int, at_floor: bool, forward_overflowed) -> bool:
+        """After a train call: has the time come to look for an op to move?
 
-def state_of(state) -> FallbackState:
-    """The model's FallbackState (made on first use)."""
-    if state.fallback is None:
-        state.fallback = FallbackState()
-    return state.fallback
+        Args:
+          skipped: the skipped-step counter now (the same on every worker).
+          at_floor: the scale is at its floor.
+          forward_overflowed: () -> did a skipped step's logs hold inf/nan since
+            the last look (asked only when needed: it reads across workers).
+        """
+        if self.stopped:
+            return False
+        previous = self.last_skipped if self.last_skipped is not None else 0
+        self.last_skipped = skipped
+        if skipped <= previous:
+            self.consecutive = 0
+            if not self.moved:
+                self.next_probe_at = FIRST_PROBE_AFTER
+            return False
+        self.consecutive += skipped - previous
+        if self.consecutive < self.next_probe_at:
+            return False
+        # Every skipped step's forward pass was finite: the gradients overflow,
+        # which is the scale's to fix (until it is at its floor). No look.
+        return at_floor or forward_overflowed()
+
+    def record(self, decision: FallbackDecision) -> None:
+        """What a look decided, for when to look again."""
+        self.decisions.append(decision)
+        if decision.kind == MOVED:
+            self.moved = (*self.moved, *(p for p in decision.patterns if p not in self.moved))
+            self.consecutive, self.next_probe_at = 0, PROBE_AFTER_MOVE
+        elif decision.kind == NOT_FOUND:
+            self.next_probe_at *= 2
+        else:
+            self.stopped = decision.kind
 
 
 # -- deciding ----------------------------------------------------------------------
 
-def decide(model, config, batch, *, room: int = MAX_MOVED) -> FallbackDecision:
+def decide(model, config, batch, *, room: int = MAX_MOVED, strategy=None) -> FallbackDecision:
     """Which layers to keep float32 so that one batch's step is finite (changes nothing).
+
+    Decides on what this worker's replicas see (see ``combine`` for every worker).
 
     Args:
       model: an enabled, compiled Keras model.
       config: the AmpConfig its functions run with now.
       batch: (x, y, sample_weight) of one batch.
       room: layers that may still move.
+      strategy: the model's tf.distribute strategy: the step runs per replica.
 
     Returns:
       the decision (see the module docstring).
@@ -145,7 +201,7 @@ def decide(model, config, batch, *, room: int = MAX_MOVED) -> FallbackDecision:
       >>> decision.kind, decision.patterns
       ('moved', ('pipe/frozen/',))
     """
-    from tfamp.numerics.nonfinite import keras_step_locator
+    from tfamp.keras.overflow_locator import keras_step_locator
 
     start = time.perf_counter()
     x, y, sample_weight = batch
@@ -156,7 +212,8 @@ def decide(model, config, batch, *, room: int = MAX_MOVED) -> FallbackDecision:
         return FallbackDecision(kind, moved, tuple(findings), time.perf_counter() - start)
 
     # One trace for every candidate: only the rewrite and the runs repeat.
-    with keras_step_locator(model, x, y, sample_weight, loss_scale=1.0) as locate:
+    with keras_step_locator(model, x, y, sample_weight, loss_scale=1.0,
+                            strategy=strategy) as locate:
         while True:
             found = locate(candidate)
             if found is None:
@@ -180,6 +237,9 @@ def moved_message(model, config, decision: FallbackDecision, *, restored: bool =
     keep = list(config.keep_fp32)
     if restored:
         why = "restored from the checkpoint's float32 fallback record"
+    elif decision.elsewhere or not decision.findings:
+        why = ("found on another replica's or worker's batch; every replica and worker "
+               "moves the same layers")
     else:
         first = decision.findings[0]
         why = (f"{first.op} '{first.node}' ({first.phase}) gave {first.value} in "
@@ -200,6 +260,10 @@ def stopped_message(model, decision: FallbackDecision) -> str:
     """The one line when tfamp will not move anything (and will not try again)."""
     found = decision.last
     where = f"{found.op} '{found.node}' (layer/scope '{found.layer}')" if found else "?"
+    if found is None and decision.kind in _STOP_KINDS:
+        return (f"tfamp: no float32 fallback on model {model.name!r}: on another replica "
+                f"or worker's batch, {decision.kind} (its line says more); tfamp will not "
+                f"retry, on any worker.")
     if decision.kind == OVERFLOWS_IN_FP32:
         tried = (f" after keeping {', '.join(repr(f.keep_fp32) for f in decision.findings[:-1])}"
                  f" float32" if len(decision.findings) > 1 else "")
@@ -246,124 +310,6 @@ def decode(values) -> tuple[str, ...]:
     return tuple(p for p in data.decode(errors="replace").split("\n") if p)
 
 
-def record_variable(model, state):
-    """The model's checkpointed record variable, or None (no tfamp loss scaling)."""
-    owner = getattr(state.loop, "step_owner", None) if state.loop is not None else None
-    for candidate in (owner, getattr(model, "optimizer", None)):
-        variable = getattr(candidate, "fallback_fp32", None)
-        if variable is not None:
-            return variable
-    return None
-
-
-def _write_record(model, state, patterns: tuple[str, ...]) -> None:
-    variable = record_variable(model, state)
-    if variable is None:
-        return
-    try:
-        values = encode(patterns)
-    except ValueError as err:
-        log.warning("tfamp: %s A resumed run will not keep the fallback: make it "
-                    "permanent with keep_fp32.", err)
-        return
-    variable.assign(values)
-
-
-# -- applying --------------------------------------------------------------------------
-
-def apply(model, state, patterns: tuple[str, ...]) -> None:
-    """Keeps `patterns` float32 from the next step on: the model's config, its
-    step functions (rebuilt) and the checkpointed record."""
-    from tfamp.keras import hooks
-
-    fallback = state_of(state)
-    new = tuple(p for p in patterns if p not in state.config.keep_fp32)
-    fallback.moved = (*fallback.moved, *(p for p in patterns if p not in fallback.moved))
-    if new:
-        state.config = state.config.replace(keep_fp32=(*state.config.keep_fp32, *new))
-        had_train = getattr(model, "train_function", None) is not None
-        hooks.reset_functions(model)
-        if had_train:  # fit holds no copy: it reads model.train_function each step
-            model.make_train_function(force=True)
-    _write_record(model, state, fallback.moved)
-
-
-def after_train_call(model, state, owner, logs=None) -> bool:
-    """After a train call: look for an op to move when steps keep being skipped.
-
-    Args:
-      model, state: the enabled model and its EnabledState.
-      owner: the loss-scale optimizer its step applied.
-      logs: the train call's outputs (Keras's logs), for the loss.
-
-    Returns:
-      True if layers moved to float32 now (the stuck-scale check waits then).
-    """
-    from tfamp.keras import custom_loop
-
-    fallback = state_of(state)
-    if fallback.stopped or record_variable(model, state) is None:
-        return False
-    scale, skipped = (v.numpy() for v in custom_loop.scale_values(owner))
-    skipped = int(skipped)
-    previous = fallback.last_skipped if fallback.last_skipped is not None else 0
-    fallback.last_skipped = skipped
-    if skipped <= previous:
-        fallback.consecutive = 0
-        if not fallback.moved:
-            fallback.next_probe_at = FIRST_PROBE_AFTER
-        return False
-    fallback.consecutive += skipped - previous
-    if fallback.consecutive < fallback.next_probe_at:
-        return False
-    from tfamp.keras.flavour import flavour_of
-
-    if not flavour_of(model).has_loss(model):
-        return False  # a step without a compiled loss (a GAN's): the probe cannot rebuild it
-    at_floor = float(scale) <= float(getattr(owner, "min_scale", 1.0))
-    if not at_floor and _loss_is_finite(logs):
-        # Every step's forward pass this epoch was finite (Keras's loss is a running
-        # mean): the gradients overflow, which is the scale's to fix. No probe.
-        return False
-    try:
-        decision = _decide_on_fit_batch(model, state, fallback)
-    except Exception as err:  # training goes on; the stuck check still warns
-        fallback.stopped = "failed"
-        log.warning("tfamp: no float32 fallback on model %r: finding the op that overflows "
-                    "failed (%s: %s); tfamp will not retry. Please report it; meanwhile keep "
-                    "the layer float32 yourself (keep_fp32=[...]).", model.name,
-                    type(err).__name__, err)
-        return False
-    fallback.decisions.append(decision)
-    if decision.kind == MOVED:
-        apply(model, state, decision.patterns)
-        fallback.consecutive, fallback.next_probe_at = 0, PROBE_AFTER_MOVE
-        log.warning("%s", moved_message(model, state.config, decision))
-        return True
-    if decision.kind == NOT_FOUND:
-        fallback.next_probe_at *= 2
-        log.debug("tfamp: %d steps skipped in a row on %r but the step is finite at loss "
-                  "scale 1: loss scaling's to fix; next look after %d.",
-                  fallback.consecutive, model.name, fallback.next_probe_at)
-        return False
-    fallback.stopped = decision.kind
-    log.warning("%s", stopped_message(model, decision))
-    return False
-
-
-def _loss_is_finite(logs) -> bool:
-    """True if the logs hold a finite "loss" (False when they hold none)."""
-    import numpy as np
-
-    loss = logs.get("loss") if isinstance(logs, dict) else None
-    if loss is None:
-        return False
-    try:
-        return bool(np.isfinite(np.asarray(loss, dtype=np.float64)).all())
-    except (TypeError, ValueError):
-        return False
-
-
 def known_cause(state) -> str | None:
     """What the fallback found when it stopped (for the stuck-at-floor warning), or None."""
     fallback = state.fallback
@@ -376,25 +322,6 @@ def known_cause(state) -> str | None:
     if decision.kind == OVERFLOWS_IN_FP32:
         text += " With that layer float32 it overflows in float32 too, so keep_fp32 cannot help."
     return text
-
-
-def _decide_on_fit_batch(model, state, fallback: FallbackState) -> FallbackDecision:
-    from tfamp.numerics.keras_probe import unpack_batch
-
-    source = getattr(model, "_tfamp_fit_batch", None)
-    batch = source() if source is not None else None
-    if batch is None:
-        return FallbackDecision(NO_BATCH)
-    # The skipped steps ran their forward pass: a BatchNorm's moving statistics
-    # took the inf/nan in. Repaired first, so the probe sees where it starts;
-    # kept only if layers move (the next overflowing step would write them again).
-    repaired, undo = repair_state(model)
-    decision = decide(model, state.config, unpack_batch(batch),
-                      room=MAX_MOVED - len(fallback.moved))
-    if decision.kind != MOVED:
-        undo()
-        return decision
-    return dataclasses.replace(decision, repaired=repaired)
 
 
 def repair_state(model) -> tuple[tuple[str, ...], object]:
@@ -435,57 +362,44 @@ def repair_state(model) -> tuple[tuple[str, ...], object]:
     return tuple(repaired), undo
 
 
-def sync_from_record(model, state) -> tuple[str, ...]:
-    """Applies the patterns a restored checkpoint recorded and this run lacks.
+# -- one decision for every worker ------------------------------------------------------
 
-    Returns:
-      the patterns applied now (() when the record adds nothing).
+def encode_decision(decision: FallbackDecision) -> np.ndarray:
+    """[kind code, record of its patterns...]: one row for ``replicas.agree_rows``."""
+    try:
+        record = encode(decision.patterns)
+    except ValueError:
+        record = encode(())
+    return np.asarray([KIND_CODES[decision.kind], *record], np.int32)
+
+
+def combine(local: FallbackDecision, rows: np.ndarray, *, room: int) -> FallbackDecision:
+    """One decision from every worker's (rows of ``encode_decision``, worker order).
+
+    Moving wins: the patterns any worker would move (first seen first, at most
+    `room`); otherwise the first reason to stop (a worker without a batch
+    to look at stops them all: they must look together); otherwise nothing
+    found. This worker's own findings stay for its messages when its decision
+    is the one taken.
     """
-    variable = record_variable(model, state)
-    if variable is None:
-        return ()
-    fallback = state_of(state)
-    recorded = decode(variable.numpy())
-    missing = tuple(p for p in recorded if p not in fallback.moved)
-    if missing:
-        apply(model, state, missing)
-        decision = FallbackDecision(MOVED, missing)
-        log.warning("%s", moved_message(model, state.config, decision, restored=True))
-    import tensorflow as tf
-
-    owner = getattr(state.loop, "step_owner", None) or getattr(model, "optimizer", None)
-    skipped = getattr(owner, "skipped_steps", None)
-    if skipped is not None:  # count skipped steps in a row from here
-        fallback.last_skipped = int(tf.convert_to_tensor(skipped).numpy())
-    return missing
+    kinds = {code: kind for kind, code in KIND_CODES.items()}
+    decided = [(kinds[int(row[0])], decode(row[1:])) for row in np.asarray(rows)]
+    moved = [p for kind, patterns in decided if kind == MOVED for p in patterns]
+    if moved:
+        patterns = tuple(dict.fromkeys(moved))[:room]
+        same = local.kind == MOVED and local.patterns == patterns
+        return dataclasses.replace(local, kind=MOVED, patterns=patterns, elsewhere=not same)
+    for kind in _STOP_KINDS:
+        if any(k == kind for k, _ in decided):
+            if local.kind == kind:
+                return local
+            return FallbackDecision(kind, (), (), local.seconds, elsewhere=True)
+    return local if local.kind == NOT_FOUND else FallbackDecision(NOT_FOUND, (), (),
+                                                                  local.seconds)
 
 
-def prepare_fit(model, state, args, kwargs) -> tuple[tuple, dict]:
-    """Adds the callback that re-applies a restored record before fit's first step.
-
-    It goes last, so ``BackupAndRestore`` (which restores in its
-    ``on_train_begin``) has restored by the time it reads the record.
-    """
-    if state.loss_scale is None:
-        return tuple(args), kwargs
-    from tfamp.keras.flavour import flavour_of
-
-    callback = _sync_callback_class(flavour_of(model).keras.callbacks.Callback)(state)
-    if len(args) > 5:  # callbacks given positionally
-        return (*args[:5], [*(args[5] or []), callback], *args[6:]), kwargs
-    return tuple(args), {**kwargs, "callbacks": [*(kwargs.get("callbacks") or []), callback]}
-
-
-@functools.cache
-def _sync_callback_class(base: type) -> type:
-    class FallbackSync(base):
-        """Re-applies the float32 fallback a restored checkpoint recorded (tfamp)."""
-
-        def __init__(self, state):
-            super().__init__()
-            self._tfamp_state = state
-
-        def on_train_begin(self, logs=None):
-            sync_from_record(self.model, self._tfamp_state)
-
-    return FallbackSync
+def agree(strategy, local: FallbackDecision, *, room: int) -> FallbackDecision:
+    """``combine`` of every worker's decision (collective: every worker calls it)."""
+    if not replicas.is_distributed(strategy):
+        return local
+    return combine(local, replicas.agree_rows(strategy, encode_decision(local)), room=room)

@@ -1,17 +1,40 @@
-"""Which Keras a model belongs to (tf_keras or Keras 3), and the few facts that differ.
+"""The adapter: every fact where tf_keras and Keras 3 differ, for the one lifecycle.
 
-The range probe, the first-non-finite-op localiser and ``tfamp inspect
---ranges`` are written once against this small interface: the Keras module,
-whether the model is a graph of layers (Sequential / Functional), how a
-variable is named, whether the model has a loss to back-propagate, and the
-TensorBoard callback class.
+Everything else in ``tfamp.keras`` is written once against ``KerasFlavour``:
+which classes a model, an optimizer and Keras's own loss-scale optimizer are;
+how Keras builds a train / test / predict function and where tfamp puts its
+rewrite in (``make_step_function``); the name of the epoch-end metrics method;
+whether per-replica logs are summed; how Keras cuts arrays into batches and
+unpacks a batch; which mixed policy is in force; how variables are named; the
+layer graph the range probe reads.
+
+=============================  ===========================  ==========================
+fact                           tf_keras                     Keras 3 (TensorFlow backend)
+=============================  ===========================  ==========================
+step functions                 ``make_*_function`` returns  a Python function around
+                               a ``tf.function``: wrapped   two tf.functions: the
+                               in ``RewrittenFunction``     first (the step) is
+                                                            rewritten, the loop calls it
+epoch-end metrics method       ``_validate_and_get_         ``_get_metrics_result_or_
+                               metrics_result``             logs``
+per-replica logs               summed (read tfamp's once)   averaged
+array batches                  ``TensorLikeDataAdapter``    ``ArrayDataAdapter``
+a skipped step's iterations    counted (tf_keras's rule)    not counted (Keras 3's rule)
+mixed policy                   ``mixed_precision.           ``config.dtype_policy()``
+                               global_policy()``
+=============================  ===========================  ==========================
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import sys
+import threading
 from types import ModuleType
+
+log = logging.getLogger("tfamp")
 
 TF_KERAS = "tf_keras"
 KERAS3 = "keras3"
@@ -43,6 +66,127 @@ class KerasFlavour:
     @property
     def is_keras3(self) -> bool:
         return self.name == KERAS3
+
+    @property
+    def label(self) -> str:
+        """The Keras's name for messages."""
+        return "Keras 3" if self.is_keras3 else "tf_keras"
+
+    # -- classes -----------------------------------------------------------------
+
+    @property
+    def model_class(self) -> type:
+        return self.keras.Model
+
+    @property
+    def optimizer_base(self) -> type:
+        return self.keras.optimizers.Optimizer
+
+    @property
+    def keras_loss_scale_optimizer(self) -> type:
+        """Keras's own LossScaleOptimizer class."""
+        if self.is_keras3:
+            return self.keras.optimizers.LossScaleOptimizer
+        return self.keras.mixed_precision.LossScaleOptimizer
+
+    @property
+    def callback_base(self) -> type:
+        return self.keras.callbacks.Callback
+
+    # -- fit's plumbing ------------------------------------------------------------
+
+    @property
+    def metrics_method(self) -> str:
+        """The method Keras re-reads its metrics with at an epoch's end."""
+        if self.is_keras3:
+            return "_get_metrics_result_or_logs"
+        return "_validate_and_get_metrics_result"
+
+    @property
+    def sums_replica_logs(self) -> bool:
+        """tf_keras sums the logs of the replicas (so tfamp reads its values once)."""
+        return not self.is_keras3
+
+    def unpack_batch(self, batch):
+        """(x, y, sample_weight) of a batch, as Keras unpacks it."""
+        if self.is_keras3:
+            from keras.src.trainers.data_adapters import data_adapter_utils
+
+            return data_adapter_utils.unpack_x_y_sample_weight(batch)
+        return self.keras.utils.unpack_x_y_sample_weight(batch)
+
+    def array_dataset(self, x, y, sample_weight, batch_size: int):
+        """The dataset Keras's own array adapter builds from arrays (same elements)."""
+        if self.is_keras3:
+            from keras.src.trainers.data_adapters import array_data_adapter
+
+            adapter = array_data_adapter.ArrayDataAdapter(
+                x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False)
+            return adapter.get_tf_dataset()
+        from tf_keras.src.engine import data_adapter
+
+        adapter = data_adapter.TensorLikeDataAdapter(
+            x, y, sample_weights=sample_weight, batch_size=batch_size, shuffle=False)
+        return adapter.get_dataset()
+
+    def distribute_strategy(self, model):
+        """The model's tf.distribute strategy (the default one when it has none)."""
+        import tensorflow as tf
+
+        return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+
+    # -- another mixed precision -----------------------------------------------------
+
+    def mixed_policy(self, model) -> str | None:
+        """The Keras mixed policy ("mixed_float16", ...) in force on `model`, or None."""
+        if self.is_keras3:
+            policy = self.keras.config.dtype_policy().name
+        else:
+            policy = self.keras.mixed_precision.global_policy().name
+        if policy.startswith("mixed_"):
+            return policy
+        return mixed_policy_of_layers(model)
+
+    def check_backend(self) -> None:
+        """Raises unless Keras 3 runs on TensorFlow (tfamp rewrites TensorFlow graphs)."""
+        if not self.is_keras3:
+            return
+        backend = self.keras.backend.backend()
+        if backend != "tensorflow":
+            raise ValueError(
+                f"tfamp rewrites TensorFlow graphs, but Keras 3 is running on the "
+                f"{backend!r} backend (KERAS_BACKEND={backend}), so there is no TensorFlow "
+                f"graph to rewrite. Set KERAS_BACKEND=tensorflow before importing keras, "
+                f"or use that backend's own mixed precision "
+                f"(keras.mixed_precision.set_global_policy('mixed_float16')).")
+
+    def set_policy_hint(self) -> str:
+        """How to set the float32 policy in this Keras (for messages)."""
+        if self.is_keras3:
+            return "keras.config.set_dtype_policy('float32')"
+        return "keras.mixed_precision.set_global_policy('float32')"
+
+    # -- step functions ----------------------------------------------------------------
+
+    def make_step_function(self, model, cls, attr: str, force: bool, rewrite):
+        """Builds Keras's `attr` ("train_function", ...) with its step rewritten.
+
+        Args:
+          model, cls: the model and its class (whose ``make_*_function`` builds).
+          attr: the function's attribute on the model.
+          force: rebuild even if built.
+          rewrite: tf.function -> its ``RewrittenFunction`` (the model's settings).
+
+        Returns:
+          the function now on the model (None when Keras built none), and whether
+          it runs rewritten (False under ``run_eagerly=True``).
+        """
+        maker = getattr(cls, f"make_{attr.removesuffix('_function')}_function")
+        if self.is_keras3:
+            return _make_keras3_function(model, maker, attr, force, rewrite)
+        return _make_tf_keras_function(model, maker, attr, force, rewrite)
+
+    # -- layers and variables -------------------------------------------------------------
 
     def is_graph_network(self, model) -> bool:
         """True for Sequential / Functional models with known inputs (layer outputs exist)."""
@@ -81,6 +225,21 @@ class KerasFlavour:
         return isinstance(callback, self.keras.callbacks.TensorBoard)
 
 
+def mixed_policy_of_layers(model) -> str | None:
+    """The Keras mixed policy (e.g. "mixed_float16") some layer of `model` runs, or None.
+
+    Both Kerases give every layer a ``dtype_policy`` whose name starts with
+    "mixed_" under a mixed policy.
+    """
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=True)) if callable(flatten) else [model]
+    for layer in layers:
+        name = getattr(getattr(layer, "dtype_policy", None), "name", None)
+        if isinstance(name, str) and name.startswith("mixed_"):
+            return name
+    return None
+
+
 def flavour_of(model) -> KerasFlavour:
     """The flavour of a tf_keras or Keras 3 model.
 
@@ -108,3 +267,115 @@ def all_flavours() -> list[KerasFlavour]:
     if keras3 is not None:
         flavours.append(KerasFlavour(KERAS3, keras3))
     return flavours
+
+
+# -- how each Keras builds its step functions -----------------------------------------------
+
+def _make_tf_keras_function(model, maker, attr: str, force: bool, rewrite):
+    """tf_keras: ``make_*_function`` stores a tf.function (or, under TFAMP_ENABLE,
+    already a RewrittenFunction): it is wrapped, or given the model's settings."""
+    import tensorflow as tf
+
+    from tfamp.runtime.runner import RewrittenFunction
+
+    made = maker(model, force)
+    current = model.__dict__.get(attr, made)
+    # RewrittenFunction first: it is a tf.function (PolymorphicFunction) too.
+    if isinstance(current, RewrittenFunction):
+        rewritten = rewrite(current)
+        if rewritten is not current:
+            object.__setattr__(model, attr, rewritten)
+        return rewritten, True
+    if isinstance(current, tf.types.experimental.PolymorphicFunction):
+        wrapped = rewrite(current)
+        object.__setattr__(model, attr, wrapped)
+        return wrapped, True
+    return current, False
+
+
+class StepFunctions:
+    """Keras 3's Python ``train_function`` (or test, predict) with tfamp's parts.
+
+    Calls through to Keras's function; ``rewritten`` holds the
+    ``RewrittenFunction`` for the step, whose ``reports`` say what was converted;
+    ``after_call(outputs)`` runs after each call (the lifecycle's point).
+    """
+
+    def __init__(self, keras_function, rewritten: list, after_call=None):
+        self._keras_function = keras_function
+        self.rewritten = rewritten
+        self._after_call = after_call
+        functools.update_wrapper(self, keras_function, updated=())
+
+    @property
+    def reports(self):
+        return [report for fn in self.rewritten for report in fn.reports]
+
+    def set_after_call(self, after_call) -> None:
+        self._after_call = after_call
+
+    def __call__(self, *args, **kwargs):
+        outputs = self._keras_function(*args, **kwargs)
+        if self._after_call is not None:
+            self._after_call(outputs)
+        return outputs
+
+
+class _TfWithRewrittenStep:
+    """Stands in for ``tf`` in Keras 3's trainer module while it builds its functions.
+
+    ``function`` wraps the first function built (the step) in RewrittenFunction
+    and builds the rest (loops calling the step) as plain tf.functions.
+    """
+
+    def __init__(self, rewrite):
+        import tensorflow as tf
+
+        self._tf = tf
+        self._rewrite = rewrite
+        self.rewritten: list = []
+
+    def __getattr__(self, name):
+        return getattr(self._tf, name)
+
+    def function(self, func=None, **kwargs):
+        from tfamp.runtime.plain import plain_function
+        from tfamp.runtime.runner import RewrittenFunction
+
+        if func is None:
+            return lambda f: self.function(f, **kwargs)
+        if isinstance(func, RewrittenFunction):
+            return func
+        made = plain_function(func, **kwargs)
+        if self.rewritten:
+            return made
+        wrapped = self._rewrite(made)
+        self.rewritten.append(wrapped)
+        return wrapped
+
+
+_build_lock = threading.Lock()
+
+
+def _make_keras3_function(model, maker, attr: str, force: bool, rewrite):
+    """Keras 3: while ``make_*_function`` runs, its trainer module sees a stand-in
+    ``tf`` whose ``function`` rewrites the first function built (the step)."""
+    from keras.src.backend.tensorflow import trainer as trainer_module
+
+    current = model.__dict__.get(attr)
+    if isinstance(current, StepFunctions) and not force:
+        return current, True
+    proxy = _TfWithRewrittenStep(rewrite)
+    with _build_lock:
+        saved = trainer_module.tf
+        trainer_module.tf = proxy
+        try:
+            maker(model, force)
+        finally:
+            trainer_module.tf = saved
+    made = model.__dict__.get(attr)
+    if made is None or not proxy.rewritten:
+        return made, False
+    wrapped = StepFunctions(made, proxy.rewritten)
+    object.__setattr__(model, attr, wrapped)
+    return wrapped, True

@@ -27,21 +27,34 @@ there. The scale owner is then marked as calibrated only by the steps it takes:
 an owner that has taken a step (``iterations`` or ``skipped_steps`` above 0,
 which a checkpoint restores) is never recalibrated.
 
+**At scale** (a tf.distribute strategy): the probe runs the way the step runs,
+once per replica in a replica context (``replicas.run_per_replica``: Keras's
+metric variables accept updates only there), each replica on its share of the
+batch its worker read; the largest magnitude over every replica of every
+worker (``replicas.agree_rows``) sets the one start scale. A probe that fails
+on one worker fails on all (each warns and starts at the default scale).
+
 Custom training loops call ``calibrate_loss_scale(step, *args, model=...)``
 once before the loop (the same probe on the user's step function).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import re
 import threading
 import time
-import warnings
 
 import numpy as np
 import tensorflow as tf
+
+from tfamp.keras import replicas, step_scope, tape
+from tfamp.keras.scale_update import is_loss_target
+from tfamp.keras.step_scope import probe_mode
+from tfamp.runtime.plain import plain_calls, plain_function
 
 log = logging.getLogger("tfamp")
 
@@ -72,6 +85,8 @@ class StartScale:
         float16's smallest subnormal at `scale`.
       seconds: wall time of the probe (trace + run + restore).
       batch_size: rows of the batch the probe ran on (None if unknown).
+      how: what ran: the step's own first trace, cut down to what the
+        backward values need, or a trace of the step of its own.
     """
 
     scale: float
@@ -81,6 +96,7 @@ class StartScale:
     underflow_share: float
     seconds: float
     batch_size: int | None = None
+    how: str = "a trace of its own"  # or "the step's own trace" (no second trace)
 
     def message(self) -> str:
         exponent = int(math.log2(self.scale))
@@ -88,7 +104,7 @@ class StartScale:
                 f"batch's float32 gradients (max |g| {self.max_abs:.3g} in {self.where}; "
                 f"weight gradients max {self.weight_max:.3g}, "
                 f"{100 * self.underflow_share:.2g}% of their values below float16's "
-                f"smallest at this scale); probe cost {self.seconds:.2f} s. "
+                f"smallest at this scale); probe cost {self.seconds:.2f} s (on {self.how}). "
                 f"initial_scale=<number> (TFAMP_INITIAL_SCALE) skips the probe.")
 
 
@@ -113,116 +129,161 @@ def choose_scale(max_abs: float, *, min_scale: float = 1.0) -> float:
     return max(scale, 2.0 ** math.ceil(math.log2(min_scale)))
 
 
-# -- probe mode ---------------------------------------------------------------------
+# -- recording ------------------------------------------------------------------------
 
-_probe = threading.local()
+# Ops whose output values are an arrangement or a selection of their inputs' (or
+# those masked to 0): never larger, so their outputs add nothing to the largest
+# value a scale must fit, and the probe does not reduce them (fewer ops to trace).
+_NO_LARGER_THAN_INPUTS = frozenset({
+    "Identity", "IdentityN", "Reshape", "Squeeze", "ExpandDims", "Transpose",
+    "ConjugateTranspose", "Slice", "StridedSlice", "ConcatV2", "Pack", "Unpack", "Split",
+    "SplitV", "GatherV2", "GatherNd", "Select", "SelectV2", "ReluGrad", "Relu6Grad",
+    "Relu", "Relu6", "Tile", "BroadcastTo", "Pad", "PadV2", "MirrorPad", "ReverseV2",
+    "ZerosLike", "Snapshot", "StopGradient", "EnsureShape",
+})
+
+
+def reached_backward(graph, before: int, seeds, op_lists=None) -> list[tuple[str, tf.Tensor]]:
+    """(name, tensor) of the backward values the loss scale multiplies: the outputs of
+    the ops made after op number `before` that `seeds` (the tape's initial
+    gradient) reach, and that the rewritten step may compute in float16.
+
+    Only what the seed reaches scales with the loss scale: the backward also
+    recomputes forward values (a sigmoid for softplus's gradient), which the
+    scale never touches. Ops the rewrite never puts in float16 (deny or unlisted
+    for `op_lists`: RsqrtGrad, the BatchNorm variance's backward, ...) and
+    clear-list ops that read only such values stay float32 and bound nothing;
+    single values are the loss path's own (d mean / d sum); the outputs of ops
+    that only rearrange their inputs are covered by those inputs.
+    """
+    def list_of(op_type: str) -> str | None:
+        return op_lists.list_of(op_type) if op_lists is not None else None
+
+    reached = {s.op.name for s in tf.nest.flatten(seeds)}
+    float32 = set()  # reached ops whose values stay float32 in the rewritten step
+    bounded = set()  # reached ops every float output of which is recorded or covered
+    found = []
+    for op in graph.get_operations()[before:]:
+        if not any(t.op.name in reached for t in op.inputs):
+            continue
+        reached.add(op.name)
+        kind = list_of(op.type)
+        float_inputs = [t for t in op.inputs if t.dtype.is_floating]
+        if kind in ("deny", "unlisted") or (
+                kind == "clear" and float_inputs
+                and all(t.op.name in float32 for t in float_inputs)):
+            float32.add(op.name)
+            continue
+        reached_inputs = [t for t in float_inputs if t.op.name in reached]
+        if (op.type in _NO_LARGER_THAN_INPUTS and reached_inputs
+                and all(t.op.name in bounded for t in reached_inputs)):
+            # Covered by its inputs only where they were recorded: a select of a
+            # value that stays float32 (l2_normalize's backward: the Maximum's
+            # SelectV2 after RsqrtGrad) may itself run in float16.
+            bounded.add(op.name)
+            continue
+        outputs = [out for out in op.outputs if out.dtype.is_floating]
+        recorded = [out for out in outputs
+                    if out.shape.rank is None or out.shape.num_elements() is None
+                    or out.shape.num_elements() > 1]
+        found.extend((op.name, out) for out in recorded)
+        if outputs and len(recorded) == len(outputs):
+            bounded.add(op.name)
+    return found
+
+
+def weight_gradients(sources, grads) -> list[tuple[str, tf.Tensor]]:
+    """(variable label, gradient values) of a tape's non-None gradients."""
+    found = []
+    for source, grad in zip(tf.nest.flatten(sources), tf.nest.flatten(grads), strict=False):
+        if grad is None:
+            continue
+        if isinstance(grad, tf.IndexedSlices):
+            grad = grad.values
+        found.append((_label(source), grad))
+    return found
 
 
 class Recorder:
-    """What one probe trace saw: the backward tensors of every scaled tape."""
+    """What tapes differentiated in one trace: the backward values the loss scale
+    multiplies, and the weight gradients.
+
+    In probe mode (``gradient``, a trace of its own) every float loss is
+    differentiated unscaled; in an enabled model's own step (``record``, the
+    step's first trace) the tape seeds as it would and the values carry the
+    scale. Replica threads of one trace may share a recorder.
+    """
 
     def __init__(self, op_lists=None):
-        # Ops the rewrite can never put in float16 (deny or unlisted: RsqrtGrad,
-        # the BatchNorm variance's backward, ...) do not bound the scale: their
-        # values stay float32 in the rewritten step.
-        self._never_16bit = (
-            (lambda op: op_lists.list_of(op) in ("deny", "unlisted"))
-            if op_lists is not None else (lambda op: False))
-        # Clear-list ops (Reshape, Identity, Tile, ...) take their input's dtype: one
-        # that reads only such float32 values stays float32 too (the BatchNorm
-        # gradient's per-channel sums and their reshapes).
-        self._follows_input = (
-            (lambda op: op_lists.list_of(op) == "clear")
-            if op_lists is not None else (lambda op: False))
+        self._op_lists = op_lists
+        self.owner_of = None  # () -> the scale owner a recorded step seeds with
         self.backward: list[tuple[str, tf.Tensor]] = []
         self.weights: list[tuple[str, tf.Tensor]] = []
         self.tapes = 0
+        self._lock = threading.Lock()
 
     def gradient(self, original, tape, target, sources, output_gradients, kwargs):
         """``tape.gradient`` in probe mode: unscaled, recording what tfamp would scale."""
-        from tfamp.keras.scale_update import is_loss_target
-
         if (tf.executing_eagerly() or output_gradients is not None
                 or not is_loss_target(target, sources)):
             return original(tape, target, sources, output_gradients, **kwargs)
-        graph = tf.compat.v1.get_default_graph()
         # What the tape seeds with by default (every element of every target).
         seed = tf.nest.map_structure(tf.ones_like, target)
+        return self.record(original, tape, target, sources, seed, kwargs)
+
+    def record(self, original, tape, target, sources, seed, kwargs):
+        """``original(tape, target, sources, seed)``, recording what the seed reaches."""
+        graph = tf.compat.v1.get_default_graph()
         before = len(graph.get_operations())
         grads = original(tape, target, sources, seed, **kwargs)
-        self.tapes += 1
-        # Only what the seed reaches scales with the loss scale: the backward
-        # also recomputes forward values (a sigmoid for softplus's gradient),
-        # which the scale never touches.
-        reached = {s.op.name for s in tf.nest.flatten(seed)}
-        float32 = set()  # reached ops whose values stay float32 in the rewritten step
-        for op in graph.get_operations()[before:]:
-            if not any(t.op.name in reached for t in op.inputs):
-                continue
-            reached.add(op.name)
-            float_inputs = [t for t in op.inputs if t.dtype.is_floating]
-            if self._never_16bit(op.type) or (
-                    self._follows_input(op.type) and float_inputs
-                    and all(t.op.name in float32 for t in float_inputs)):
-                float32.add(op.name)
-                continue
-            for out in op.outputs:
-                # Single values are the loss path's own (d mean / d sum and
-                # their reshapes): float32 in the rewritten step.
-                size = out.shape.num_elements() if out.shape.rank is not None else None
-                if out.dtype.is_floating and (size is None or size > 1):
-                    self.backward.append((op.name, out))
-        for source, grad in zip(tf.nest.flatten(sources), tf.nest.flatten(grads),
-                                strict=False):
-            if grad is None:
-                continue
-            if isinstance(grad, tf.IndexedSlices):
-                grad = grad.values
-            self.weights.append((_label(source), grad))
+        backward = reached_backward(graph, before, seed, self._op_lists)
+        with self._lock:
+            self.tapes += 1
+            self.backward.extend(backward)
+            self.weights.extend(weight_gradients(sources, grads))
         return grads
 
-    def outputs(self):
-        """(backward maxes, weight-gradient counts, weight-gradient maxes) as tensors."""
-        from tfamp.numerics.ranges import NUM_COLUMNS, bucket_counts_many
+    def in_graph(self, graph) -> tuple[list, list]:
+        """(backward, weights) recorded in `graph` (not in functions nested in it)."""
+        with self._lock:
+            return ([(n, t) for n, t in self.backward if t.graph is graph],
+                    [(n, t) for n, t in self.weights if t.graph is graph])
 
-        graph = tf.compat.v1.get_default_graph()
-        self.backward = [(n, t) for n, t in self.backward if t.graph is graph]
-        self.weights = [(n, t) for n, t in self.weights if t.graph is graph]
-        maxes = (tf.stack([tf.reduce_max(tf.abs(tf.cast(t, tf.float32)))
-                           for _, t in self.backward])
-                 if self.backward else tf.zeros([0]))
-        if self.weights:
-            counts, weight_maxes = bucket_counts_many([t for _, t in self.weights])
-        else:
-            counts, weight_maxes = tf.zeros([0, NUM_COLUMNS], tf.int32), tf.zeros([0])
-        return maxes, counts, weight_maxes
+    def outputs(self, scale=None):
+        """(backward maxes, weight-gradient maxes, the weight gradients' log2 counts
+        together) as tensors; the values divided by `scale` when given."""
+        backward, weights = self.in_graph(tf.compat.v1.get_default_graph())
+        return _summaries([t for _, t in backward], [t for _, t in weights], scale)
 
 
-def current_probe() -> Recorder | None:
-    """The probe recording in this thread, if any (the tape and apply patches ask)."""
-    return getattr(_probe, "recorder", None)
+def _summaries(backward, weights, scale=None):
+    """(max |t| of each backward tensor, of each weight gradient, and one log2
+    histogram of every weight-gradient value), divided by `scale` when given."""
+    from tfamp.numerics.ranges import NUM_COLUMNS, bucket_counts
 
+    def largest(tensors):
+        if not tensors:
+            return tf.zeros([0])
+        return tf.stack([tf.cast(tf.reduce_max(tf.abs(t)), tf.float32) for t in tensors])
 
-class probe_mode:  # noqa: N801  (a context manager, like tf.name_scope)
-    """Within it, scaled tapes record instead of scaling and updates are skipped."""
-
-    def __init__(self, recorder: Recorder):
-        self._recorder = recorder
-
-    def __enter__(self) -> Recorder:
-        self._previous = current_probe()
-        _probe.recorder = self._recorder
-        return self._recorder
-
-    def __exit__(self, *exc):
-        _probe.recorder = self._previous
-        return False
+    maxes, weight_maxes = largest(backward), largest(weights)
+    if weights:
+        values = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in weights], 0)
+        if scale is not None:
+            values = values / scale
+        counts = bucket_counts(values)
+    else:
+        counts = tf.zeros([NUM_COLUMNS], tf.int32)
+    if scale is not None:
+        maxes, weight_maxes = maxes / scale, weight_maxes / scale
+    return maxes, weight_maxes, counts
 
 
 # -- running a probe ----------------------------------------------------------------
 
 def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
-               op_lists=None) -> StartScale:
+               op_lists=None, strategy=None, per_replica: bool = True,
+               trace=None) -> StartScale:
     """Runs ``step(*args, **kwargs)`` once in probe mode; returns the chosen scale.
 
     Args:
@@ -233,57 +294,271 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
       op_lists: the rewrite's float16 op lists (``AmpConfig.op_lists``): backward
         ops on none of them or on the deny list stay float32 and are not
         recorded. None records every backward op.
+      strategy: the model's tf.distribute strategy: every worker chooses from
+        the largest value of all (None: one device).
+      per_replica: run `step` once per replica of `strategy` (a Keras
+        ``train_step``); False for a step that distributes itself (a custom
+        loop's, calling ``strategy.run``).
+      trace: (ConcreteFunction, Recorder, batch) of the step's own first trace,
+        whose recorder saw its tapes: the probe then runs a part of that graph
+        (``_probe_in_trace``) instead of tracing the step again; when it cannot,
+        the step is traced as above.
 
     Raises:
       ValueError: the step differentiated no float loss, or its float32
-        gradients are not finite (no scale helps: see the message).
+        gradients are not finite (no scale helps: see the message), here or
+        on another replica or worker.
     """
-    from tfamp.keras import custom_loop
-    from tfamp.numerics.keras_probe import plain_function
+    start = time.perf_counter()
+    local, error, how = None, None, "a trace of its own"
+    try:
+        measured = None
+        if trace is not None:
+            try:
+                measured = _probe_in_trace(*trace, strategy=strategy)
+            except Exception as err:  # traced again below; the reason for the debug log
+                log.debug("tfamp: start-scale probe from the step's trace: %s: %s; tracing "
+                          "the step for it instead", type(err).__name__, err)
+        if measured is not None:
+            # What the values say (not finite: no scale helps) is the probe's answer,
+            # not a reason to trace the step again.
+            local, how = _found(*measured), "the step's own trace"
+        else:
+            tape.install()
+            with _tapes_recording():
+                local = _probe_locally(step, args, kwargs, extra_state, op_lists,
+                                       strategy if per_replica else None)
+    except Exception as err:  # every worker must still reach the agreement below
+        local, error = None, err
+    row = ([1.0, local.top, local.weight_max] if local is not None else [0.0, 0.0, 0.0])
+    agreed = replicas.agree_rows(strategy, np.asarray(row, np.float64))
+    if error is not None:
+        raise error
+    if not agreed[:, 0].all():
+        raise ValueError("the probe failed on another replica or worker (its warning says why)")
+    top, weight_max = float(agreed[:, 1].max()), float(agreed[:, 2].max())
+    where = local.where if local.top >= top else "another replica or worker"
+    scale = choose_scale(top, min_scale=min_scale)
+    return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
+                      underflow_share=local.underflow_share(scale),
+                      seconds=time.perf_counter() - start, batch_size=_rows(args), how=how)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    """What this worker's replicas measured (largest over them)."""
+
+    top: float
+    where: str
+    weight_max: float
+    weights: object  # TensorRange of every weight-gradient value together, or None
+
+    def underflow_share(self, scale: float) -> float:
+        return self.weights.underflow_share(scale) if self.weights is not None else 0.0
+
+
+def _found(names, maxes, weight_names, weight_maxes, counts) -> _Found:
     from tfamp.numerics.ranges import TensorRange
 
-    custom_loop.install_patches()
-    start = time.perf_counter()
-    recorder = Recorder(op_lists)
-
-    def run(*a, **k):
-        with probe_mode(recorder), custom_loop.plain_calls():
-            step(*a, **k)
-        return recorder.outputs()
-
-    function = plain_function(run)
-    concrete = function.get_concrete_function(*args, **kwargs)
-    if not recorder.tapes:
-        raise ValueError("the step differentiated no float loss with a GradientTape")
-    restore = _unique([*assigned_variables(concrete), *extra_state])
-    saved = [np.array(v.numpy(), copy=True) for v in restore]
-    # Grappler is off for this one call: on a ResNet-50 step (14k ops) it took
-    # 20-28 s of the probe's first run, which then took 4 s without it.
-    options = tf.config.optimizer.get_experimental_options()
-    tf.config.optimizer.set_experimental_options({**options, "disable_meta_optimizer": True})
-    try:
-        maxes, counts, weight_maxes = (x.numpy() for x in concrete(*_flat_inputs(args, kwargs)))
-    finally:
-        tf.config.optimizer.set_experimental_options(options)
-        for variable, value in zip(restore, saved, strict=True):
-            variable.assign(value)
-    names = [n for n, _ in recorder.backward]
-    weight_names = [n for n, _ in recorder.weights]
     if not (np.all(np.isfinite(maxes)) and np.all(np.isfinite(weight_maxes))):
         bad = [n for n, m in zip(names + weight_names, [*maxes, *weight_maxes], strict=True)
                if not np.isfinite(m)][:3]
         raise ValueError(f"the first batch's float32 gradients are not finite ({', '.join(bad)})")
     all_values = [*zip(names, maxes, strict=True), *zip(weight_names, weight_maxes, strict=True)]
     where, top = max(all_values, key=lambda item: item[1]) if all_values else ("-", 0.0)
-    scale = choose_scale(float(top), min_scale=min_scale)
-    ranges = [TensorRange.from_vector(n, n, "weight_gradient", row, m)
-              for n, row, m in zip(weight_names, counts, weight_maxes, strict=True)]
-    nonzero = sum(r.nonzero for r in ranges)
-    lost = sum(r.underflow_share(scale) * r.nonzero for r in ranges)
-    return StartScale(scale=scale, max_abs=float(top), where=where,
-                      weight_max=float(max(weight_maxes, default=0.0)),
-                      underflow_share=lost / nonzero if nonzero else 0.0,
-                      seconds=time.perf_counter() - start, batch_size=_rows(args))
+    weights = (TensorRange.from_vector("weight gradients", "", "weight_gradient", counts,
+                                       float(max(weight_maxes, default=0.0)))
+               if weight_names else None)
+    return _Found(top=float(top), where=_unreplicated(where),
+                  weight_max=float(max(weight_maxes, default=0.0)), weights=weights)
+
+
+def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy) -> _Found:
+    """The probe on this worker's replicas, in a trace of its own (no communication
+    with other workers)."""
+    recorders = []
+
+    def replica_step(args, kwargs):
+        args, kwargs = replicas.replica_rows((args, kwargs))
+        recorder = Recorder(op_lists)
+        recorders.append(recorder)
+        with probe_mode(recorder), plain_calls():
+            step(*args, **kwargs)
+        return recorder.outputs()
+
+    def run(args, kwargs):
+        per_replica = replicas.run_per_replica(strategy, replica_step, args, kwargs)
+        maxes, weight_maxes, counts = zip(*per_replica, strict=True)
+        return tf.stack(maxes), tf.stack(weight_maxes), tf.stack(counts)
+
+    concrete = plain_function(run).get_concrete_function(args, kwargs)
+    # (tf.function traces twice when the first trace made variables: the last counts.)
+    final = [r for r in recorders if any(r.in_graph(concrete.graph))]
+    if not final:
+        raise ValueError("the step differentiated no float loss with a GradientTape")
+    restore = _unique([*assigned_variables(concrete), *extra_state])
+    saved = [(c, np.array(c.numpy(), copy=True))
+             for v in restore for c in replicas.local_components(v)]
+    try:
+        maxes, weight_maxes, counts = (x.numpy() for x in _without_grappler(concrete)(
+            args, kwargs))
+    finally:
+        for component, value in saved:
+            component.assign(value)
+    backward, weights = final[0].in_graph(concrete.graph)
+    return _found([n for n, _ in backward], maxes.max(axis=0), [n for n, _ in weights],
+                  weight_maxes.max(axis=0), counts.sum(axis=0))
+
+
+@contextlib.contextmanager
+def _tapes_recording():
+    """Gradient tapes record within it, also under ``tf.init_scope``, which stops
+    them on this thread: the probe of a step's own trace runs there (Keras 3
+    traces that step inside its loop's function), and the step it traces again
+    when it cannot cut that graph needs its tapes (else no gradient: "the step
+    differentiated no float loss"). TensorFlow has no public way to resume them."""
+    from tensorflow.python import pywrap_tfe
+
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
+    try:
+        yield
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
+
+
+def _without_grappler(function):
+    """`function` called with TensorFlow's graph optimizer off.
+
+    On a ResNet-50 step (14k ops) grappler took 20-28 s of the probe's first
+    run, which then took 4 s without it; the probe runs once.
+    """
+    def call(*args, **kwargs):
+        options = tf.config.optimizer.get_experimental_options()
+        tf.config.optimizer.set_experimental_options({**options,
+                                                      "disable_meta_optimizer": True})
+        try:
+            return function(*args, **kwargs)
+        finally:
+            tf.config.optimizer.set_experimental_options(options)
+    return call
+
+
+def _unreplicated(name: str) -> str:
+    """An op's name without a replica's "replica_<n>/" scope (wherever it sits)."""
+    return re.sub(r"(^|/)replica_\d+/", r"\1", name)
+
+
+# -- the probe from the step's own trace ------------------------------------------------
+
+# Ops that read a batch from an iterator inside a step (tf_keras's train function).
+_NEXT_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync",
+                       "MultiDeviceIteratorGetNextFromShard"})
+
+
+def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None) -> tuple:
+    """The probe from the float32 graph of the step's own first trace: ``_found``'s
+    arguments (names and values measured; not yet checked).
+
+    The step was traced once, for Keras, with a recorder on its tapes; the part
+    of its graph the recorded backward values depend on (the forward, the loss,
+    the backward; no update, no metric, no iterator) is run once on fit's first
+    batch, each replica's copy on its rows, with the model's live variables.
+    Nothing is written, so nothing is restored. The recorded values carry the
+    loss scale the step seeds with (its current value), which is divided out.
+
+    Raises:
+      ValueError: the graph is not one this can cut (its tapes in a nested
+        function, no batch input it can find): the caller traces the step.
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    from tfamp.runtime.runner import _register_renamed_library
+
+    graph = concrete.graph
+    backward, weights = recorder.in_graph(graph)
+    if not backward and not weights:
+        raise ValueError("no tape recorded in the step's own graph")
+    if len(backward) + len(weights) != len(recorder.backward) + len(recorder.weights):
+        raise ValueError("tapes inside functions nested in the step")
+    graph_def = graph.as_graph_def()
+    sources = _batch_sources(concrete, graph_def, batch, strategy)
+    placeholder = {name: f"tfamp_probe_batch_{k}" for k, (name, _) in enumerate(sources)}
+    cut = graph_pb2.GraphDef()
+    cut.CopyFrom(graph_def)
+    for k, (_, value) in enumerate(sources):
+        node = cut.node.add()
+        node.name, node.op = f"tfamp_probe_batch_{k}", "Placeholder"
+        node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+    for node in cut.node:
+        # Data edges only: a control edge could reach an update or the iterator.
+        inputs = [i for i in node.input if not i.startswith("^")]
+        del node.input[:]
+        node.input.extend(placeholder.get(i if ":" in i else f"{i}:0", i) for i in inputs)
+    fetches = [t.name for _, t in backward + weights]
+    from tensorflow.python.util import deprecation
+
+    with deprecation.silence():  # (TensorFlow's v1 name; no other public one)
+        cut = tf.compat.v1.graph_util.extract_sub_graph(
+            cut, sorted({f.split(":")[0] for f in fetches}))
+    _register_renamed_library(cut, "_tfamp_probe")
+    present = {node.name for node in cut.node}
+    captures = [(internal.name, external) for external, internal in graph.captures
+                if internal.op.name in present]
+    scale = _scale_in(recorder)
+
+    def run(*values):
+        inner = tf.compat.v1.get_default_graph()
+        input_map = {f"tfamp_probe_batch_{k}:0": v for k, v in enumerate(values)}
+        for name, external in captures:
+            input_map[name] = inner.capture(external)
+        fetched = tf.graph_util.import_graph_def(cut, input_map=input_map,
+                                                 return_elements=fetches, name="")
+        return _summaries(fetched[:len(backward)], fetched[len(backward):], scale)
+
+    values = [value for _, value in sources]
+    maxes, weight_maxes, counts = (x.numpy() for x in _without_grappler(
+        plain_function(run, autograph=False))(*values))
+    return [n for n, _ in backward], maxes, [n for n, _ in weights], weight_maxes, counts
+
+
+def _scale_in(recorder: Recorder) -> float:
+    """The loss scale the recorded step seeds with now (its owner's current one)."""
+    if recorder.owner_of is None:
+        raise ValueError("the recorded step's scale owner is unknown")
+    return float(np.asarray(recorder.owner_of().scale_tensor()))
+
+
+def _batch_sources(concrete, graph_def, batch, strategy) -> list[tuple[str, np.ndarray]]:
+    """(tensor name in the step's graph, the value to feed for it) for every tensor
+    that carries the batch in: the step's own arguments (Keras 3: one per
+    component of each replica's batch, component by component) or what its
+    iterator op returns (tf_keras on one device), each replica's share of the
+    rows of `batch`. (tf_keras under a strategy reads its batch inside a
+    conditional: not cut here, the probe traces the step instead.)"""
+    graph = concrete.graph
+    flat = [np.asarray(value) for value in tf.nest.flatten(batch)]
+    local = len(strategy.extended.worker_devices) if replicas.is_distributed(strategy) else 1
+    # The step's own arguments come first among its inputs (captures follow).
+    count = len(tf.nest.flatten(concrete.structured_input_signature, expand_composites=True))
+    arguments = [t for t in graph.inputs[:count] if t.dtype not in (tf.resource, tf.variant)]
+    if arguments:
+        if len(arguments) != local * len(flat):
+            raise ValueError(f"the step takes {len(arguments)} batch tensors, the batch has "
+                             f"{len(flat)} per replica")
+        # A structure of per-replica values flattens component by component.
+        return [(arguments[i * local + r].name, replicas.host_rows(strategy, leaf, r))
+                for i, leaf in enumerate(flat) for r in range(local)]
+    nexts = [node for node in graph_def.node if node.op in _NEXT_OPS]
+    if len(nexts) != local:
+        raise ValueError(f"{len(nexts)} iterator reads for {local} replicas")
+    for node in nexts:
+        if len(node.attr["output_types"].list.type) != len(flat):
+            raise ValueError("the iterator's elements do not match fit's first batch")
+    return [(f"{node.name}:{i}", replicas.host_rows(strategy, leaf, r))
+            for r, node in enumerate(nexts) for i, leaf in enumerate(flat)]
 
 
 def assigned_variables(concrete) -> list:
@@ -307,11 +582,6 @@ def assigned_variables(concrete) -> list:
         if variable is not None:
             found.append(variable)
     return found
-
-
-def _flat_inputs(args, kwargs):
-    return [t for t in tf.nest.flatten((args, kwargs), expand_composites=True)
-            if isinstance(t, (tf.Tensor, tf.Variable, np.ndarray))]
 
 
 def _unique(variables) -> list:
@@ -338,107 +608,15 @@ def _label(variable) -> str:
     return str(getattr(variable, "name", "tensor")).split(":")[0]
 
 
-# -- the scale owner --------------------------------------------------------------------
+# -- fit's first batch --------------------------------------------------------------------
 
-def has_stepped(owner) -> bool:
-    """True if `owner` (a loss-scale optimizer or scale state) has taken a step.
+def first_batch(flavour, args, kwargs):
+    """Fit's first batch as Keras hands it to ``train_step`` (this worker's), or None.
 
-    Its ``iterations`` and ``skipped_steps`` are checkpointed: a restored run
-    keeps its scale.
+    Arrays and tensors are cut as Keras's own array adapter cuts them; a
+    tf.data Dataset is read for one element (it must be re-iterable, as ``fit``
+    reads it again); generators and Sequences are not read.
     """
-    for name in ("iterations", "skipped_steps"):
-        value = getattr(owner, name, None)
-        if value is None:
-            continue
-        try:
-            if int(np.asarray(value.numpy() if hasattr(value, "numpy") else value)) > 0:
-                return True
-        except (TypeError, ValueError):
-            continue
-    return False
-
-
-def set_scale(owner, scale: float) -> None:
-    """Sets `owner`'s current loss scale (a tfamp loss-scale optimizer or scale state)."""
-    if hasattr(owner, "_update_state"):  # tfamp's Keras 3 loss-scale optimizer (built)
-        owner.dynamic_scale.assign(scale)
-        return
-    state = getattr(owner, "_loss_scale", owner)
-    state.current_loss_scale.assign(scale)
-
-
-def is_dynamic(owner) -> bool:
-    return bool(getattr(owner, "is_dynamic", getattr(owner, "dynamic", False)))
-
-
-# -- fit ------------------------------------------------------------------------------
-
-def before_fit(model, state, args, kwargs) -> StartScale | None:
-    """What an enabled model's ``fit`` does first: calibrate its start scale once.
-
-    Runs only for a dynamic scale with ``initial_scale="auto"``, an owner that
-    has taken no step, and a first batch fit's data can give without consuming
-    it (arrays, tensors, a tf.data Dataset). Failing, whatever the cause, it
-    warns and training starts at the default scale: the probe never stops a
-    ``fit``.
-    """
-    if not getattr(state, "auto_start", False) or state.loop is None:
-        return None
-    if getattr(state, "start_scale", None) is not None:
-        return None
-    owner = state.loop.scale_owner()
-    if owner is None or not is_dynamic(owner):
-        return None
-    try:
-        return _calibrate_for_fit(model, state, owner, args, kwargs)
-    except Exception as err:  # training goes on at the default scale; the user is told
-        state.start_scale = False
-        start = _scale_now(owner)
-        _warn(f"tfamp: model {model.name!r}: no start scale from the gradients "
-              f"({type(err).__name__}: {err}); dynamic scaling starts at "
-              f"{'its initial scale' if start is None else format(start, 'g')}. Fix: pass "
-              f"initial_scale=<number> to tfamp.enable (TFAMP_INITIAL_SCALE) to choose it "
-              f"yourself.")
-        return None
-
-
-def _calibrate_for_fit(model, state, owner, args, kwargs) -> StartScale | None:
-    from tfamp.keras.custom_loop import _build_if_needed
-
-    batch = first_batch(model, args, kwargs)
-    if batch is None:
-        _warn(f"tfamp: model {model.name!r}: no start scale from the gradients: fit's data "
-              f"is not arrays, tensors or a tf.data.Dataset, which tfamp can read a batch "
-              f"from without consuming it, so dynamic scaling starts at 2^15 and may skip "
-              f"its first steps. Fix: pass arrays or a tf.data.Dataset, or call "
-              f"tfamp.calibrate_loss_scale(model.train_step, batch, model=model) first.")
-        state.start_scale = False
-        return None
-    cls = type(model)
-    found = probe_step(lambda data: cls.train_step(model, data), (batch,), {},
-                       extra_state=_state_variables(model),
-                       min_scale=getattr(owner, "min_scale", 1.0),
-                       op_lists=_float16_lists(state))
-    owner = state.loop.scale_owner()  # the probe may have built the model
-    _build_if_needed(owner, model)
-    if has_stepped(owner):
-        state.start_scale = False
-        return None
-    set_scale(owner, found.scale)
-    state.start_scale = found
-    log.info("%s", found.message())
-    return found
-
-
-def _float16_lists(state):
-    config = getattr(state, "config", None)
-    return config.op_lists if config is not None and config.dtype == "float16" else None
-
-
-def first_batch(model, args, kwargs):
-    """Fit's first batch as Keras hands it to ``train_step``, or None."""
-    from tfamp.keras.flavour import flavour_of
-
     x = args[0] if args else kwargs.get("x")
     y = args[1] if len(args) > 1 else kwargs.get("y")
     batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
@@ -452,54 +630,15 @@ def first_batch(model, args, kwargs):
             return None
         if x is None:
             return None
-        flavour = flavour_of(model)
-        dataset = _array_dataset(flavour, x, y, sample_weight, int(batch_size))
+        dataset = flavour.array_dataset(x, y, sample_weight, int(batch_size))
     for batch in dataset.take(1):
         return batch
     return None
 
 
-def _array_dataset(flavour, x, y, sample_weight, batch_size: int):
-    """The dataset each Keras's own array adapter builds (same element structure)."""
-    if flavour.is_keras3:
-        from keras.src.trainers.data_adapters import array_data_adapter
-
-        adapter = array_data_adapter.ArrayDataAdapter(
-            x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False)
-        return adapter.get_tf_dataset()
-    from tf_keras.src.engine import data_adapter
-
-    adapter = data_adapter.TensorLikeDataAdapter(
-        x, y, sample_weights=sample_weight, batch_size=batch_size, shuffle=False)
-    return adapter.get_dataset()
-
-
-def _state_variables(model) -> list:
-    from tfamp.numerics.keras_probe import state_variables
-
-    return state_variables(model)
-
-
-def _scale_now(owner) -> float | None:
-    """The owner's scale as a number, or None if it cannot be read (for messages)."""
-    from tfamp.keras.custom_loop import current_scale
-
-    try:
-        return float(current_scale(owner).numpy())
-    except Exception:  # a message must not fail on the value it reports
-        return None
-
-
-def _warn(message: str) -> None:
-    from tfamp.keras.custom_loop import user_stacklevel
-
-    log.warning("%s", message)
-    warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
-
-
 # -- custom loops -----------------------------------------------------------------------
 
-def calibrate_loss_scale(step, *args, model=None, **kwargs) -> StartScale:
+def calibrate_loss_scale(step, *args, model=None, strategy=None, **kwargs) -> StartScale:
     """Sets the start loss scale of a custom loop from its step's own gradients.
 
     Call it once before the loop, with the step and its first batch. The step
@@ -508,10 +647,16 @@ def calibrate_loss_scale(step, *args, model=None, **kwargs) -> StartScale:
     (an enabled model: its loss-scale optimizer or custom-loop scale) or,
     under ``TFAMP_ENABLE``, the process-wide custom-loop scale.
 
+    Under a tf.distribute strategy, call it on every worker with the batch it
+    read: the step (which calls ``strategy.run`` itself) runs once, and every
+    worker sets the one scale the largest value of all of them gives.
+
     Args:
       step: the training step, a Python function or a tf.function.
       *args, **kwargs: its arguments for one batch.
       model: the enabled model whose scale the step uses (None: TFAMP_ENABLE's).
+      strategy: the strategy the step distributes with (default: the model's,
+        else the one in scope).
 
     Returns:
       the StartScale (also logged).
@@ -521,28 +666,29 @@ def calibrate_loss_scale(step, *args, model=None, **kwargs) -> StartScale:
       >>> tfamp.calibrate_loss_scale(train_step, x[:32], y[:32], model=model)
       >>> for x_batch, y_batch in data: train_step(x_batch, y_batch)
     """
-    owner = _custom_loop_owner(model)
-    python_step = getattr(step, "python_function", step)
-    extra = _state_variables(model) if model is not None else []
-    found = probe_step(python_step, args, kwargs, extra_state=extra,
-                       min_scale=getattr(owner, "min_scale", 1.0),
-                       op_lists=_float16_lists(getattr(model, "_tfamp_state", None)))
-    if model is not None:
-        from tfamp.keras.custom_loop import _build_if_needed
+    from tfamp.keras.range_probe import state_variables
 
-        _build_if_needed(owner, model)
-    set_scale(owner, found.scale)
-    state = getattr(model, "_tfamp_state", None)
-    if state is not None:
-        state.start_scale = found
+    lifecycle = getattr(model, "_tfamp_state", None) if model is not None else None
+    owner = _custom_loop_owner(model, lifecycle)
+    if strategy is None:
+        strategy = (lifecycle.strategy() if lifecycle is not None
+                    else tf.distribute.get_strategy())
+    python_step = getattr(step, "python_function", step)
+    found = probe_step(python_step, args, kwargs,
+                       extra_state=state_variables(model) if model is not None else [],
+                       min_scale=owner.min_scale,
+                       op_lists=lifecycle.float16_lists() if lifecycle is not None else None,
+                       strategy=strategy, per_replica=False)
+    owner.set_scale(found.scale)
+    if lifecycle is not None:
+        lifecycle.start_scale = found
     log.info("%s", found.message())
     return found
 
 
-def _custom_loop_owner(model):
+def _custom_loop_owner(model, lifecycle):
     if model is not None:
-        state = getattr(model, "_tfamp_state", None)
-        owner = state.loop.scale_owner() if state is not None and state.loop else None
+        owner = lifecycle.scale_owner() if lifecycle is not None else None
         if owner is None:
             raise ValueError(
                 f"calibrate_loss_scale needs a model tfamp.enable was called on with "
@@ -550,9 +696,7 @@ def _custom_loop_owner(model):
                 f"tfamp.enable(model) first (loss_scale='dynamic'), or pass model=None "
                 f"under TFAMP_ENABLE=1.")
         return owner
-    from tfamp.runtime import startup
-
-    owner = startup.process_scale_state()
+    owner = step_scope.process_owner()
     if owner is None:
         raise ValueError(
             "calibrate_loss_scale(model=None) sets TFAMP_ENABLE's custom-loop scale, but "

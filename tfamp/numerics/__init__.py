@@ -1,9 +1,9 @@
-"""Where a model's numbers sit against 16-bit limits.
+"""Where numbers sit against 16-bit limits, on graphs (Keras models: ``tfamp.keras``).
 
-``ranges`` (log2 buckets and the range report), ``keras_probe`` (a Keras
-model's activations and gradients for one batch), ``graph_probe`` (traced
-graphs and saved files), ``monitor`` (``tfamp.RangeMonitor`` and its files),
-``plot`` (PNG and HTML of a range report), ``nonfinite`` (the first op that
-produced an inf or nan), ``run_graph`` (running a rewritten GraphDef on live
-variables).
+``ranges`` (log2 buckets, ``TensorRange``), ``range_report`` (a run's
+``RangeReport``), ``advice`` (the one loss-scale recommendation),
+``graph_probe`` (traced inference graphs), ``monitor`` (a report's files and
+TensorBoard histograms), ``plot`` (PNG and HTML of a range report),
+``nonfinite`` (the first op of a traced step that produced an inf or nan),
+``run_graph`` (running a rewritten GraphDef on live variables).
 """

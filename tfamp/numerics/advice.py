@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
-from tfamp.numerics.ranges import (NEGLIGIBLE, RangeReport, TensorRange, format_pct,
-                                   format_scale, scale_exponent)
+from tfamp.numerics.ranges import NEGLIGIBLE, TensorRange, format_pct, format_scale, scale_exponent
+
+if TYPE_CHECKING:  # annotations only: the report module imports this one
+    from tfamp.numerics.range_report import RangeReport
 
 # A bias/beta gradient this many binades below its layer's output gradient is
 # rounding noise of an exact zero: a sum of N float32 terms of size <= m that

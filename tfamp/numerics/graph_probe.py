@@ -2,18 +2,17 @@
 
 ``collect_graph_ranges`` runs a traced inference graph (a SavedModel
 signature) in float32 and buckets the forward activations of the ops tfamp
-would convert; ``collect_file_ranges`` picks the right probe for a file: the
-Keras probe (``tfamp.numerics.keras_probe``) for a compiled Keras file, the
-graph probe for a SavedModel; ``synthetic_batches`` makes their inputs.
+would convert; ``synthetic_batches`` makes its inputs. (For a file, Keras or
+SavedModel: ``tfamp.keras.range_probe.collect_file_ranges``.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tfamp.numerics.ranges import RangeReport, TensorRange, accumulate, bucket_counts_many
+from tfamp.numerics.range_report import RangeReport
+from tfamp.numerics.ranges import TensorRange, accumulate, bucket_counts_many
 from tfamp.numerics.run_graph import run_imported
-
 
 FORWARD_ONLY_NOTE = ("a SavedModel holds the forward pass only: forward activations of the "
                      "ops tfamp converts were collected, no gradients")
@@ -110,63 +109,3 @@ def synthetic_batches(specs: Sequence, count: int, *, batch: int = 8, seed: int 
                 values.append(tf.zeros(shape, spec.dtype))
         result.append(values)
     return result
-
-
-def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
-                        config=None, batch_size: int = 8, progress=None) -> RangeReport:
-    """Ranges of a saved model on `steps` synthetic batches (``tfamp inspect --ranges``).
-
-    A compiled Keras file (.keras, .h5; tf_keras or Keras 3) gives activations, activation
-    gradients and weight gradients (random inputs, random targets shaped like
-    the outputs; integer labels for sparse losses). A SavedModel directory
-    gives forward activations only (FORWARD_ONLY_NOTE). Each batch has
-    `batch_size` rows; `progress` is called with the batches done after each.
-
-    Raises:
-      ValueError: the path is neither, or the Keras model was saved uncompiled.
-    """
-    from pathlib import Path
-
-    import tensorflow as tf
-
-    path = Path(path)
-    if path.suffix.lower() in (".keras", ".h5"):
-        from tfamp.inspect.graph_files import load_keras_file, target_specs
-        from tfamp.keras.flavour import flavour_of
-        from tfamp.numerics.keras_probe import collect_keras_ranges
-
-        model, _ = load_keras_file(path)  # tf_keras or Keras 3, by the file's keras_version
-        if not flavour_of(model).has_loss(model):
-            raise ValueError(f"{path} was saved without compile(): gradients need the "
-                             f"loss; compile the model before saving it")
-        x_specs = [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in model.inputs]
-        y_specs = target_specs(model, None)
-        sparse = y_specs[0].dtype == tf.int64
-        classes = int(model.outputs[0].shape[-1]) if sparse else None
-        xs = synthetic_batches(x_specs, steps, seed=0, batch=batch_size)
-        ys = synthetic_batches(y_specs, steps, seed=1, classes=classes, batch=batch_size)
-        batches = [(x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
-                   for x, y in zip(xs, ys, strict=True)]
-        report = collect_keras_ranges(model, batches, steps=steps, progress=progress)
-        report.notes.append(f"inputs and targets were random (synthetic batches of "
-                            f"{batch_size})")
-        return report
-    if path.is_dir() and ((path / "saved_model.pb").is_file()
-                          or (path / "saved_model.pbtxt").is_file()):
-        loaded = tf.saved_model.load(str(path))
-        wanted = signature or "serving_default"
-        if wanted not in loaded.signatures:
-            raise ValueError(f"{path} has no signature {wanted!r}; available: "
-                             f"{', '.join(sorted(loaded.signatures)) or 'none'}")
-        concrete = loaded.signatures[wanted]
-        internal = {id(t) for _, t in concrete.graph.captures}
-        specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.graph.inputs
-                 if id(t) not in internal]
-        report = collect_graph_ranges(concrete, synthetic_batches(specs, steps,
-                                                                  batch=batch_size),
-                                      config, name=f"{path.name}:{wanted}", progress=progress)
-        report.notes.append(f"inputs were random (synthetic batches of {batch_size} where "
-                            f"the batch dimension is open)")
-        return report
-    raise ValueError(f"--ranges needs a Keras model file (.keras, .h5) or a SavedModel "
-                     f"directory; {path} is neither")

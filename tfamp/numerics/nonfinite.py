@@ -1,4 +1,4 @@
-"""The first op that produced an inf or nan: ``locate_nonfinite`` / ``locate_keras_nonfinite``.
+"""The first op of a traced step that produced an inf or nan: ``locate_nonfinite``.
 
 How: the traced step (forward and backward, no optimizer update) is rewritten
 exactly as tfamp would rewrite it, then a ``CheckNumericsV2`` node is placed
@@ -14,9 +14,12 @@ callbacks while Python traces them, i.e. the float32 graph before tfamp's
 rewrite; the ops that overflow are the 16-bit ones only the rewritten GraphDef
 has. The same kernel (CheckNumericsV2) is inserted into that GraphDef instead.
 
-Nothing changes: the graph applies no gradients, and the Keras entry point
-restores the model's non-trainable and metric variables afterwards (BatchNorm
-statistics update in a training-mode forward pass).
+Nothing changes: the graph applies no gradients (the Keras entry point,
+``tfamp.keras.overflow_locator``, restores the model's non-trainable and
+metric variables afterwards: BatchNorm statistics update in a training-mode
+forward pass). A step traced under a tf.distribute strategy names its other
+replicas' ops ``replica_<n>/...``: the layer scope leaves that prefix out, so
+a ``keep_fp32`` pattern covers every replica.
 
 Limits: ops inside library functions (loop bodies, nested calls) are checked
 only through the call op's outputs; an intentional inf (e.g. a -inf mask that
@@ -25,7 +28,6 @@ is not a constant) is reported like any other.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -37,10 +39,10 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2, types_pb2
 
 from tfamp.config import AmpConfig
+from tfamp.numerics.run_graph import run_imported
 from tfamp.rewrite import rewrite_graph_def
 from tfamp.rewrite.graph import FLOAT_TYPES, TensorRef, build_view, dtype_name
 from tfamp.rewrite.scopes import GRADIENT_PREFIXES, is_gradient
-from tfamp.numerics.run_graph import run_imported
 
 log = logging.getLogger("tfamp")
 
@@ -186,85 +188,6 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
         **_fixes(layer, op, config))
 
 
-def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
-                           config: AmpConfig | None = None,
-                           loss_scale: float = 1.0) -> NonFiniteOp | None:
-    """The first inf/nan op of a Keras model's training step on one batch.
-
-    Computes the loss (times `loss_scale`) and its gradients in the graph tfamp
-    would run, applies nothing, and restores the model's non-trainable and
-    metric variables, so weights, optimizer state and loss scale are unchanged.
-
-    Args:
-      model: a compiled tf_keras or Keras 3 (TensorFlow backend) model.
-      x, y, sample_weight: one batch.
-      config: the rewrite settings (the model's ``tfamp.enable`` config if None).
-      loss_scale: the loss scale to run the step at.
-    """
-    if config is None:
-        state = getattr(model, "_tfamp_state", None)
-        config = state.config if state is not None else AmpConfig()
-    with keras_step_locator(model, x, y, sample_weight, loss_scale=loss_scale) as locate:
-        return locate(config)
-
-
-@contextlib.contextmanager
-def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: float = 1.0):
-    """``locate(config)`` for one batch of a Keras model's step, traced once.
-
-    Yields a function that answers like ``locate_keras_nonfinite`` for any
-    AmpConfig; the step is traced once for all of them (only the rewrite and the
-    runs repeat). The model's non-trainable and metric variables are restored
-    after each answer.
-
-    Example:
-      >>> with keras_step_locator(model, x, y) as locate:
-      ...     first, second = locate(AmpConfig()), locate(AmpConfig(keep_fp32=["head/"]))
-    """
-    from tfamp.keras import custom_loop, scale_update
-    from tfamp.numerics.keras_probe import plain_function, state_variables
-
-    variables = model.trainable_variables
-
-    def loss_and_grads(x, y, sample_weight, scale):
-        # The whole step is rewritten below: the model's call must not be on its own.
-        with tf.GradientTape() as tape, custom_loop.plain_calls():
-            y_pred = model(x, training=True)
-            loss = model.compute_loss(x, y, y_pred, sample_weight)
-            scaled = loss * tf.cast(scale, loss.dtype)
-        # Scaled here, at `loss_scale`: under TFAMP_ENABLE the tape must not scale it
-        # again with the process's custom-loop scale.
-        scale_update.mark_scaled(scaled)
-        grads = tape.gradient(scaled, variables)
-        return loss, [g for g in grads if g is not None]
-
-    scale = tf.constant(float(loss_scale), tf.float32)
-    saved = [(v, v.numpy()) for v in state_variables(model)]
-    metrics_before = {id(m) for m in model.metrics}
-
-    def restore():
-        for variable, value in saved:
-            variable.assign(value)
-        for metric in model.metrics:
-            if id(metric) not in metrics_before:
-                metric.reset_state()
-
-    try:
-        concrete = plain_function(loss_and_grads).get_concrete_function(x, y, sample_weight,
-                                                                     scale)
-
-        def locate(config: AmpConfig) -> NonFiniteOp | None:
-            try:
-                return locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
-                                        loss_scale=loss_scale)
-            finally:
-                restore()
-
-        yield locate
-    finally:
-        restore()
-
-
 # ------------------------------------------------------------------ helpers
 
 
@@ -330,12 +253,19 @@ def _ref(node: str, port: int) -> TensorRef:
     return TensorRef(node, port)
 
 
+_REPLICA_PREFIX = re.compile(r"^replica_\d+/")
+
+
 def _layer_scope(name: str) -> str:
     """The name scope of the forward op: gradient ops are named
-    "gradient_tape/<forward op>/<gradient op>", so they lose one more part."""
+    "gradient_tape/<forward op>/<gradient op>", so they lose one more part; a
+    replica's copy ("replica_1/...", "gradient_tape/replica_1/...") is named for
+    every replica."""
+    name = _REPLICA_PREFIX.sub("", name)
     if is_gradient(name):
         for prefix in GRADIENT_PREFIXES:
             name = name.removeprefix(prefix)
+        name = _REPLICA_PREFIX.sub("", name)  # "gradient_tape/replica_1/..."
         name = name.rsplit("/", 1)[0] if "/" in name else name
     return name.rsplit("/", 1)[0] if "/" in name else ""
 
@@ -356,25 +286,3 @@ def _fixes(layer: str, op: str, config: AmpConfig) -> dict[str, str]:
         oplist_api = f"AmpConfig(deny_add={deny!r})"
     return dict(keep_fp32=pattern, fix_env=fix_env, fix_api=fix_api,
                 fix_oplist_env=oplist_env, fix_oplist_api=oplist_api)
-
-
-def diagnose_keras_model(model) -> str | None:
-    """For the stuck-at-floor warning: localise on the first batch ``fit`` was given.
-
-    Uses the batch ``tfamp.enable``'s fit hook kept, the model's tfamp config
-    and the optimizer's current loss scale. Returns a sentence, or None when no
-    batch is known.
-    """
-    from tfamp.numerics.keras_probe import current_loss_scale, unpack_batch
-
-    source = getattr(model, "_tfamp_fit_batch", None)
-    batch = source() if source is not None else None
-    if batch is None:
-        return None
-    x, y, sample_weight = unpack_batch(batch)
-    scale = current_loss_scale(model) or 1.0
-    found = locate_keras_nonfinite(model, x, y, sample_weight, loss_scale=scale)
-    if found is None:
-        return (f"re-running the first batch of fit's data at loss scale {scale:g} gave no "
-                f"inf/nan, so the failing batches differ (check the data).")
-    return found.describe()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tfamp.inspect import page
 from tfamp.inspect.html_report import script_json
+from tfamp.numerics.range_report import RangeReport
 from tfamp.numerics.ranges import (
     E_MAX,
     E_MIN,
@@ -25,7 +26,6 @@ from tfamp.numerics.ranges import (
     FP16_SUBNORMAL_EXP,
     KIND_LABELS,
     MAX_SCALE_EXP,
-    RangeReport,
     TensorRange,
     format_scale,
     scale_exponent,

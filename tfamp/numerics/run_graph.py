@@ -13,6 +13,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from tfamp.runtime.plain import plain_function
+
 _counter = itertools.count()
 
 
@@ -70,6 +72,5 @@ def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
 
     # The plain tf.function: under TFAMP_ENABLE tf.function is tfamp's, which would
     # rewrite the already rewritten graph again with the process's settings.
-    function = getattr(tf.function, "_tfamp_original", tf.function)
-    outputs = function(run, autograph=False)(*flat_args)
+    outputs = plain_function(run, autograph=False)(*flat_args)
     return [o.numpy() for o in outputs]

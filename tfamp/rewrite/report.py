@@ -43,6 +43,7 @@ from typing import Any
 from tfamp.oplists import MATRIX_OPS
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.casts import CastRecord
+from tfamp.rewrite.verdict import format_bytes  # (the verdict's lines use it too)
 
 SCHEMA_VERSION = 1
 NO_FLOAT_MATH = "no float32 tensors to convert"
@@ -306,15 +307,6 @@ class RewriteReport:
             runtime_estimates=data.get("runtime_estimates") or {},
             broadcast_edits=data.get("broadcast_edits") or [],
             matrix_flops=data.get("matrix_flops"), batch_size=data.get("batch_size"))
-
-
-def format_bytes(value: int) -> str:
-    """'2.90 GB', '12.0 MB', '512 B' (decimal units)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= size:
-            scaled = value / size
-            return f"{scaled:.2f} {unit}" if scaled < 10 else f"{scaled:.1f} {unit}"
-    return f"{value} B"
 
 
 # How the sentences of converted nodes began, for reports saved without kinds.

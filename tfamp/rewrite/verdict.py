@@ -107,6 +107,15 @@ class Verdict:
         return dataclasses.asdict(self)
 
 
+def format_bytes(value: int) -> str:
+    """'2.90 GB', '12.0 MB', '512 B' (decimal units)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            scaled = value / size
+            return f"{scaled:.2f} {unit}" if scaled < 10 else f"{scaled:.1f} {unit}"
+    return f"{value} B"
+
+
 def verdict_of(report) -> Verdict:
     """The verdict for a RewriteReport (inputs from its fields only)."""
     return judge(VerdictInputs.from_report(report))
@@ -114,8 +123,6 @@ def verdict_of(report) -> Verdict:
 
 def judge(i: VerdictInputs) -> Verdict:
     """The verdict for `i` (see the module docstring for the rules)."""
-    from tfamp.rewrite.report import format_bytes
-
     if i.converted == 0 or i.matrix_converted == 0:
         what = "nothing was converted" if i.converted == 0 else (
             "no matrix/convolution op was converted")

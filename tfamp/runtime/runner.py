@@ -348,6 +348,7 @@ class RewrittenFunction(polymorphic_function.Function):
     def __init__(self, fn: Callable, config: AmpConfig | None = None, *,
                  check: bool = False, after_call: Callable[[Any], None] | None = None,
                  on_report: Callable[[RewriteReport], None] | None = None,
+                 on_trace: Callable[[Any], None] | None = None,
                  **tf_function_kwargs):
         if not callable(fn):
             raise TypeError(
@@ -369,6 +370,7 @@ class RewrittenFunction(polymorphic_function.Function):
         self._check = check
         self._after_call = after_call
         self._on_report = on_report
+        self._on_trace = on_trace
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
         # One bound RewrittenFunction per instance, as tf.function keeps (not in
         # the instance's __dict__, where a tf.Module would save it as a function).
@@ -386,6 +388,11 @@ class RewrittenFunction(polymorphic_function.Function):
     def set_after_call(self, after_call: Callable[[Any], None] | None) -> None:
         """Sets the hook run with the outputs after every call (e.g. a monitor)."""
         self._after_call = after_call
+
+    def set_on_trace(self, on_trace: Callable[[Any], None] | None) -> None:
+        """Sets the hook run with each new traced (float32) ConcreteFunction, before
+        it is rewritten and first runs."""
+        self._on_trace = on_trace
 
     def __getattr__(self, name: str):
         # Anything else a tf.function offers answers for the original, and so do
@@ -473,6 +480,10 @@ class RewrittenFunction(polymorphic_function.Function):
                 entry = (concrete, concrete, None)
                 self._rewritten[id(concrete)] = entry
                 return concrete
+            if self._on_trace is not None:
+                # A new trace, before it is rewritten and first runs (the start-scale
+                # probe reads the traced float32 graph: tfamp.keras.start_scale).
+                self._on_trace(concrete)
             rewritten, report = rewrite_concrete_function(
                 concrete, self._config, check=self._check)
             if not report.converted:
@@ -497,11 +508,13 @@ class RewrittenFunction(polymorphic_function.Function):
         traces are reused). Used when a model's settings change after its functions
         were built (e.g. the float32 fallback, ``tfamp.keras.fallback``)."""
         return RewrittenFunction(self._tf_function, config, check=self._check,
-                                 after_call=self._after_call, on_report=self._on_report)
+                                 after_call=self._after_call, on_report=self._on_report,
+                                 on_trace=self._on_trace)
 
     def _rewrapped(self, tf_function) -> RewrittenFunction:
         return RewrittenFunction(tf_function, self._config, check=self._check,
-                                 after_call=self._after_call, on_report=self._on_report)
+                                 after_call=self._after_call, on_report=self._on_report,
+                                 on_trace=self._on_trace)
 
     def __call__(self, *args, **kwargs):
         # A first call traces, rewrites and (under XLA) compiles: said in one line

@@ -22,7 +22,7 @@ then patches, once:
 Loss scaling happens exactly once: a loss a loss-scale optimizer's
 ``scale_loss`` returned is marked and the tape leaves it alone; the inner
 optimizer of a loss-scale optimizer is marked and the apply patch leaves it
-alone (see ``tfamp.keras.loss_scale3``).
+alone (see ``tfamp.keras.step_scope``).
 
 A model that runs a Keras mixed policy (``mixed_float16`` / ``mixed_bfloat16``,
 tf_keras or Keras 3) is left to Keras: tfamp neither rewrites its functions nor
@@ -165,45 +165,44 @@ def _patch_tf_keras(active: _Activation) -> None:
         import tf_keras
     except ImportError:
         return
-    from tfamp.keras import activation
-
-    model_class = tf_keras.Model
-    original = model_class.compile
-
-    from tfamp.keras.loss_scale import LossScaleOptimizer
     from tfamp.keras.scale_update import loss_scale_ops, mark_scaled
 
-    keras_lso = tf_keras.mixed_precision.LossScaleOptimizer
-
-    @functools.wraps(original)
-    def compile(self, *args, **kwargs):  # noqa: A001
-        result = original(self, *args, **kwargs)
-        if activation.mixed_policy_name(self) is not None:
-            return result  # Keras's policy trains it: see _patch_keras_mixed_policies
-        if (isinstance(getattr(self, "optimizer", None), keras_lso)
-                and not isinstance(self.optimizer, LossScaleOptimizer)):
-            # Keras's own loss scaling (the user's, or restored by load_model from
-            # a SavedModel): its graphs are rewritten, its loss scaling stays Keras's.
-            log.info("tfamp: model %r uses Keras's own LossScaleOptimizer: tfamp rewrites "
-                     "its graphs and leaves loss scaling to Keras.", self.name)
-            return result
-        if not activation.is_enabled(self):
-            activation.enable(self, config=active.settings.config,
-                              loss_scale=active.settings.loss_scale,
-                              ranges=active.settings.ranges_dir,
-                              initial_scale=active.settings.initial_scale)
-        return result
-
-    model_class.compile = compile
-
+    _patch_compile(active, tf_keras.Model)
     # The loss Keras's own tf_keras LossScaleOptimizer scales is marked, so the
     # custom-loop tape patch does not scale it again (tfamp's subclass marks too).
     # `LossScaleOptimizer(opt)` builds a LossScaleOptimizerV3 for a new-style
     # optimizer, which is not a subclass: patch both.
     from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso_module
 
-    for lso_class in (keras_lso, keras_lso_module.LossScaleOptimizerV3):
+    for lso_class in (tf_keras.mixed_precision.LossScaleOptimizer,
+                      keras_lso_module.LossScaleOptimizerV3):
         _mark_scaled_losses(lso_class, loss_scale_ops, mark_scaled)
+
+
+def _patch_compile(active: _Activation, model_class) -> None:
+    """``compile`` of `model_class` then enables the model (``activation.enable_for_compile``:
+    a Keras mixed policy or Keras's own LossScaleOptimizer is left to Keras)."""
+    from tfamp.keras import activation
+
+    original = model_class.compile
+    settings = active.settings
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):  # noqa: A001
+        result = original(self, *args, **kwargs)
+        if isinstance(self, _keras_model_classes()):
+            activation.enable_for_compile(
+                self, config=settings.config, loss_scale=settings.loss_scale,
+                initial_scale=settings.initial_scale, ranges=settings.ranges_dir)
+        return result
+
+    model_class.compile = compile
+
+
+def _keras_model_classes() -> tuple[type, ...]:
+    from tfamp.keras.flavour import all_flavours
+
+    return tuple(f.model_class for f in all_flavours())
 
 
 def _mark_scaled_losses(lso_class, loss_scale_ops, mark_scaled) -> None:
@@ -243,31 +242,12 @@ def _patch_keras3(active: _Activation) -> None:
                     "TensorFlow graphs only, so Keras models here stay as they are.",
                     keras.backend.backend())
         return
-    from tfamp.keras import activation
-    from tfamp.keras import keras3 as keras3_hooks
-    from tfamp.keras.loss_scale3 import INNER_MARK
+    # (Importing tfamp's Keras 3 optimizer registers it: a .keras file saved with it loads.)
+    from tfamp.keras import optimizer_keras3  # noqa: F401
     from tfamp.keras.scale_update import loss_scale_ops, mark_scaled
+    from tfamp.keras.step_scope import INNER_MARK
 
-    original_compile = base_trainer.Trainer.compile
-
-    @functools.wraps(original_compile)
-    def compile(self, *args, **kwargs):  # noqa: A001
-        result = original_compile(self, *args, **kwargs)
-        if isinstance(self, keras.Model) and not activation.is_enabled(self):
-            if activation.mixed_policy_name(self) is not None:
-                pass  # Keras's policy trains it: see _patch_keras_mixed_policies
-            elif keras3_hooks.uses_keras_mixed_precision(self):
-                log.info("tfamp: model %r uses Keras's own mixed precision (a mixed policy "
-                         "or LossScaleOptimizer): tfamp rewrites its graphs and leaves loss "
-                         "scaling to Keras.", self.name)
-            else:
-                activation.enable(self, config=active.settings.config,
-                                  loss_scale=active.settings.loss_scale,
-                                  ranges=active.settings.ranges_dir,
-                                  initial_scale=active.settings.initial_scale)
-        return result
-
-    base_trainer.Trainer.compile = compile
+    _patch_compile(active, base_trainer.Trainer)
 
     # Keras's own LossScaleOptimizer (a user's, or a mixed policy's): the loss it
     # scales is marked so tfamp's tape patch does not scale it again, and its
@@ -382,8 +362,10 @@ def _patch_custom_loops(active: _Activation) -> None:
         return
     import tensorflow as tf
 
-    from tfamp.keras import loss_scale as loss_scale_lib
+    from tfamp.keras import optimizer_tf_keras, step_scope
     from tfamp.keras.scale_update import is_loss_target, is_scaled, seed, unscale
+
+    step_scope.set_process_owner(process_scale_state)
 
     original_gradient = tf.GradientTape.gradient
 
@@ -399,33 +381,31 @@ def _patch_custom_loops(active: _Activation) -> None:
     tf.GradientTape.gradient = gradient
 
     for optimizer_class in _optimizer_classes():
-        _patch_apply_gradients(active, optimizer_class, loss_scale_lib)
+        _patch_apply_gradients(active, optimizer_class)
     _patch_keras3_apply(active)
 
     # tfamp's own loss-scale optimizer scales through the tape by itself.
-    original_compute = loss_scale_lib.LossScaleOptimizer.compute_gradients
+    original_compute = optimizer_tf_keras.LossScaleOptimizer.compute_gradients
 
     @functools.wraps(original_compute)
     def compute_gradients(self, *args, **kwargs):
         with _keras_scales_itself(active):
             return original_compute(self, *args, **kwargs)
 
-    loss_scale_lib.LossScaleOptimizer.compute_gradients = compute_gradients
+    optimizer_tf_keras.LossScaleOptimizer.compute_gradients = compute_gradients
 
 
 def _scaled_elsewhere(active: _Activation) -> bool:
     """True where the process-wide custom-loop scale must stand aside: a Keras train
     step whose optimizer scales the loss itself, or an enabled model's train step
-    (its own scale owns every tape and update there: ``custom_loop.train_step_scope``)."""
+    (its own scale owns every tape and update there: ``step_scope.train_step_scope``)."""
     if getattr(active.no_tape_scaling, "on", False):
         return True
-    from tfamp.keras import custom_loop
-    from tfamp.keras.start_scale import current_probe
+    from tfamp.keras import step_scope
 
-    if current_probe() is not None:  # the start-scale probe: custom_loop's patches record
+    if step_scope.current_probe() is not None:  # the start-scale probe: tape.py records
         return True
-
-    return custom_loop.current_step() is not None
+    return step_scope.current_step() is not None
 
 
 def _optimizer_classes():
@@ -452,7 +432,7 @@ def _patch_keras3_apply(active: _Activation) -> None:
     if (not getattr(keras, "__version__", "0").startswith("3")
             or keras.backend.backend() != "tensorflow"):
         return
-    from tfamp.keras import loss_scale3, scale_update
+    from tfamp.keras import scale_update, step_scope
 
     optimizer_class = keras.optimizers.Optimizer
     original = optimizer_class.apply
@@ -461,7 +441,7 @@ def _patch_keras3_apply(active: _Activation) -> None:
     def apply(self, grads, trainable_variables=None):
         if (_scaled_elsewhere(active)
                 or isinstance(self, keras.optimizers.LossScaleOptimizer)
-                or getattr(self, loss_scale3.INNER_MARK, False)):
+                or getattr(self, step_scope.INNER_MARK, False)):
             return original(self, grads, trainable_variables)
         _tell_if_eager(active)
         scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,
@@ -472,7 +452,7 @@ def _patch_keras3_apply(active: _Activation) -> None:
     optimizer_class.apply = apply
 
 
-def _patch_apply_gradients(active: _Activation, optimizer_class, loss_scale_lib) -> None:
+def _patch_apply_gradients(active: _Activation, optimizer_class) -> None:
     original = optimizer_class.apply_gradients
 
     @functools.wraps(original)
@@ -525,11 +505,11 @@ def _scale_state(active: _Activation):
 
 def _make_scale_state(active: _Activation):
     if active.scale_state is None:
-        from tfamp.keras.loss_scale import DEFAULT_INITIAL_SCALE, _ScaleState
+        from tfamp.keras.scale_state import DEFAULT_INITIAL_SCALE, ScaleState
 
         initial = active.settings.initial_scale
         # "auto": a custom loop calls tfamp.calibrate_loss_scale (it has no first fit)
-        active.scale_state = _ScaleState.for_setting(
+        active.scale_state = ScaleState.for_setting(
             active.settings.loss_scale,
             DEFAULT_INITIAL_SCALE if initial == "auto" else initial)
     return active.scale_state

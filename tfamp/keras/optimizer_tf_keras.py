@@ -1,4 +1,4 @@
-"""Loss scaling: the scale state and the optimizer wrapper that applies it.
+"""tfamp's loss-scale optimizer for tf_keras (``tfamp.LossScaleOptimizer``).
 
 Algorithm (dynamic, the float16 default)::
 
@@ -28,88 +28,26 @@ warning.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 
 import tensorflow as tf
 from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso
 from tf_keras.src.saving import object_registration
 
-from tfamp.keras.fallback import RECORD_LENGTH
-from tfamp.keras.scale_update import (
-    BAD_NAMES_KEPT,
-    finite_flags,
-    loss_scale_ops,
-    mark_scaled,
-    update_scale,
+from tfamp.keras import step_scope
+from tfamp.keras.scale_state import (
+    DEFAULT_GROWTH_INTERVAL,
+    DEFAULT_INITIAL_SCALE,
+    DEFAULT_MIN_SCALE,
+    STUCK_PATIENCE,
+    ScaleState,
+    has_stepped_counters,
+    validate_settings,
+    warn_stuck,
 )
-from tfamp.keras.start_scale import current_probe
+from tfamp.keras.scale_update import loss_scale_ops, mark_scaled
 
 log = logging.getLogger("tfamp")
-
-DEFAULT_INITIAL_SCALE = 2.0**15
-DEFAULT_GROWTH_INTERVAL = 2000
-DEFAULT_MIN_SCALE = 1.0
-# Consecutive skipped steps at the floor before the stuck warning.
-STUCK_PATIENCE = 2
-
-
-class _ScaleState(keras_lso._DynamicLossScaleState):
-    """tf_keras's dynamic state plus floor, skip counter and first bad gradients.
-
-    Same checkpoint names as tf_keras ("current_loss_scale", "good_steps") plus
-    "skipped_steps", "floor_skips", "first_nonfinite" and "fallback_fp32".
-    """
-
-    def __init__(self, initial_scale: float, growth_interval: int | None, min_scale: float):
-        super().__init__(initial_scale, growth_interval or 1, multiplier=2)
-        self.is_dynamic = growth_interval is not None
-        self.min_scale = float(min_scale)
-        self.skipped_steps = self._add_weight("skipped_steps", 0, dtype=tf.int64)
-        self.floor_skips = self._add_weight("floor_skips", 0, dtype=tf.int64)
-        self.first_nonfinite = self._add_weight(
-            "first_nonfinite", [-1] * BAD_NAMES_KEPT, dtype=tf.int32)
-        # The layers moved to float32 after a float16 overflow (keras/fallback.py).
-        self.fallback_fp32 = self._add_weight(
-            "fallback_fp32", [0] * RECORD_LENGTH, dtype=tf.int32)
-
-    @classmethod
-    def for_setting(cls, loss_scale, initial_scale: float = DEFAULT_INITIAL_SCALE,
-                    growth_interval: int = DEFAULT_GROWTH_INTERVAL,
-                    min_scale: float = DEFAULT_MIN_SCALE) -> _ScaleState:
-        """The state for a ``loss_scale`` setting: "dynamic", or a fixed number.
-
-        Its variables are made outside any function being traced (a custom
-        loop's step may be what first asks for them).
-        """
-        with tf.init_scope():
-            if loss_scale == "dynamic":
-                return cls(initial_scale, growth_interval, min_scale)
-            return cls(float(loss_scale), None, min_scale)
-
-    def update(self, grads):
-        """Updates the scale for this step; returns (update op, apply grads?)."""
-        grads = [g for g in tf.nest.flatten(grads) if g is not None]
-        if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-            strategy = tf.distribute.get_strategy()
-            flags = strategy.experimental_local_results(
-                strategy.extended.call_for_each_replica(finite_flags, args=(grads,)))[0]
-        else:
-            flags = finite_flags(grads)
-        finite, group = self.update_from_flags(flags)
-        return group, finite
-
-    def update_from_flags(self, flags, *, count_skipped: bool = True):
-        """The scale rules for a step whose gradient flags are `flags`: (finite, updates).
-
-        `count_skipped` False: the caller's skip branch counts skipped steps.
-        """
-        return update_scale(
-            flags, scale=self.current_loss_scale, good_steps=self.counter,
-            skipped_steps=self.skipped_steps if count_skipped else None,
-            floor_skips=self.floor_skips,
-            first_nonfinite=self.first_nonfinite, dynamic=self.is_dynamic,
-            growth_interval=self.growth_steps, min_scale=self.min_scale)
 
 
 class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
@@ -142,7 +80,7 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
                                            min_scale)
         # The parent's fixed mode creates no state; tfamp's own state replaces it.
         super().__init__(inner_optimizer, dynamic=False, initial_scale=start)
-        self._loss_scale = _ScaleState(
+        self._loss_scale = ScaleState(
             start, int(growth_interval) if dynamic else None, min_scale)
         self._track_trackable(self._loss_scale, "loss_scale", overwrite=True)
         self._variable_names: list[str] = []
@@ -174,6 +112,10 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         return self._loss_scale.min_scale
 
     @property
+    def is_dynamic(self) -> bool:
+        return self._loss_scale.is_dynamic
+
+    @property
     def fallback_fp32(self) -> tf.Variable:
         """The float32 fallback's record (``tfamp.keras.fallback``), checkpointed."""
         return self._loss_scale.fallback_fp32
@@ -192,39 +134,53 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
     # -- applying ------------------------------------------------------------
 
     def get_scaled_loss(self, loss):
-        from tfamp.keras import custom_loop
-
-        if current_probe() is not None:  # the start-scale probe measures true sizes
+        if step_scope.current_probe() is not None:  # the start-scale probe measures true sizes
             return loss
         with loss_scale_ops():
             scaled = super().get_scaled_loss(loss)
         mark_scaled(scaled)  # scaled by hand: tfamp's custom-loop tape hook leaves it alone
-        custom_loop.note_scaled_loss()
+        step_scope.note_scaled_loss()
         return scaled
 
     def get_unscaled_gradients(self, grads):
-        if current_probe() is not None:
+        if step_scope.current_probe() is not None:
             return grads
         with loss_scale_ops():
             return super().get_unscaled_gradients(grads)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        from tfamp.keras import custom_loop
-
-        if current_probe() is not None:
+        if step_scope.current_probe() is not None:
             return self.iterations  # the start-scale probe applies nothing
-        pending = custom_loop.take_pending()
+        pending = step_scope.take_pending()
         if pending is not None:
             # tfamp's tape hook scaled and unscaled (a custom loop); this optimizer
             # checks finiteness itself. Keeps tf_keras's "you forgot" warning quiet.
             self._loss_has_been_scaled = self._gradients_have_been_unscaled = True
-        custom_loop.note_update(
-            pending, scaled=pending is not None or custom_loop.take_scaled_loss())
+        step_scope.note_update(
+            pending, scaled=pending is not None or step_scope.take_scaled_loss())
         grads_and_vars = list(grads_and_vars)
         # Same filter the parent applies before the finiteness check, so index i
         # of the recorded flags names variable i here.
         self._variable_names = [v.name for g, v in grads_and_vars if g is not None]
         return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
+    # -- what every scale owner answers (scale_state.py) ---------------------
+
+    def scale_tensor(self) -> tf.Tensor:
+        return tf.convert_to_tensor(self._loss_scale.current_loss_scale)
+
+    def update_from_flags(self, flags, *, count_skipped: bool = True):
+        return self._loss_scale.update_from_flags(flags, count_skipped=count_skipped)
+
+    def set_scale(self, value: float) -> None:
+        self._loss_scale.current_loss_scale.assign(value)
+
+    def has_stepped(self) -> bool:
+        # tf_keras counts a skipped step in iterations too.
+        return has_stepped_counters(self.iterations, self.skipped_steps)
+
+    def ensure_built(self, variables) -> None:  # the scale state exists from the start
+        del variables
 
     def check_stuck(self, diagnose: Callable[[], str | None] | None = None) -> bool:
         """Warns once if steps keep being skipped with the scale at its floor.
@@ -244,79 +200,6 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         names = [self._variable_names[i] for i in indices if i < len(self._variable_names)]
         warn_stuck(self.min_scale, int(self.skipped_steps.numpy()), names, diagnose)
         return True
-
-
-def warn_stuck(min_scale: float, skipped: int, names: list[str],
-               diagnose: Callable[[], str | None] | None = None) -> str:
-    """Logs and warns (RuntimeWarning) that the scale is stuck at its floor.
-
-    Shared by the tf_keras and Keras 3 loss-scale optimizers.
-
-    Args:
-      min_scale: the floor; skipped: steps skipped so far.
-      names: the variables whose gradients were first non-finite.
-      diagnose: called once to name the first op that made an inf/nan
-        (``tfamp.numerics.nonfinite``); its answer is appended. It must not
-        change any state; if it fails, the warning says so and still goes out.
-
-    Returns:
-      the message.
-    """
-    message = (
-        f"tfamp: loss scale is stuck at its floor ({min_scale:g}) and steps keep "
-        f"being skipped ({skipped} skipped so far): the gradients are inf/nan even "
-        f"unscaled, so no weights are being updated. First non-finite gradients: "
-        f"{', '.join(names) or 'unknown'}. Check the data and learning rate, keep the "
-        f"op producing them float32 (keep_fp32=...), or try dtype='bfloat16'.")
-    if diagnose is not None:
-        try:
-            found = diagnose()
-        except Exception as err:  # the warning matters more than the diagnosis
-            found = f"tfamp could not localise the op ({type(err).__name__}: {err})"
-        if found:
-            message += f" Localised: {found}"
-    log.error("%s", message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return message
-
-
-def validate_settings(loss_scale, initial_scale: float, growth_interval: int,
-                      min_scale: float) -> tuple[bool, float]:
-    """Checks loss-scale settings; returns (dynamic?, starting scale).
-
-    Raises:
-      ValueError / TypeError: naming the argument, the value and what is accepted.
-    """
-    dynamic, start = _parse_loss_scale(loss_scale, initial_scale)
-    _check_positive(growth_interval=growth_interval, min_scale=min_scale)
-    if dynamic and start < min_scale:
-        raise ValueError(
-            f"initial_scale ({start}) is below min_scale ({min_scale}); pass an "
-            f"initial_scale >= min_scale.")
-    return dynamic, start
-
-
-def _parse_loss_scale(loss_scale, initial_scale: float) -> tuple[bool, float]:
-    if isinstance(loss_scale, str):
-        if loss_scale != "dynamic":
-            raise ValueError(
-                f"loss_scale must be 'dynamic', a positive number or None, received "
-                f"{loss_scale!r}.")
-        _check_positive(initial_scale=initial_scale)
-        return True, float(initial_scale)
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)):
-        raise TypeError(
-            f"loss_scale must be 'dynamic', a positive number or None, received "
-            f"{loss_scale!r} ({type(loss_scale).__name__}).")
-    _check_positive(loss_scale=loss_scale)
-    return False, float(loss_scale)
-
-
-def _check_positive(**values) -> None:
-    for name, value in values.items():
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                and value > 0 and value == value and value != float("inf")):
-            raise ValueError(f"{name} must be a positive finite number, received {value!r}.")
 
 
 # Legacy SavedModel metadata names an optimizer by get_registered_name(its class).

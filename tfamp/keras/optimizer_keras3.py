@@ -1,6 +1,6 @@
-"""Loss scaling for Keras 3 (``import keras`` / ``tf.keras``): tfamp's optimizer wrapper.
+"""tfamp's loss-scale optimizer for Keras 3 (``import keras`` / ``tf.keras``).
 
-Same algorithm as ``tfamp.keras.loss_scale`` (tf_keras)::
+Same algorithm as ``tfamp.keras.optimizer_tf_keras`` (tf_keras)::
 
     scale = initial_scale                      # 2**15
     each step:
@@ -51,9 +51,7 @@ too.
 
 from __future__ import annotations
 
-import threading
 import warnings
-import weakref
 from collections.abc import Callable
 
 import keras
@@ -61,12 +59,14 @@ import tensorflow as tf
 from keras.src.saving.keras_saveable import KerasSaveable
 from keras.src.utils import tracking
 
-from tfamp.keras.fallback import RECORD_LENGTH
-from tfamp.keras.loss_scale import (
+from tfamp.keras import step_scope
+from tfamp.keras.scale_state import (
     DEFAULT_GROWTH_INTERVAL,
     DEFAULT_INITIAL_SCALE,
     DEFAULT_MIN_SCALE,
+    RECORD_LENGTH,
     STUCK_PATIENCE,
+    has_stepped_counters,
     validate_settings,
     warn_stuck,
 )
@@ -74,58 +74,10 @@ from tfamp.keras.scale_update import (
     BAD_NAMES_KEPT,
     apply_if_finite,
     loss_scale_ops,
-    mark_scaled,
     unscale,
     update_scale,
 )
-from tfamp.keras.start_scale import current_probe
-
-
-INNER_MARK = "_tfamp_inner_of_loss_scale_optimizer"
-
-# Pending scaled losses: per thread (replica), per graph (trace), per optimizer.
-_pending = threading.local()
-_EAGER = object()
-
-
-def _graph_key():
-    if tf.executing_eagerly():
-        return _EAGER
-    return tf.compat.v1.get_default_graph()
-
-
-def _pending_table() -> weakref.WeakKeyDictionary:
-    table = getattr(_pending, "table", None)
-    if table is None:
-        table = _pending.table = weakref.WeakKeyDictionary()
-    return table
-
-
-def mark_scaled_loss(optimizer, scaled) -> None:
-    """Marks `scaled` as a loss `optimizer` scaled (see the protocol above)."""
-    mark_scaled(scaled)
-    key = _graph_key()
-    table = _pending_table()
-    per_graph = table.get(key) if key is not _EAGER else getattr(_pending, "eager", None)
-    if per_graph is None:
-        per_graph = {}
-        if key is _EAGER:
-            _pending.eager = per_graph
-        else:
-            table[key] = per_graph
-    per_graph[id(optimizer)] = per_graph.get(id(optimizer), 0) + 1
-
-
-def consume_scaled_loss(optimizer) -> bool:
-    """True (once per scaled loss) if `optimizer.scale_loss` ran in this trace."""
-    key = _graph_key()
-    per_graph = (getattr(_pending, "eager", None) if key is _EAGER
-                 else _pending_table().get(key))
-    if not per_graph or per_graph.get(id(optimizer), 0) <= 0:
-        return False
-    per_graph[id(optimizer)] -= 1
-    return True
-
+from tfamp.keras.step_scope import INNER_MARK
 
 # -- the optimizer ---------------------------------------------------------------
 
@@ -225,22 +177,20 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return self.dynamic_scale if self.built else tf.constant(self.initial_scale)
 
     def scale_loss(self, loss):
-        if current_probe() is not None:  # the start-scale probe measures true sizes
+        if step_scope.current_probe() is not None:  # the probe measures true sizes
             return loss
         with loss_scale_ops():
             scaled = super().scale_loss(loss)
-        mark_scaled_loss(self, scaled)
+        step_scope.mark_scaled_loss(self, scaled)
         return scaled
 
     # -- applying ------------------------------------------------------------
 
     def apply(self, grads, trainable_variables=None):
-        from tfamp.keras import custom_loop
-
-        if current_probe() is not None:
+        if step_scope.current_probe() is not None:
             return  # the start-scale probe applies nothing
         # A tape tfamp scaled (custom loop or train step): this optimizer checks it itself.
-        pending = custom_loop.take_pending()
+        pending = step_scope.take_pending()
         grads = list(grads)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -250,8 +200,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             raise ValueError("apply() must be called in a replica context.")
         variables = (list(trainable_variables) if trainable_variables is not None
                      else list(self._trainable_variables))
-        scaled_here = consume_scaled_loss(self)
-        custom_loop.note_update(pending, scaled=pending is not None or scaled_here)
+        scaled_here = step_scope.consume_scaled_loss(self)
+        step_scope.note_update(pending, scaled=pending is not None or scaled_here)
         if scaled_here:
             scale = self.dynamic_scale
             grads = [g if g is None or self._overwrite_variable_with_gradient(v)
@@ -260,6 +210,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                                 if g is not None]
         apply_if_finite(grads, lambda g: self.inner_optimizer.apply(g, trainable_variables),
                         self._update_state, skipped_steps=self.skipped_steps)
+
+    # -- what every scale owner answers (scale_state.py) ---------------------
+
+    def scale_tensor(self) -> tf.Tensor:
+        """The scale (its initial one until built: the variable exists only then)."""
+        if not self.built:
+            return tf.constant(float(self.initial_scale), tf.float32)
+        return tf.cast(tf.convert_to_tensor(self.dynamic_scale), tf.float32)
+
+    def update_from_flags(self, flags, *, count_skipped: bool = True):
+        self._update_state(flags, count_skipped=count_skipped)
+
+    def set_scale(self, value: float) -> None:
+        self.dynamic_scale.assign(value)
+
+    def has_stepped(self) -> bool:
+        # Keras 3 does not count a skipped step in iterations.
+        return self.built and has_stepped_counters(self.iterations, self.skipped_steps)
+
+    def ensure_built(self, variables) -> None:
+        """Builds it (outside any trace) if it is not: its scale is a variable only then."""
+        if self.built:
+            return
+        with tf.init_scope():
+            self.build(list(variables))
 
     def _update_state(self, flags, *, count_skipped: bool = True):
         update_scale(flags, scale=self.dynamic_scale, good_steps=self.step_counter,

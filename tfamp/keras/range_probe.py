@@ -1,4 +1,4 @@
-"""The range probe for Keras models: ``KerasRangeProbe`` and ``collect_keras_ranges``.
+"""The range probe for Keras models (``KerasRangeProbe``, ``collect_keras_ranges``) and files.
 
 The probe runs, for one batch, a separate tf.function that computes the
 model's loss in float32 and back-propagates it, and buckets on the device (see
@@ -27,13 +27,17 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from tfamp.keras import custom_loop
 from tfamp.keras.flavour import flavour_of
 from tfamp.numerics import ranges as ranges_lib
-from tfamp.numerics.ranges import RangeReport, TensorRange
+from tfamp.numerics.graph_probe import collect_graph_ranges, synthetic_batches
+from tfamp.numerics.monitor import DEFAULT_OUTPUT_DIR, DEFAULT_STEPS
+from tfamp.numerics.range_report import RangeReport
+from tfamp.numerics.ranges import TensorRange
+from tfamp.runtime.plain import plain_calls, plain_function
 
-DEFAULT_STEPS = 3
-DEFAULT_OUTPUT_DIR = "tfamp_ranges"
+__all__ = ["DEFAULT_OUTPUT_DIR", "DEFAULT_STEPS", "KerasRangeProbe", "collect_file_ranges",
+           "collect_keras_ranges", "current_loss_scale", "dynamic_settings",
+           "state_variables", "unpack_batch"]
 SUBCLASSED_NOTE = ("subclassed model: no graph of layers to take outputs from, so only "
                    "weight gradients were collected (build it as a Sequential or "
                    "Functional model to see activation gradients)")
@@ -77,7 +81,7 @@ class KerasRangeProbe:
         state = state_variables(model)
         saved = [tf.identity(v.read_value() if hasattr(v, "read_value") else v.value)
                  for v in state]
-        with tf.GradientTape() as tape, custom_loop.plain_calls():  # float32 on purpose
+        with tf.GradientTape() as tape, plain_calls():  # float32 on purpose
             if self._sub is not None:
                 outputs = tf.nest.flatten(self._sub(x, training=True))
                 tape.watch(outputs)
@@ -126,12 +130,6 @@ class KerasRangeProbe:
         counts, maxes = counts.numpy(), maxes.numpy()
         return [TensorRange.from_vector(label, _layer_of(kind, label), kind, row, top)
                 for (kind, label), row, top in zip(self._kinds, counts, maxes, strict=True)]
-
-
-def plain_function(python_function):
-    """A tf.function tfamp does not rewrite (under TFAMP_ENABLE tf.function is tfamp's):
-    the probe measures float32 reference values."""
-    return getattr(tf.function, "_tfamp_original", tf.function)(python_function)
 
 
 def state_variables(model) -> list:
@@ -258,4 +256,61 @@ def unpack_batch(batch) -> tuple[Any, Any, Any]:
     """(x, y, sample_weight) from a batch tuple, as Keras unpacks it."""
     return keras.utils.unpack_x_y_sample_weight(batch)
 
+
+def collect_file_ranges(path, *, steps: int = 3, signature: str | None = None,
+                        config=None, batch_size: int = 8, progress=None) -> RangeReport:
+    """Ranges of a saved model on `steps` synthetic batches (``tfamp inspect --ranges``).
+
+    A compiled Keras file (.keras, .h5; tf_keras or Keras 3) gives activations, activation
+    gradients and weight gradients (random inputs, random targets shaped like
+    the outputs; integer labels for sparse losses). A SavedModel directory
+    gives forward activations only (``graph_probe.FORWARD_ONLY_NOTE``). Each batch has
+    `batch_size` rows; `progress` is called with the batches done after each.
+
+    Raises:
+      ValueError: the path is neither, or the Keras model was saved uncompiled.
+    """
+    from pathlib import Path
+
+    import tensorflow as tf
+
+    path = Path(path)
+    if path.suffix.lower() in (".keras", ".h5"):
+        from tfamp.inspect.graph_files import load_keras_file, target_specs
+
+        model, _ = load_keras_file(path)  # tf_keras or Keras 3, by the file's keras_version
+        if not flavour_of(model).has_loss(model):
+            raise ValueError(f"{path} was saved without compile(): gradients need the "
+                             f"loss; compile the model before saving it")
+        x_specs = [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in model.inputs]
+        y_specs = target_specs(model, None)
+        sparse = y_specs[0].dtype == tf.int64
+        classes = int(model.outputs[0].shape[-1]) if sparse else None
+        xs = synthetic_batches(x_specs, steps, seed=0, batch=batch_size)
+        ys = synthetic_batches(y_specs, steps, seed=1, classes=classes, batch=batch_size)
+        batches = [(x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
+                   for x, y in zip(xs, ys, strict=True)]
+        report = collect_keras_ranges(model, batches, steps=steps, progress=progress)
+        report.notes.append(f"inputs and targets were random (synthetic batches of "
+                            f"{batch_size})")
+        return report
+    if path.is_dir() and ((path / "saved_model.pb").is_file()
+                          or (path / "saved_model.pbtxt").is_file()):
+        loaded = tf.saved_model.load(str(path))
+        wanted = signature or "serving_default"
+        if wanted not in loaded.signatures:
+            raise ValueError(f"{path} has no signature {wanted!r}; available: "
+                             f"{', '.join(sorted(loaded.signatures)) or 'none'}")
+        concrete = loaded.signatures[wanted]
+        internal = {id(t) for _, t in concrete.graph.captures}
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in concrete.graph.inputs
+                 if id(t) not in internal]
+        report = collect_graph_ranges(concrete, synthetic_batches(specs, steps,
+                                                                  batch=batch_size),
+                                      config, name=f"{path.name}:{wanted}", progress=progress)
+        report.notes.append(f"inputs were random (synthetic batches of {batch_size} where "
+                            f"the batch dimension is open)")
+        return report
+    raise ValueError(f"--ranges needs a Keras model file (.keras, .h5) or a SavedModel "
+                     f"directory; {path} is neither")
 

@@ -1,0 +1,255 @@
+"""An enabled model's lifecycle under tf.distribute (issue 29): the probe and the fallback at scale.
+
+MirroredStrategy on two logical CPUs and MultiWorkerMirroredStrategy with two
+workers on loopback, tf_keras and Keras 3 (Keras 3's ``fit`` does not run under
+MultiWorkerMirroredStrategy on the TensorFlow backend, with or without tfamp:
+the last test pins that), ``tfamp.enable`` and ``TFAMP_ENABLE``. Every replica
+and worker reads different data (``tests/scale_scenarios.py``):
+
+* **probe**: inputs of magnitude ~300, whose gradients overflow float16 at
+  2^15. The start-scale probe runs (per replica, in replica context: tf_keras's
+  metric variables refused it in cross-replica context, so training started
+  at 2^15), every worker starts at one scale, no step is skipped, and the
+  replicas' and workers' weights stay identical;
+* **forward**: a frozen Dense whose float16 outputs overflow on one replica's
+  (one worker's) half of the data only; **backward**: a kernel gradient that
+  overflows float16 even at loss scale 1. The fallback finds the layer on
+  whichever replica or worker sees it, every replica and worker moves the same
+  layer (its name, without a replica's prefix) after at most a couple of
+  skipped steps, and the run trains like float32;
+* **resume**: BackupAndRestore interrupted after the fallback, resumed: every
+  worker re-applies the recorded layer before its first step, decides nothing
+  again and skips nothing more.
+
+Each run is its own process (logical devices and TF_CONFIG must be set before
+TensorFlow starts), one JSON line back, cached per module. The default suite
+runs MirroredStrategy with tf_keras and ``tfamp.enable`` (the case that
+failed); the rest is marked slow (about 25 minutes on two busy cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scale_scenarios.py"
+PREFIX = "SCENARIO_RESULT "
+TIMEOUT = 1500
+SCENARIOS = ("probe", "forward", "backward")
+# A layer moved by the fallback trains like float32: the loss on the data within
+# this factor of the float32 run's.
+LOSS_FACTOR = 1.25
+
+_cache: dict = {}
+
+
+def _environment(mode: str, tf_config: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
+                   os.pathsep))
+    env.pop("TF_CONFIG", None)
+    if mode == "env":
+        env.update(TFAMP_ENABLE="1", TFAMP_VERBOSITY="1")
+    if tf_config is not None:
+        env["TF_CONFIG"] = json.dumps(tf_config)
+    return env
+
+
+def _parse(what: str, returncode: int, stdout: str, stderr: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith(PREFIX)]
+    if returncode != 0 or not lines:
+        start = stderr.rfind("Traceback (most recent call last)")
+        errors = [line[:300] for line in stderr.splitlines()
+                  if re.match(r"\w+(Error|Exception)\b", line)]
+        raise AssertionError(f"{what} failed (exit {returncode}): {errors[-1:]}\n"
+                             f"{stderr[start:start + 4000] if start >= 0 else stderr[-4000:]}")
+    result = json.loads(lines[-1][len(PREFIX):])
+    result["stderr"] = stderr
+    return result
+
+
+def run_process(strategy: str, flavour: str, mode: str, *scenarios: str) -> dict:
+    key = (strategy, flavour, mode, scenarios)
+    if key not in _cache:
+        args = [sys.executable, str(SCRIPT), strategy, flavour, mode, *scenarios]
+        done = subprocess.run(args, env=_environment(mode), capture_output=True, text=True,
+                              timeout=TIMEOUT)
+        _cache[key] = _parse(" ".join(args[2:]), done.returncode, done.stdout, done.stderr)
+    return _cache[key]
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def run_workers(flavour: str, mode: str, *arguments: str, cache: bool = True) -> list[dict]:
+    """The scenarios in two MultiWorkerMirroredStrategy workers on loopback ports."""
+    key = ("multiworker", flavour, mode, arguments)
+    if cache and key in _cache:
+        return _cache[key]
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
+    procs, start = [], time.monotonic()
+    try:
+        for index in range(2):
+            tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            procs.append(subprocess.Popen(
+                [sys.executable, str(SCRIPT), "multiworker", flavour, mode, *arguments],
+                env=_environment(mode, tf_config), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True))
+        outputs = [proc.communicate(timeout=max(1.0, start + TIMEOUT - time.monotonic()))
+                   for proc in procs]
+    finally:
+        for proc in procs:  # no worker outlives the test
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    results = [_parse(f"worker {i}", proc.returncode, *out)
+               for i, (proc, out) in enumerate(zip(procs, outputs, strict=True))]
+    if cache:
+        _cache[key] = results
+    return results
+
+
+def tfamp_lines(stderr: str, text: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("tfamp:") and text in line]
+
+
+# -- what every run must show --------------------------------------------------------------
+
+def check_probe(run: dict) -> None:
+    probe = run["probe"]
+    # The probe ran and chose: the first kernel's gradient (~100) times 2^7 < 2^14.
+    assert probe["start_scale"] is not None and probe["start_scale"] < 2.0**15, probe
+    assert probe["history"]["skipped_steps"][-1] <= 2, probe["history"]
+    assert probe["history"]["loss_scale"][0] == probe["start_scale"]
+    assert probe["replicas_identical"]
+
+
+def check_fallback(run: dict, scenario: str, layer: str) -> None:
+    result = run[scenario]
+    [pattern] = result["moved"]
+    assert layer in pattern and "replica_" not in pattern, result["moved"]
+    assert result["keep_fp32"] == result["moved"]
+    assert result["history"]["skipped_steps"][-1] <= 3, result["history"]
+    assert all(np.isfinite(result["history"]["loss"])), result["history"]
+    assert result["replicas_identical"]
+
+
+def check_like_float32(run: dict, reference: dict, scenario: str) -> None:
+    got, want = run[scenario]["evaluate"], reference[scenario]["evaluate"]
+    assert got <= LOSS_FACTOR * want, (scenario, got, want)
+
+
+# -- MirroredStrategy ------------------------------------------------------------------------
+
+def test_mirrored_tf_keras_enable_probes_per_replica_and_falls_back_alike():
+    run = run_process("mirrored", "tf_keras", "enable", *SCENARIOS)
+    assert run["probe"]["replicas"] == 2
+    check_probe(run)
+    check_fallback(run, "forward", "frozen")
+    check_fallback(run, "backward", "wide")
+    # Only replica 1's half of each batch overflows: its finding names every replica.
+    [line] = tfamp_lines(run["stderr"], "now keeping 'pipe/frozen/'")
+    assert "replica_1/pipe/frozen/MatMul" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour, mode", [("tf_keras", "env"), ("keras3", "enable"),
+                                           ("keras3", "env")])
+def test_mirrored_probes_per_replica_and_falls_back_alike(flavour, mode):
+    run = run_process("mirrored", flavour, mode, *SCENARIOS)
+    check_probe(run)
+    check_fallback(run, "forward", "frozen")
+    check_fallback(run, "backward", "wide")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
+def test_mirrored_fallback_trains_like_float32(flavour):
+    reference = run_process("mirrored", flavour, "float32", *SCENARIOS)
+    for mode in ("enable", "env"):
+        run = run_process("mirrored", flavour, mode, *SCENARIOS)
+        for scenario in ("forward", "backward"):
+            check_like_float32(run, reference, scenario)
+
+
+# -- MultiWorkerMirroredStrategy -------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["enable", "env"])
+def test_multiworker_workers_start_at_one_scale_and_move_the_same_layers(mode):
+    first, second = run_workers("tf_keras", mode, *SCENARIOS)
+    assert (first["worker"], second["worker"]) == (0, 1)
+    for run in (first, second):
+        assert run["probe"]["replicas"] == 2
+        check_probe(run)
+        check_fallback(run, "forward", "frozen")
+        check_fallback(run, "backward", "wide")
+    for scenario in SCENARIOS:
+        a, b = first[scenario], second[scenario]
+        assert a["start_scale"] == b["start_scale"] and a["moved"] == b["moved"], scenario
+        assert a["history"] == b["history"], scenario
+        np.testing.assert_array_equal(a["weights"], b["weights"])  # identical workers
+    # Only worker 1 reads data that overflows: worker 0 moves what worker 1 found.
+    [line] = tfamp_lines(first["stderr"], "now keeping 'pipe/frozen/'")
+    assert "found on another replica's or worker's batch" in line
+    [line] = tfamp_lines(second["stderr"], "now keeping 'pipe/frozen/'")
+    assert "MatMul 'pipe/frozen/MatMul' (forward)" in line
+
+
+@pytest.mark.slow
+def test_multiworker_fallback_trains_like_float32():
+    reference = run_workers("tf_keras", "float32", *SCENARIOS)
+    for mode in ("enable", "env"):
+        runs = run_workers("tf_keras", mode, *SCENARIOS)
+        for run, want in zip(runs, reference, strict=True):
+            for scenario in ("forward", "backward"):
+                check_like_float32(run, want, scenario)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["enable", "env"])
+def test_multiworker_resume_restores_the_fallback_on_every_worker(mode, tmp_path):
+    backup = str(tmp_path / "backup")
+    interrupted = run_workers("tf_keras", mode, "resume", "--backup", backup, "--interrupt",
+                              cache=False)
+    assert all(r["resume"]["interrupted"] and r["resume"]["moved"] == ["pipe/frozen/"]
+               for r in interrupted)
+    resumed = run_workers("tf_keras", mode, "resume", "--backup", backup, cache=False)
+    for run in resumed:
+        result = run["resume"]
+        assert result["moved"] == ["pipe/frozen/"] and result["decisions"] == []
+        assert len(result["history"]["loss"]) == 1  # epoch 3 of 3
+        assert result["history"]["skipped_steps"] == [2.0]  # no step skipped after resuming
+        [line] = tfamp_lines(run["stderr"], "float32 fallback")
+        assert "restored from the checkpoint" in line
+    np.testing.assert_array_equal(resumed[0]["resume"]["weights"],
+                                  resumed[1]["resume"]["weights"])
+
+
+@pytest.mark.slow
+def test_keras3_fit_under_multiworker_fails_in_keras_itself():
+    # Keras 3's TensorFlow trainer reduces the first batch (x, y) with
+    # strategy.reduce("MEAN", ...) before building (_maybe_symbolic_build), which
+    # MultiWorkerMirroredStrategy refuses for a structure; no tfamp in this run.
+    # If this starts passing, Keras supports it and tfamp must be tested there too.
+    with pytest.raises(AssertionError, match=r"Attempt to convert a value \(PerReplica"):
+        run_workers("keras3", "float32", "probe", cache=False)

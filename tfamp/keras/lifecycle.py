@@ -1,0 +1,735 @@
+"""One enabled model's mixed precision: its settings, its state, and every point where tfamp acts.
+
+``tfamp.enable(model)`` makes one ``ModelPrecision`` for the model (kept as
+``model._tfamp_state``); the model's per-instance hooks call its points. The
+points, in the order they come, with what happens (tf_keras and Keras 3 alike;
+where the two differ, ``flavour.py`` answers):
+
+================================  ==============================================
+point                             what happens
+================================  ==============================================
+``enable`` / ``disable``          checks (backend, no other mixed precision),
+                                  the model's method hooks, its optimizer
+                                  wrapped in tfamp's loss-scale optimizer
+``after_compile``                 the new optimizer wrapped (in the model's
+                                  strategy scope)
+``make_function``                 Keras builds a train / test / predict
+                                  function: its step is rewritten; the train
+                                  function calls ``after_train_call``
+``before_fit``                    fit's first batch kept; the range monitor;
+                                  the fit callback (re-applies a restored
+                                  fallback record before the first step, marks
+                                  each epoch's start); the start scale
+                                  (``start_scale.py``: the probe, per replica,
+                                  agreed by every worker)
+``train_step`` (at trace time)    around each step: every loss scaled once by
+                                  the model's scale (``step_scope.py``,
+                                  ``tape.py``), a skipped step's inf/nan left out
+                                  of the metrics (``step_metrics.py``), the logs'
+                                  ``loss_scale`` / ``skipped_steps``
+``after_train_call``              the float32 fallback (``fallback.py``: when
+                                  to look, decide per replica, agree, apply);
+                                  else the stuck-at-floor warning
+``epoch_results``                 the epoch's metrics with tfamp's keys set
+                                  aside; NaN for a metric nothing finite reached
+``state_dict`` / ``load_state_dict``  the scale, skipped steps and moved layers as
+                                  plain values (checkpoints carry them in the
+                                  optimizer's variables)
+================================  ==============================================
+
+The strategy context is this module's business: the probes run per replica
+through ``replicas.py``, and every decision that must be the same on every
+worker is agreed there before it is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import weakref
+
+import tensorflow as tf
+
+from tfamp.config import AmpConfig
+from tfamp.keras import fallback, replicas, start_scale, step_metrics, step_scope, tape
+from tfamp.keras.custom_loop import ModelLoop, call_hook, unscaled_message
+from tfamp.keras.flavour import flavour_of
+from tfamp.keras.notices import warn
+from tfamp.keras.scale_state import ScaleState, current_scale, scale_values
+from tfamp.runtime.runner import RewrittenFunction
+
+log = logging.getLogger("tfamp")
+
+# Keys tfamp adds to the logs of an enabled model's train step.
+LOG_KEYS = ("loss_scale", "skipped_steps")
+# The step functions Keras builds lazily and caches on the model.
+FUNCTION_ATTRS = ("train_function", "test_function", "predict_function")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What ``tfamp.enable`` was asked for (validated by ``activation.enable``)."""
+
+    config: AmpConfig
+    loss_scale: object  # "dynamic", a number, or None
+    initial_scale: float
+    growth_interval: int
+    min_scale: float
+    check: bool = False
+    ranges: object = None  # None, True, or an output directory for RangeMonitor
+    auto_start: bool = False  # initial_scale="auto": the first fit probes the gradients
+
+
+def _optimizer_class(flavour) -> type:
+    """tfamp's loss-scale optimizer class for the model's Keras."""
+    if flavour.is_keras3:
+        from tfamp.keras.optimizer_keras3 import LossScaleOptimizer
+    else:
+        from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
+    return LossScaleOptimizer
+
+
+class ModelPrecision:
+    """An enabled model's mixed precision (see the module docstring for the points).
+
+    Attributes:
+      settings: what enable was asked for.
+      config: the AmpConfig the model's functions run with now (the float32
+        fallback adds to its ``keep_fp32``).
+      start_scale: the ``start_scale.StartScale`` once probed; False when not.
+      fallback: the ``fallback.FallbackState``.
+    """
+
+    def __init__(self, model, settings: Settings):
+        self.model = model
+        self.cls = type(model)
+        self.flavour = flavour_of(model)
+        self.settings = settings
+        self.config = settings.config
+        self.start_scale = None
+        self.fallback = fallback.FallbackState()
+        self.step_owner = None  # the scale owner the train step applied, once traced
+        self.nonfinite_skips = None  # step_metrics.counter_variable, before a train fn
+        self.epoch_skipped_at = None  # skipped steps at the training epoch's start
+        self.warned_unscaled = False
+        self._own_state = None  # a ScaleState when the model has no tfamp optimizer
+        self._seen_nonfinite = None  # the agreed nonfinite counts at the last look
+        self._pending_probe = None  # fit's first batch, for the probe in the step's trace
+        self._recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.loop = ModelLoop(model, self.cls.call, lambda: self.config, settings.check,
+                              self.built_scale_owner)
+
+    # -- enable / disable ---------------------------------------------------------
+
+    def enable(self) -> None:
+        model = self.model
+        self.flavour.check_backend()
+        self._check_no_other_mixed_precision()
+        previous = getattr(model, "_tfamp_state", None)
+        if previous is not None:
+            previous.disable()
+        object.__setattr__(model, "_tfamp_state", self)
+        self._install_hooks()
+        if getattr(model, "optimizer", None) is not None:
+            model.optimizer = self._wrapped_optimizer()
+        self._reset_functions()
+
+    def disable(self) -> None:
+        model = self.model
+        for name in model.__dict__.pop("_tfamp_hooks", ()):
+            model.__dict__.pop(name, None)
+        optimizer = getattr(model, "optimizer", None)
+        if isinstance(optimizer, _optimizer_class(self.flavour)):
+            inner = optimizer.inner_optimizer
+            inner.__dict__.pop(step_scope.INNER_MARK, None)
+            if not self.flavour.is_keras3:
+                inner._is_wrapped_by_loss_scale_optimizer = False
+            model.optimizer = inner
+        object.__setattr__(model, "_tfamp_state", None)
+        self._reset_functions()
+
+    def _check_no_other_mixed_precision(self) -> None:
+        policy = self.flavour.mixed_policy(self.model)
+        if policy is not None:
+            raise ValueError(
+                f"a Keras {policy!r} policy is in force and so is tfamp: they would both "
+                f"convert the model. Use one: for tfamp, call "
+                f"{self.flavour.set_policy_hint()} before building the model; or keep "
+                f"the Keras policy and do not call tfamp.enable.")
+        if tf.config.optimizer.get_experimental_options().get("auto_mixed_precision"):
+            raise ValueError(
+                "TensorFlow's own auto_mixed_precision graph rewrite is on "
+                "(tf.config.optimizer.set_experimental_options) and so is tfamp: they would "
+                "both convert the graph. Turn TensorFlow's off with "
+                "tf.config.optimizer.set_experimental_options({'auto_mixed_precision': "
+                "False}), or do not call tfamp.enable.")
+
+    def _install_hooks(self) -> None:
+        model, cls = self.model, self.cls
+
+        def compile(*args, **kwargs):  # noqa: A001  (mirrors Model.compile)
+            result = cls.compile(model, *args, **kwargs)
+            self.after_compile()
+            return result
+
+        def fit(*args, **kwargs):
+            args, kwargs = self.before_fit(args, kwargs)
+            try:
+                return cls.fit(model, *args, **kwargs)
+            finally:  # a probe waits for this fit's first step only
+                self._pending_probe = None
+
+        def maker(attr):
+            def make(force=False):
+                return self.make_function(attr, force)
+            return make
+
+        base_metrics = getattr(cls, self.flavour.metrics_method)
+        hooks = {
+            "call": call_hook(model, self.loop),
+            "compile": compile,
+            "fit": fit,
+            "train_step": self.train_step,
+            self.flavour.metrics_method: lambda logs: self.epoch_results(base_metrics, logs),
+            "make_train_function": maker("train_function"),
+            "make_test_function": maker("test_function"),
+            "make_predict_function": maker("predict_function"),
+        }
+        for name, hook in hooks.items():
+            object.__setattr__(model, name, hook)
+        object.__setattr__(model, "_tfamp_hooks", tuple(hooks))
+
+    def _reset_functions(self) -> None:
+        """Drops the step functions Keras cached, so the next call builds them anew."""
+        for attr in FUNCTION_ATTRS:
+            if hasattr(self.model, attr):
+                object.__setattr__(self.model, attr, None)
+
+    # -- compile ------------------------------------------------------------------
+
+    def after_compile(self) -> None:
+        self.model.optimizer = self._wrapped_optimizer()
+
+    def _wrapped_optimizer(self):
+        """The model's optimizer in tfamp's loss-scale optimizer (unchanged without scaling).
+
+        Made in the model's tf.distribute scope (as if ``enable`` had been called
+        inside ``strategy.scope()``), and, on Keras 3, built now when the model is,
+        as Keras's loader builds the optimizer it compiles, so that
+        ``load_weights`` right after ``enable`` finds every variable to restore.
+        """
+        optimizer = self.model.optimizer
+        settings = self.settings
+        tfamp_class = _optimizer_class(self.flavour)
+        if settings.loss_scale is None or optimizer is None or isinstance(optimizer,
+                                                                          tfamp_class):
+            return optimizer
+        if isinstance(optimizer, self.flavour.keras_loss_scale_optimizer):
+            raise ValueError(
+                "the model's optimizer is already a Keras LossScaleOptimizer; tfamp wraps "
+                "the optimizer itself. Compile with the inner optimizer "
+                "(optimizer.inner_optimizer), or pass loss_scale=None to tfamp.enable.")
+        if not isinstance(optimizer, self.flavour.optimizer_base):
+            raise TypeError(
+                f"tfamp loss scaling needs a {self.flavour.label} optimizer "
+                f"(keras.optimizers.*), the model has {type(optimizer).__name__}; compile "
+                f"with e.g. keras.optimizers.Adam(), or pass loss_scale=None.")
+        with self.strategy().scope():
+            wrapped = tfamp_class(
+                optimizer, settings.loss_scale, initial_scale=settings.initial_scale,
+                growth_interval=settings.growth_interval, min_scale=settings.min_scale)
+            if (self.flavour.is_keras3 and self.model.built
+                    and self.model.trainable_variables):
+                wrapped.ensure_built(self.model.trainable_variables)
+        return wrapped
+
+    # -- the scale ------------------------------------------------------------------
+
+    def strategy(self):
+        return self.flavour.distribute_strategy(self.model)
+
+    def loss_scale_optimizer(self):
+        """The model's tfamp loss-scale optimizer, or None."""
+        optimizer = getattr(self.model, "optimizer", None)
+        return optimizer if isinstance(optimizer, _optimizer_class(self.flavour)) else None
+
+    def scale_owner(self):
+        """What keeps the model's scale: its loss-scale optimizer, else a scale state
+        of its own (None without loss scaling). Not built (see ``built_scale_owner``)."""
+        if self.settings.loss_scale is None:
+            return None
+        optimizer = self.loss_scale_optimizer()
+        if optimizer is not None:
+            return optimizer
+        if self._own_state is None:
+            settings = self.settings
+            self._own_state = ScaleState.for_setting(
+                settings.loss_scale, settings.initial_scale, settings.growth_interval,
+                settings.min_scale)
+        return self._own_state
+
+    def built_scale_owner(self):
+        """``scale_owner`` with its variables made (for a step being traced)."""
+        owner = self.scale_owner()
+        if owner is not None:
+            owner.ensure_built(self.model.trainable_variables)
+        return owner
+
+    def read_scale(self) -> tuple[float, int] | None:
+        """(loss scale, skipped steps) the train step applies, as Python numbers
+        (None until a step applied a scale, or when it applies none)."""
+        if self.step_owner is None:
+            return None
+        scale, skipped = scale_values(self.step_owner)
+        return float(scale.numpy()), int(skipped.numpy())
+
+    def float16_lists(self):
+        """The float16 op lists (the probe's: what stays float32 bounds nothing), or None."""
+        return self.config.op_lists if self.config.dtype == "float16" else None
+
+    # -- step functions ---------------------------------------------------------------
+
+    def make_function(self, attr: str, force: bool = False):
+        """Keras's ``make_<attr>``, with the step rewritten by the model's settings."""
+        if attr == "train_function":
+            self._before_train_function()
+        made, rewritten = self.flavour.make_step_function(
+            self.model, self.cls, attr, force, self._rewrite)
+        if made is not None and not rewritten:
+            log.warning("tfamp: %s runs eagerly (run_eagerly=True), so there is no graph "
+                        "to rewrite; it stays float32.", attr)
+        elif rewritten and attr == "train_function":
+            made.set_after_call(self.after_train_call)
+            for function in getattr(made, "rewritten", [made]):
+                function.set_on_trace(self._on_train_trace)
+        return made
+
+    def _rewrite(self, function):
+        """`function` (a tf.function) rewritten with the model's settings now."""
+        if isinstance(function, RewrittenFunction):
+            # Built by TFAMP_ENABLE's tf.function: the model's own settings rule
+            # (they differ after a float32 fallback).
+            return function if function.config is self.config else function.with_config(
+                self.config)
+        # Under TFAMP_ENABLE, reports also go where the start-up hook keeps them.
+        on_report = getattr(tf.function, "_tfamp_on_report", None)
+        return RewrittenFunction(function, self.config, check=self.settings.check,
+                                 on_report=on_report)
+
+    def _before_train_function(self) -> None:
+        """Made outside any trace, in the model's strategy scope: the count of
+        skipped steps with inf/nan logs, and a scale state of the model's own."""
+        if self.settings.loss_scale is None:
+            return
+        if self.nonfinite_skips is None:
+            self.nonfinite_skips = step_metrics.counter_variable(self.strategy())
+        if self.loss_scale_optimizer() is None and self._own_state is None:
+            with self.strategy().scope():
+                self.scale_owner()
+
+    # -- before the first fit ---------------------------------------------------------
+
+    def before_fit(self, args, kwargs) -> tuple[tuple, dict]:
+        """What an enabled model's ``fit`` does first; returns fit's (args, kwargs)."""
+        from tfamp.keras import range_monitor
+
+        object.__setattr__(self.model, "_tfamp_fit_batch",
+                           range_monitor.fit_batch_source(args, kwargs))
+        if self.settings.ranges is not None:
+            monitor = range_monitor.monitor_for_fit(self.settings.ranges, args, kwargs)
+            args, kwargs = _with_callback(args, kwargs, monitor)
+        if self.settings.loss_scale is not None:
+            # Last: BackupAndRestore restores in its on_train_begin before it reads.
+            args, kwargs = _with_callback(args, kwargs, self._fit_callback())
+        self.start_scale_for_fit(args, kwargs, in_step=True)
+        return tuple(args), kwargs
+
+    def start_scale_for_fit(self, args, kwargs, *, in_step: bool = False):
+        """The start scale from fit's first batch, once (``initial_scale="auto"``).
+
+        Only for a dynamic scale, an owner that has taken no step, and data fit
+        can give a batch of without consuming it. With `in_step` (``fit``'s own
+        call) the probe waits for the step's first trace and reads that graph
+        (``_on_train_trace``: no second trace of the step) where it can; else it
+        traces the step now. Failing, whatever the cause, it warns and training
+        starts at the default scale: it never stops a fit.
+
+        Returns:
+          the StartScale when probed now, else None.
+        """
+        owner = self._owner_to_calibrate()
+        if owner is None:
+            return None
+        try:
+            batch = start_scale.first_batch(self.flavour, args, kwargs)
+        except Exception as err:  # same as a probe that failed
+            return self._probe_failed(owner, err)
+        if batch is None:
+            self.start_scale = False
+            warn(f"tfamp: model {self.model.name!r}: no start scale from the gradients: "
+                 f"fit's data is not arrays, tensors or a tf.data.Dataset, which tfamp can "
+                 f"read a batch from without consuming it, so dynamic scaling starts at "
+                 f"2^15 and may skip its first steps. Fix: pass arrays or a "
+                 f"tf.data.Dataset, or call tfamp.calibrate_loss_scale(model.train_step, "
+                 f"batch, model=model) first.")
+            return None
+        if in_step and self._probe_in_step_possible():
+            self._pending_probe = batch
+            return None
+        return self._probe(batch)
+
+    def _owner_to_calibrate(self):
+        """The dynamic scale owner a start-scale probe should set, or None."""
+        if not self.settings.auto_start or self.start_scale is not None:
+            return None
+        owner = self.scale_owner()
+        if owner is None or not owner.is_dynamic:
+            return None
+        return owner
+
+    def _probe_in_step_possible(self) -> bool:
+        """The train step is traced into the graph the rewrite sees, with its batch as
+        arguments or one iterator read: Keras 3 (not eagerly), tf_keras on one device
+        (not jit_compile, whose step is a function nested in it, nor
+        steps_per_execution, whose steps are a loop body; under a strategy its
+        replicas read their batch inside a conditional)."""
+        model = self.model
+        if getattr(model, "run_eagerly", False):
+            return False
+        if self.flavour.is_keras3:
+            return True
+        steps = getattr(model, "_steps_per_execution", None)
+        steps = int(steps.numpy()) if hasattr(steps, "numpy") else 1
+        return (not getattr(model, "jit_compile", False) and steps == 1
+                and not replicas.is_distributed(self.strategy()))
+
+    def _on_train_trace(self, concrete) -> None:
+        """The train step's first trace, before it is rewritten and first runs: the
+        start-scale probe reads its graph."""
+        batch, self._pending_probe = self._pending_probe, None
+        if batch is None:
+            return
+        recorder = self._recorders.pop(concrete.graph, None)
+        with tf.init_scope():  # (Keras 3 traces the step inside its loop's trace)
+            self._probe(batch, trace=(concrete, recorder, batch) if recorder else None)
+
+    def _recorder_for(self, graph):
+        """The probe's recorder of this trace (shared by its replicas' threads). Its
+        scale owner is asked for after the trace (building it before the step's
+        first call would build a Keras 3 optimizer before an unbuilt model's
+        variables exist)."""
+        with _recorders_lock:
+            recorder = self._recorders.get(graph)
+            if recorder is None:
+                recorder = start_scale.Recorder(self.float16_lists())
+                recorder.owner_of = self.built_scale_owner
+                self._recorders[graph] = recorder
+            return recorder
+
+    def _probe(self, batch, trace=None):
+        """Probes, sets the owner's scale unless it has taken a step, says so."""
+        model = self.model
+        owner = self.scale_owner()
+        try:
+            from tfamp.keras.range_probe import state_variables
+
+            found = start_scale.probe_step(
+                lambda data: self.cls.train_step(model, data), (batch,), {},
+                extra_state=state_variables(model), min_scale=owner.min_scale,
+                op_lists=self.float16_lists(), strategy=self.strategy(), trace=trace)
+            owner = self.built_scale_owner()  # the probe may have built the model
+            if owner.has_stepped():  # a restored run keeps its scale
+                self.start_scale = False
+                return None
+            owner.set_scale(found.scale)
+        except Exception as err:  # training goes on at the default scale; the user is told
+            return self._probe_failed(owner, err)
+        self.start_scale = found
+        log.info("%s", found.message())
+        return found
+
+    @staticmethod
+    def _scale_or_none(owner):
+        try:
+            return float(current_scale(owner).numpy())
+        except Exception:  # a message must not fail on the value it reports
+            return None
+
+    def _probe_failed(self, owner, err):
+        self.start_scale = False
+        start = self._scale_or_none(owner)
+        warn(f"tfamp: model {self.model.name!r}: no start scale from the gradients "
+             f"({type(err).__name__}: {err}); dynamic scaling starts at "
+             f"{'its initial scale' if start is None else format(start, 'g')}. Fix: pass "
+             f"initial_scale=<number> to tfamp.enable (TFAMP_INITIAL_SCALE) to choose it "
+             f"yourself.")
+        return None
+
+    def _fit_callback(self):
+        return _fit_callback_class(self.flavour.callback_base)(self)
+
+    def on_train_begin(self) -> None:
+        """Re-applies the patterns a restored checkpoint recorded and this run lacks."""
+        variable = self.record_variable()
+        if variable is None:
+            return
+        recorded = fallback.decode(variable.numpy())
+        missing = tuple(p for p in recorded if p not in self.fallback.moved)
+        if missing:
+            self.apply_fallback(missing)
+            decision = fallback.FallbackDecision(fallback.MOVED, missing)
+            log.warning("%s", fallback.moved_message(self.model, self.config, decision,
+                                                     restored=True))
+        owner = self.step_owner or self.loss_scale_optimizer()
+        skipped = getattr(owner, "skipped_steps", None)
+        if skipped is not None:  # count skipped steps in a row from here
+            self.fallback.last_skipped = int(tf.convert_to_tensor(skipped).numpy())
+
+    def on_epoch_begin(self) -> None:
+        scale = self.read_scale()
+        self.epoch_skipped_at = scale[1] if scale is not None else 0
+
+    # -- around each step ---------------------------------------------------------------
+
+    def train_step(self, data):
+        """The model's ``train_step`` in its step scope, with tfamp's log keys."""
+        cls, model = self.cls, self.model
+        if self.settings.loss_scale is None:
+            return cls.train_step(model, data)
+        tape.install()
+        guard = self._step_guard()
+        scope = step_scope.StepScope(self.built_scale_owner, self.loss_scale_optimizer)
+        if self._pending_probe is not None and not tf.executing_eagerly():
+            scope.recorder = self._recorder_for(tf.compat.v1.get_default_graph())
+        with step_scope.train_step_scope(scope):
+            logs = cls.train_step(model, data)
+        if guard is not None:
+            logs = guard.finish(logs)
+        if scope.unscaled and not self.warned_unscaled:
+            self.warned_unscaled = True
+            warn(unscaled_message(model))
+        owner = scope.reported_owner()
+        if owner is None or not isinstance(logs, dict):
+            return logs
+        self.step_owner = owner
+
+        def read():
+            return scale_values(owner)
+
+        scale, skipped = _read_once(read) if self.flavour.sums_replica_logs else read()
+        logs = dict(logs)
+        logs["loss_scale"], logs["skipped_steps"] = scale, skipped
+        return logs
+
+    def _step_guard(self):
+        if tf.executing_eagerly():
+            return None
+        if self.flavour.is_keras3 and not self.model.built:
+            # Keras 3 (without a strategy) builds the model in the step's first
+            # trace: building the optimizer here, before the model's variables
+            # exist, breaks its update. That trace makes variables, so
+            # tf.function traces the step again (the trace that runs), guarded.
+            return None
+        owner = self.built_scale_owner()
+        skipped = getattr(owner, "skipped_steps", None) if owner is not None else None
+        if skipped is None:
+            return None
+        return step_metrics.StepGuard(self.model, skipped, self.nonfinite_skips)
+
+    # -- after each train call -------------------------------------------------------------
+
+    def after_train_call(self, outputs) -> None:
+        """Moves an op that overflows float16 to float32, else warns (naming the op)
+        when the scale is stuck at its floor."""
+        del outputs
+        owner = self.step_owner
+        if owner is None:
+            return
+        if self._fallback_after_call(owner):
+            return  # the next step runs the new graph: the stuck check waits for it
+        from tfamp.keras.overflow_locator import diagnose_keras_model
+
+        owner.check_stuck(diagnose=lambda: fallback.known_cause(self)
+                          or diagnose_keras_model(self.model))
+
+    def _fallback_after_call(self, owner) -> bool:
+        """True if layers moved to float32 now."""
+        state = self.fallback
+        if state.stopped or self.record_variable() is None:
+            return False
+        if not self.flavour.has_loss(self.model):
+            return False  # a step without a compiled loss (a GAN's): the locator cannot run it
+        scale, skipped = (v.numpy() for v in scale_values(owner))
+        at_floor = float(scale) <= float(owner.min_scale)
+        if not state.should_look(int(skipped), at_floor, self._forward_overflowed):
+            return False
+        room = fallback.MAX_MOVED - len(state.moved)
+        local, repaired, undo = self._decide_locally(room)
+        decision = fallback.agree(self.strategy(), local, room=room)
+        state.record(decision)
+        if decision.kind == fallback.MOVED:
+            decision = dataclasses.replace(decision, repaired=repaired)
+            self.apply_fallback(decision.patterns)
+            log.warning("%s", fallback.moved_message(self.model, self.config, decision))
+            return True
+        undo()
+        if decision.kind == fallback.NOT_FOUND:
+            log.debug("tfamp: %d steps skipped in a row on %r but the step is finite at "
+                      "loss scale 1: loss scaling's to fix; next look after %d.",
+                      state.consecutive, self.model.name, state.next_probe_at)
+        elif not (decision.kind == fallback.FAILED and local.kind == fallback.FAILED):
+            log.warning("%s", fallback.stopped_message(self.model, decision))
+        return False
+
+    def _decide_locally(self, room: int):
+        """(this worker's decision, what was repaired, undo) on fit's first batch."""
+        model = self.model
+        source = getattr(model, "_tfamp_fit_batch", None)
+        try:
+            batch = source() if source is not None else None
+        except Exception:  # a batch that cannot be read again: nothing to look at
+            batch = None
+        if batch is None:
+            return fallback.FallbackDecision(fallback.NO_BATCH), (), lambda: None
+        # The skipped steps ran their forward pass: a BatchNorm's moving statistics
+        # took the inf/nan in. Repaired first, so the locator sees where it starts;
+        # kept only if layers move (the next overflowing step would write them again).
+        repaired, undo = fallback.repair_state(model)
+        try:
+            decision = fallback.decide(model, self.config, self.flavour.unpack_batch(batch),
+                                       room=room, strategy=self.strategy())
+        except Exception as err:  # training goes on; the stuck check still warns
+            log.warning("tfamp: no float32 fallback on model %r: finding the op that "
+                        "overflows failed (%s: %s); tfamp will not retry. Please report it; "
+                        "meanwhile keep the layer float32 yourself (keep_fp32=[...]).",
+                        model.name, type(err).__name__, err)
+            decision = fallback.FallbackDecision(fallback.FAILED)
+        return decision, repaired, undo
+
+    def _forward_overflowed(self) -> bool:
+        """Did a skipped step's logs hold inf/nan since the last look, on any replica of
+        any worker? (Collective: every worker asks at the same step.)"""
+        counter = self.nonfinite_skips
+        if counter is None:
+            return True  # no count kept: look
+        local = sum(int(c.numpy()) for c in replicas.local_components(counter))
+        counts = replicas.agree_rows(self.strategy(), [local])[:, 0]
+        seen, self._seen_nonfinite = self._seen_nonfinite, counts
+        return seen is None and counts.any() or seen is not None and (counts > seen).any()
+
+    def apply_fallback(self, patterns: tuple[str, ...]) -> None:
+        """Keeps `patterns` float32 from the next step on: the config, the step
+        functions (rebuilt) and the checkpointed record."""
+        state = self.fallback
+        state.moved = (*state.moved, *(p for p in patterns if p not in state.moved))
+        new = tuple(p for p in patterns if p not in self.config.keep_fp32)
+        if new:
+            self.config = self.config.replace(keep_fp32=(*self.config.keep_fp32, *new))
+            had_train = getattr(self.model, "train_function", None) is not None
+            self._reset_functions()
+            if had_train:  # fit holds no copy: it reads model.train_function each step
+                self.model.make_train_function(force=True)
+        variable = self.record_variable()
+        if variable is None:
+            return
+        try:
+            variable.assign(fallback.encode(state.moved))
+        except ValueError as err:
+            log.warning("tfamp: %s A resumed run will not keep the fallback: make it "
+                        "permanent with keep_fp32.", err)
+
+    def record_variable(self):
+        """The checkpointed record of moved layers (the owner's ``fallback_fp32``), or None."""
+        for candidate in (self.step_owner, getattr(self.model, "optimizer", None)):
+            variable = getattr(candidate, "fallback_fp32", None)
+            if variable is not None:
+                return variable
+        return None
+
+    # -- the epoch's end -----------------------------------------------------------------
+
+    def epoch_results(self, base, logs):
+        """Keras's epoch-end metrics re-read, with tfamp's log keys set aside.
+
+        Keras re-reads its metrics at an epoch's end (right under tf.distribute)
+        only when the log keys are exactly its metric names: tfamp's keys are set
+        aside, Keras reads, then tfamp's values are read from the scale owner.
+        An epoch whose steps were all skipped with inf/nan ends in NaN.
+        """
+        model = self.model
+        if not (isinstance(logs, dict) and any(k in logs for k in LOG_KEYS)):
+            return base(model, logs)
+        result = base(model, {k: v for k, v in logs.items() if k not in LOG_KEYS})
+        scale = self.read_scale()
+        if not isinstance(result, dict) or scale is None:
+            return result
+        result = dict(result)
+        result["loss_scale"], result["skipped_steps"] = scale
+        mark, self.epoch_skipped_at = self.epoch_skipped_at, None  # training's read only
+        if mark is not None and scale[1] > mark:
+            result = step_metrics.epoch_results(model, result)
+        return result
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The model's mixed-precision state as plain values: the scale, the skipped
+        steps and the layers moved to float32 (checkpoints carry the same in the
+        optimizer's variables)."""
+        owner = self.scale_owner()
+        state = {"keep_fp32": list(self.fallback.moved)}
+        if owner is not None and getattr(owner, "skipped_steps", None) is not None:
+            scale, skipped = scale_values(owner)
+            state.update(loss_scale=float(scale.numpy()), skipped_steps=int(skipped.numpy()))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what ``state_dict`` returned (moved layers, then the scale)."""
+        moved = tuple(state.get("keep_fp32", ()))
+        if moved:
+            self.apply_fallback(moved)
+        owner = self.built_scale_owner()
+        if owner is not None and "loss_scale" in state:
+            owner.set_scale(float(state["loss_scale"]))
+            owner.skipped_steps.assign(int(state.get("skipped_steps", 0)))
+
+
+_recorders_lock = threading.Lock()
+
+
+def _read_once(read):
+    """`read()` once for all replicas, so Keras's per-replica sum does not multiply it."""
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return read()
+    return tf.distribute.get_replica_context().merge_call(lambda _: read())
+
+
+def _with_callback(args, kwargs, callback) -> tuple[tuple, dict]:
+    """fit's (args, kwargs) with `callback` appended to its callbacks (None: as they are)."""
+    if callback is None:
+        return tuple(args), kwargs
+    if len(args) > 5:  # callbacks given positionally
+        return (*args[:5], [*(args[5] or []), callback], *args[6:]), kwargs
+    return tuple(args), {**kwargs, "callbacks": [*(kwargs.get("callbacks") or []), callback]}
+
+
+@functools.cache
+def _fit_callback_class(base: type) -> type:
+    class FitCallback(base):
+        """tfamp's points inside fit: a restored fallback record, each epoch's start."""
+
+        def __init__(self, precision: ModelPrecision):
+            super().__init__()
+            self._precision = precision
+
+        def on_train_begin(self, logs=None):
+            self._precision.on_train_begin()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._precision.on_epoch_begin()
+
+    return FitCallback
+
+

@@ -1,0 +1,134 @@
+"""The first inf/nan op of a Keras model's training step on one batch (tf_keras and Keras 3).
+
+``keras_step_locator`` traces the model's loss and gradients once (a plain
+float32 function: forward, ``compute_loss``, ``tape.gradient``, no update) and
+answers ``locate(config)`` for any AmpConfig by rewriting that graph as tfamp
+would and running it with a check after every op
+(``tfamp.numerics.nonfinite.locate_nonfinite``). The model's non-trainable and
+metric variables are restored after each answer. Used by the float32 fallback
+(``fallback.py``) and the stuck-at-floor warning (``diagnose_keras_model``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from tfamp.config import AmpConfig
+from tfamp.keras import replicas, scale_update
+from tfamp.keras.range_probe import state_variables
+from tfamp.numerics import nonfinite
+from tfamp.numerics.nonfinite import NonFiniteOp
+from tfamp.runtime.plain import plain_calls, plain_function
+
+
+def locate_keras_nonfinite(model, x, y=None, sample_weight=None, *,
+                           config: AmpConfig | None = None,
+                           loss_scale: float = 1.0, strategy=None) -> NonFiniteOp | None:
+    """The first inf/nan op of a Keras model's training step on one batch.
+
+    Computes the loss (times `loss_scale`) and its gradients in the graph tfamp
+    would run, applies nothing, and restores the model's non-trainable and
+    metric variables, so weights, optimizer state and loss scale are unchanged.
+
+    Args:
+      model: a compiled tf_keras or Keras 3 (TensorFlow backend) model.
+      x, y, sample_weight: one batch.
+      config: the rewrite settings (the model's ``tfamp.enable`` config if None).
+      loss_scale: the loss scale to run the step at.
+      strategy: the model's tf.distribute strategy (the step runs per replica).
+    """
+    if config is None:
+        state = getattr(model, "_tfamp_state", None)
+        config = state.config if state is not None else AmpConfig()
+    with keras_step_locator(model, x, y, sample_weight, loss_scale=loss_scale,
+                            strategy=strategy) as locate:
+        return locate(config)
+
+
+@contextlib.contextmanager
+def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: float = 1.0,
+                       strategy=None):
+    """``locate(config)`` for one batch of a Keras model's step, traced once.
+
+    Yields a function that answers like ``locate_keras_nonfinite`` for any
+    AmpConfig; the step is traced once for all of them (only the rewrite and the
+    runs repeat). The model's non-trainable and metric variables are restored
+    after each answer. Under a tf.distribute `strategy` the loss and gradients
+    are computed the way the step computes them: once per replica, in a replica
+    context, each replica on its share of the batch (the graph then holds every
+    local replica's copy, and the first inf/nan of any of them is found).
+
+    Example:
+      >>> with keras_step_locator(model, x, y) as locate:
+      ...     first, second = locate(AmpConfig()), locate(AmpConfig(keep_fp32=["head/"]))
+    """
+    variables = model.trainable_variables
+
+    def loss_and_grads(x, y, sample_weight, scale):
+        x, y, sample_weight = replicas.replica_rows((x, y, sample_weight))
+        # The whole step is rewritten below: the model's call must not be on its own.
+        with tf.GradientTape() as tape, plain_calls():
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x, y, y_pred, sample_weight)
+            scaled = loss * tf.cast(scale, loss.dtype)
+        # Scaled here, at `loss_scale`: under TFAMP_ENABLE the tape must not scale it
+        # again with the process's custom-loop scale.
+        scale_update.mark_scaled(scaled)
+        grads = tape.gradient(scaled, variables)
+        return loss, [g for g in grads if g is not None]
+
+    def every_replica(x, y, sample_weight, scale):
+        return replicas.run_per_replica(strategy, loss_and_grads, x, y, sample_weight, scale)
+
+    scale = tf.constant(float(loss_scale), tf.float32)
+    saved = [(c, c.numpy()) for v in state_variables(model)
+             for c in replicas.local_components(v)]
+    metrics_before = {id(m) for m in model.metrics}
+
+    def restore():
+        for component, value in saved:
+            component.assign(value)
+        for metric in model.metrics:
+            if id(metric) not in metrics_before:
+                metric.reset_state()
+
+    try:
+        concrete = plain_function(every_replica).get_concrete_function(
+            x, y, sample_weight, scale)
+
+        def locate(config: AmpConfig) -> NonFiniteOp | None:
+            try:
+                return nonfinite.locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
+                                        loss_scale=loss_scale)
+            finally:
+                restore()
+
+        yield locate
+    finally:
+        restore()
+
+
+def diagnose_keras_model(model) -> str | None:
+    """For the stuck-at-floor warning: localise on the first batch ``fit`` was given.
+
+    Uses the batch ``tfamp.enable``'s fit hook kept, the model's tfamp config
+    and the optimizer's current loss scale. Returns a sentence, or None when no
+    batch is known.
+    """
+    from tfamp.keras.flavour import flavour_of
+    from tfamp.keras.range_probe import current_loss_scale, unpack_batch
+
+    source = getattr(model, "_tfamp_fit_batch", None)
+    batch = source() if source is not None else None
+    if batch is None:
+        return None
+    x, y, sample_weight = unpack_batch(batch)
+    scale = current_loss_scale(model) or 1.0
+    found = locate_keras_nonfinite(model, x, y, sample_weight, loss_scale=scale,
+                                   strategy=flavour_of(model).distribute_strategy(model))
+    if found is None:
+        return (f"re-running the first batch of fit's data at loss scale {scale:g} gave no "
+                f"inf/nan, so the failing batches differ (check the data).")
+    return found.describe()
