@@ -16,7 +16,8 @@ The layers, lowest first (a module may import its own layer and those below):
       rewritten functions
 3     ``numerics/``: where numbers sit against 16-bit limits, on graphs
 4     ``keras/``: Keras models (tf_keras and Keras 3): the lifecycle of an
-      enabled model, loss scaling, the probe, the fallback, range probes
+      enabled model, loss scaling, the probe, the fallback, range probes;
+      ``serving/``: ``tfamp export`` (neither imports the other)
 5     ``runtime/startup``, ``runtime/hook``: ``TFAMP_ENABLE`` (the start-up hook)
 6     ``cli``, ``demo``, ``__main__``, the package ``tfamp`` (its lazy public API)
 ====  =========================================================================
@@ -37,7 +38,7 @@ LAYERS = (
     (1, r"tfamp\.rewrite(\..+)?"),
     (2, r"tfamp\.inspect(\..+)?|tfamp\.runtime(\.(runner|progress|log_lines|plain|trace_local))?"),
     (3, r"tfamp\.numerics(\..+)?"),
-    (4, r"tfamp\.keras(\..+)?"),
+    (4, r"tfamp\.(keras|serving)(\..+)?"),
     (5, r"tfamp\.runtime\.(startup|hook)"),
     (6, r"tfamp|tfamp\.(cli|demo|__main__)"),
 )
