@@ -265,6 +265,14 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
         after = estimate_traffic(new_view, new_shapes,
                                  body_weights(new_view, shapes=new_shapes), outputs=outputs)
     notes = []
+    if _inputs_static(view, shapes) and _grows(before) | _grows(after):
+        # Every argument has a static shape: an unknown dimension left is a size
+        # computed from values (a sparse update's unique rows, a boolean mask's
+        # count), bounded by the inputs, not a dimension that grows with them.
+        # "For large sizes" would let those few tensors decide (an Embedding's
+        # Adam update in float32 made BERT's step "100% of float32's").
+        before, after = _fixed_part(before), _fixed_part(after)
+        notes.append("float tensors of data-dependent size left out")
     if after.total is None:
         notes.append(f"shapes unknown for {after.unknown_tensors} of "
                      f"{after.unknown_tensors + after.known_tensors} float tensors")
@@ -280,6 +288,32 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
                 cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes),
                 traffic_share=_share(before.total, after.total),
                 runtime_estimates=_runtime_estimates(before, after))
+
+
+def _inputs_static(view, shapes) -> bool:
+    """Does every argument (Placeholder) of the top graph have a fully known shape?"""
+    top = view.bodies[0]
+    known = shapes.shapes.get(top.name, {})
+    for name, node in top.nodes.items():
+        if node.op == "Placeholder":
+            shape = known.get(TensorRef(name, 0))
+            if shape is None or any(d < 0 for d in shape):
+                return False
+    return True
+
+
+def _grows(traffic) -> bool:
+    return any(b is not None and any(d for d, _ in b.terms)
+               for b in (traffic.total, traffic.cast, traffic.fused))
+
+
+def _fixed_part(traffic):
+    """`traffic` with only the terms that do not depend on an unknown dimension."""
+    def fixed(b):
+        return None if b is None else Bytes(tuple((d, c) for d, c in b.terms if d == 0))
+
+    return dataclasses.replace(traffic, total=fixed(traffic.total), cast=fixed(traffic.cast),
+                               fused=fixed(traffic.fused))
 
 
 def _before_the_edits(before, weights, outputs, dead, hoisted, reordered, first_view,
