@@ -277,3 +277,89 @@ def test_non_finite_float32_gradients_in_the_steps_trace_are_the_answer(flavour,
     assert model._tfamp_state.start_scale is False
     assert traced_again == []
 
+
+def _shuffled_fit(keras, steps_per_execution, **enable_kwargs):
+    """One fit of a model with random layers on a reshuffled tf.data Dataset.
+
+    One-hot rows: the first layer's kernel gradient is non-zero only on the rows
+    a step trained on, so another data order moves other weights.
+    """
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(3)
+    x = np.eye(96, dtype="float32")
+    y = np.random.default_rng(4).normal(size=(96, 1)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96).batch(16)
+    model = keras.Sequential([
+        keras.Input((96,)),
+        keras.layers.GaussianNoise(0.01),  # a seed generator's draws
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dropout(0.25),
+        keras.layers.Dense(1),
+    ])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                  steps_per_execution=steps_per_execution)
+    tfamp.enable(model, verbose=False, **enable_kwargs)
+    start = [np.array(v.numpy(), copy=True) for v in model.trainable_variables]
+    history = model.fit(data, epochs=1, steps_per_epoch=2, verbose=0).history
+    delta = np.concatenate([(v.numpy() - s).ravel()
+                            for v, s in zip(model.trainable_variables, start, strict=True)])
+    return model, history, delta
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_probe_leaves_fits_data_order_alone(flavour, steps_per_execution):
+    # keras.io SimCLR (float16 weight change against float32's: cosine 0.23): the
+    # probe read its first batch through an iterator of its own over fit's
+    # Dataset, which drew the Dataset's next reshuffle seed, so every epoch of fit
+    # saw another order. It now reads through fit's own iterator and hands the
+    # batches back: the run with the probe trains on the same batches as one
+    # started at a fixed scale, through the same one trace of the step.
+    keras = patterns.keras_module(flavour)
+    fixed_model, fixed, fixed_delta = _shuffled_fit(keras, steps_per_execution,
+                                                    initial_scale=2.0**10)
+    model, auto, delta = _shuffled_fit(keras, steps_per_execution)
+    assert isinstance(model._tfamp_state.start_scale, start_scale.StartScale)  # it probed
+    assert fixed["skipped_steps"][-1] == auto["skipped_steps"][-1] == 0
+    cosine, ratio = patterns.compare(fixed_delta, delta)
+    assert cosine > 0.99 and abs(ratio - 1) < 0.01
+    assert len(model.train_function.reports) == len(fixed_model.train_function.reports)
+
+
+def test_first_train_call_hands_back_what_it_read():
+    import tensorflow as tf
+
+    keras = patterns.keras_module("keras3")
+    x = np.arange(48 * 8, dtype="float32").reshape(48, 8)
+    data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(16)
+    iterator = iter(data)
+    elements, replay = start_scale.read_ahead(iterator, 2)
+    assert len(elements) == 2
+    assert replay.element_spec == iterator.element_spec  # batch dimension None: no retrace
+    np.testing.assert_array_equal(np.concatenate([b[0].numpy() for b in replay]), x[:32])
+    np.testing.assert_array_equal(next(iterator)[0].numpy(), x[32:])  # just past them
+    assert start_scale.read_ahead(iterator, 1) == ([], iterator)  # nothing left
+
+    # Keras 3: the batch waits for the step's own first trace (the probe reads it).
+    model = _bn_model(keras)
+    tfamp.enable(model, verbose=False)
+    precision = model._tfamp_state
+    precision.probe_first_step = True
+    replay = precision.before_first_train_call(iter(data))
+    assert not precision.probe_first_step and precision.start_scale is None
+    np.testing.assert_array_equal(precision._pending_probe[0].numpy(), x[:16])
+    np.testing.assert_array_equal(next(replay)[0].numpy(), x[:16])
+
+    # An iterator it cannot hand batches back through (a strategy's; here a Python
+    # one): nothing is read, a warning says so, and the scale stays where it was.
+    model = _bn_model(keras)
+    tfamp.enable(model, verbose=False)
+    precision = model._tfamp_state
+    batches = iter([(x[:16], x[:16, :1])])
+    precision.probe_first_step = True
+    with pytest.warns(UserWarning, match=r"no start scale from the gradients: fit reads its "
+                                         r"data through a list_iterator.*starts at 32768"):
+        assert precision.before_first_train_call(batches) is batches
+    assert precision.start_scale is False
+    assert next(batches)[0].shape == (16, 8)

@@ -129,6 +129,18 @@ class KerasFlavour:
             x, y, sample_weights=sample_weight, batch_size=batch_size, shuffle=False)
         return adapter.get_dataset()
 
+    def steps_per_execution(self, model) -> int:
+        """Batches one call of the model's train function takes (an int in Keras 3,
+        a variable in tf_keras; 1 before compile)."""
+        import numpy as np
+
+        value = getattr(model, "steps_per_execution" if self.is_keras3
+                        else "_steps_per_execution", None)
+        try:
+            return max(1, int(np.asarray(value.numpy() if hasattr(value, "numpy") else value)))
+        except (TypeError, ValueError):
+            return 1
+
     def distribute_strategy(self, model):
         """The model's tf.distribute strategy (the default one when it has none)."""
         import tensorflow as tf

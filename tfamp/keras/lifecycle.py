@@ -21,7 +21,14 @@ point                             what happens
                                   fallback record before the first step, marks
                                   each epoch's start); the start scale
                                   (``start_scale.py``: the probe, per replica,
-                                  agreed by every worker)
+                                  agreed by every worker; now, or at the step's
+                                  first trace)
+``before_first_train_call``       one device, data other than arrays: the
+                                  batches fit's first train call takes from
+                                  fit's own iterator, handed back to that call
+                                  (``FirstTrainCall``); the first to the probe
+``_on_train_trace``               the step's first trace, before it is
+                                  rewritten and runs: the probe reads its graph
 ``train_step`` (at trace time)    around each step: every loss scaled once by
                                   the model's scale (``step_scope.py``,
                                   ``tape.py``), a skipped step's inf/nan left out
@@ -117,6 +124,7 @@ class ModelPrecision:
         self._own_state = None  # a ScaleState when the model has no tfamp optimizer
         self._seen_nonfinite = None  # the agreed nonfinite counts at the last look
         self._pending_probe = None  # fit's first batch, for the probe in the step's trace
+        self.probe_first_step = False  # the probe waits for fit's first train call
         self._recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.loop = ModelLoop(model, self.cls.call, lambda: self.config, settings.check,
                               self.built_scale_owner)
@@ -179,7 +187,7 @@ class ModelPrecision:
             try:
                 return cls.fit(model, *args, **kwargs)
             finally:  # a probe waits for this fit's first step only
-                self._pending_probe = None
+                self.probe_first_step, self._pending_probe = False, None
 
         def maker(attr):
             def make(force=False):
@@ -295,6 +303,9 @@ class ModelPrecision:
         """Keras's ``make_<attr>``, with the step rewritten by the model's settings."""
         if attr == "train_function":
             self._before_train_function()
+            current = self.model.__dict__.get(attr)
+            if isinstance(current, FirstTrainCall):
+                object.__setattr__(self.model, attr, current.function)
         made, rewritten = self.flavour.make_step_function(
             self.model, self.cls, attr, force, self._rewrite)
         if made is not None and not rewritten:
@@ -304,6 +315,9 @@ class ModelPrecision:
             made.set_after_call(self.after_train_call)
             for function in getattr(made, "rewritten", [made]):
                 function.set_on_trace(self._on_train_trace)
+        if attr == "train_function" and made is not None and self.probe_first_step:
+            made = FirstTrainCall(self, made)
+            object.__setattr__(self.model, attr, made)
         return made
 
     def _rewrite(self, function):
@@ -362,23 +376,70 @@ class ModelPrecision:
         owner = self._owner_to_calibrate()
         if owner is None:
             return None
+        # One device: a Dataset or generator is read through fit's own iterator at
+        # its first train call (FirstTrainCall), so fit's data order is untouched.
+        through_fit = in_step and not replicas.is_distributed(self.strategy())
         try:
-            batch = start_scale.first_batch(self.flavour, args, kwargs)
+            batch = start_scale.first_batch(self.flavour, args, kwargs,
+                                            dataset=not through_fit)
         except Exception as err:  # same as a probe that failed
             return self._probe_failed(owner, err)
+        if batch is None and through_fit:
+            self.probe_first_step = True
+            return None
         if batch is None:
             self.start_scale = False
             warn(f"tfamp: model {self.model.name!r}: no start scale from the gradients: "
                  f"fit's data is not arrays, tensors or a tf.data.Dataset, which tfamp can "
-                 f"read a batch from without consuming it, so dynamic scaling starts at "
-                 f"2^15 and may skip its first steps. Fix: pass arrays or a "
-                 f"tf.data.Dataset, or call tfamp.calibrate_loss_scale(model.train_step, "
-                 f"batch, model=model) first.")
+                 f"read a batch from under a tf.distribute strategy without consuming it, "
+                 f"so dynamic scaling starts at 2^15 and may skip its first steps. Fix: "
+                 f"pass arrays or a tf.data.Dataset, or call "
+                 f"tfamp.calibrate_loss_scale(model.train_step, batch, model=model) first.")
             return None
         if in_step and self._probe_in_step_possible():
             self._pending_probe = batch
             return None
         return self._probe(batch)
+
+    def before_first_train_call(self, iterator):
+        """Fit's first call of its train function (data other than arrays, one
+        device): the start-scale probe on the batch that call trains on.
+
+        Takes the elements that call would take from `iterator` (fit's own) and
+        returns the one-shot iterator of them the call must use
+        (``start_scale.read_ahead``): fit trains on exactly the batches it would
+        have, and no second iterator draws state (a reshuffle seed) from the
+        user's dataset. The probe reads the step's first trace, made in this
+        call, where it can (``_on_train_trace``); else it traces the step now.
+        """
+        self.probe_first_step = False
+        owner = self._owner_to_calibrate()
+        if owner is None:
+            return iterator
+        if not isinstance(iterator, tf.data.Iterator):
+            self.start_scale = False
+            start = self._scale_or_none(owner)
+            warn(f"tfamp: model {self.model.name!r}: no start scale from the gradients: "
+                 f"fit reads its data through a {type(iterator).__name__}, whose batches "
+                 f"tfamp cannot hand back to the step after reading one, so dynamic "
+                 f"scaling starts at "
+                 f"{'its initial scale' if start is None else format(start, 'g')} and may "
+                 f"skip its first steps. Fix: pass initial_scale=<number> to tfamp.enable "
+                 f"(TFAMP_INITIAL_SCALE), or give fit arrays or a tf.data.Dataset.")
+            return iterator
+        try:
+            elements, replay = start_scale.read_ahead(
+                iterator, self.flavour.steps_per_execution(self.model))
+        except Exception as err:  # nothing was handed on: fit reads on as it would
+            self._probe_failed(owner, err)
+            return iterator
+        if not elements:
+            return replay
+        if self._probe_in_step_possible():
+            self._pending_probe = elements[0]
+        else:
+            self._probe(elements[0])
+        return replay
 
     def _owner_to_calibrate(self):
         """The dynamic scale owner a start-scale probe should set, or None."""
@@ -694,6 +755,28 @@ class ModelPrecision:
         if owner is not None and "loss_scale" in state:
             owner.set_scale(float(state["loss_scale"]))
             owner.skipped_steps.assign(int(state.get("skipped_steps", 0)))
+
+
+class FirstTrainCall:
+    """A train function whose next call first runs the model's
+    ``before_first_train_call`` (the start-scale probe on the batches that call
+    takes from fit's iterator), then puts the function back on the model."""
+
+    def __init__(self, precision: ModelPrecision, function):
+        self.function = function
+        self._precision = precision
+
+    def __getattr__(self, name):  # reports, rewritten, ...: the function's
+        if "function" not in self.__dict__:  # (copy / pickle ask before __init__ ran)
+            raise AttributeError(name)
+        return getattr(self.__dict__["function"], name)
+
+    def __call__(self, iterator, *args, **kwargs):
+        precision = self._precision
+        object.__setattr__(precision.model, "train_function", self.function)
+        if precision.probe_first_step:
+            iterator = precision.before_first_train_call(iterator)
+        return self.function(iterator, *args, **kwargs)
 
 
 _recorders_lock = threading.Lock()

@@ -610,19 +610,24 @@ def _label(variable) -> str:
 
 # -- fit's first batch --------------------------------------------------------------------
 
-def first_batch(flavour, args, kwargs):
+def first_batch(flavour, args, kwargs, *, dataset: bool = True):
     """Fit's first batch as Keras hands it to ``train_step`` (this worker's), or None.
 
-    Arrays and tensors are cut as Keras's own array adapter cuts them; a
-    tf.data Dataset is read for one element (it must be re-iterable, as ``fit``
-    reads it again); generators and Sequences are not read.
+    Arrays and tensors are cut by a Keras array adapter of the probe's own
+    (nothing of fit's is read). A tf.data Dataset is read for one element only
+    when `dataset` (under a tf.distribute strategy, whose iterator cannot hand
+    a batch back: a second iterator over the Dataset draws the next reshuffle
+    seed of every ``shuffle`` in it); else None, and the batch is read through
+    fit's own iterator (``read_ahead``). Generators and Sequences: None.
     """
     x = args[0] if args else kwargs.get("x")
     y = args[1] if len(args) > 1 else kwargs.get("y")
     batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
     sample_weight = kwargs.get("sample_weight")
     if isinstance(x, tf.data.Dataset):
-        dataset = x
+        if not dataset:
+            return None
+        data = x
     else:
         readable = (np.ndarray, tf.Tensor)
         parts = tf.nest.flatten(x) + tf.nest.flatten(y) + tf.nest.flatten(sample_weight)
@@ -630,10 +635,39 @@ def first_batch(flavour, args, kwargs):
             return None
         if x is None:
             return None
-        dataset = flavour.array_dataset(x, y, sample_weight, int(batch_size))
-    for batch in dataset.take(1):
+        data = flavour.array_dataset(x, y, sample_weight, int(batch_size))
+    for batch in data.take(1):
         return batch
     return None
+
+
+def read_ahead(iterator, steps: int):
+    """The elements one train call would take from fit's `iterator`, and a
+    one-shot iterator of them for that call.
+
+    The one-shot iterator has `iterator`'s element spec (e.g. a batch dimension
+    of None), so the train function is not traced again for it; `iterator` is
+    left just past the elements, so fit trains on exactly the batches, in the
+    order, it would have. Returns ([], `iterator`) when it has none left.
+
+    Args:
+      iterator: a ``tf.data.Iterator`` (fit's own).
+      steps: elements one call takes (Keras's ``steps_per_execution``).
+    """
+    elements = []
+    for _ in range(max(1, int(steps))):
+        optional = iterator.get_next_as_optional()
+        if not optional.has_value():
+            break
+        elements.append(optional.get_value())
+    if not elements:
+        return elements, iterator
+    replay = tf.data.Dataset.from_tensors(elements[0])
+    for element in elements[1:]:
+        replay = replay.concatenate(tf.data.Dataset.from_tensors(element))
+    replay = tf.data.experimental.from_variant(tf.data.experimental.to_variant(replay),
+                                               iterator.element_spec)
+    return elements, iter(replay)
 
 
 # -- custom loops -----------------------------------------------------------------------
