@@ -20,6 +20,7 @@ import numpy as np
 
 def run(mode: str, args) -> dict:
     import keras
+
     import tfamp
 
     keras.utils.set_random_seed(0)

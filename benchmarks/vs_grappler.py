@@ -82,13 +82,13 @@ from tensorflow.python.grappler import tf_optimizer  # noqa: E402
 
 from tfamp.rewrite.boundaries import original_function_name  # noqa: E402
 from tfamp.rewrite.graph import build_view  # noqa: E402
+from tfamp.rewrite.runtime_cost import EXECUTOR, XLA  # noqa: E402
 from tfamp.rewrite.shapes import (  # noqa: E402
     TensorShapes,
     tensor_shapes,
     without_recorded_shapes,
 )
 from tfamp.rewrite.traffic import body_weights, estimate_traffic  # noqa: E402
-from tfamp.rewrite.runtime_cost import EXECUTOR, XLA  # noqa: E402
 
 log = logging.getLogger("vs_grappler")
 

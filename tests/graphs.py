@@ -10,8 +10,8 @@ import tensorflow as tf
 from tensorflow.python.eager import wrap_function
 
 import tfamp
-from tfamp.runtime import runner
 from tfamp.rewrite.graph import build_view, dtype_name
+from tfamp.runtime import runner
 
 _run_counter = itertools.count()
 

@@ -3,11 +3,11 @@ uninterrupted one, weights, loss scale and skipped-step count included (both Ker
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 import tf_keras
 
-import keras
 import tfamp
 
 KERASES = {"tf_keras": tf_keras, "keras3": keras}

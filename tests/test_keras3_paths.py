@@ -30,8 +30,8 @@ import pytest
 import tensorflow as tf
 
 import tfamp
-from tfamp.keras.range_probe import current_loss_scale
 from tests.keras3_helpers import data, mlp, overflow_batch, weights_of
+from tfamp.keras.range_probe import current_loss_scale
 
 STEPS = 5
 LR = 0.05

@@ -15,10 +15,6 @@ import pytest
 import tf_keras
 
 import tfamp
-from tfamp import cli
-from tfamp.keras.overflow_locator import locate_keras_nonfinite
-from tfamp.keras.range_probe import KerasRangeProbe, collect_keras_ranges
-from tfamp.keras.range_monitor import RangeMonitor
 from tests import keras3_helpers, test_ranges
 from tests.test_nonfinite import EXP_16BIT, X, Y, fit_until_stuck
 from tests.test_ranges import (
@@ -27,6 +23,10 @@ from tests.test_ranges import (
     regression_data,
     run_with_tfamp_ranges,
 )
+from tfamp import cli
+from tfamp.keras.overflow_locator import locate_keras_nonfinite
+from tfamp.keras.range_monitor import RangeMonitor
+from tfamp.keras.range_probe import KerasRangeProbe, collect_keras_ranges
 
 MULTIPLIER = 2.0**-26  # the loss is this small: its gradients sit below 2^-24
 

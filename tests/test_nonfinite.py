@@ -13,8 +13,8 @@ import tf_keras as keras
 import tfamp
 from tfamp.config import AmpConfig
 from tfamp.keras import lifecycle
-from tfamp.numerics import nonfinite
 from tfamp.keras.overflow_locator import locate_keras_nonfinite
+from tfamp.numerics import nonfinite
 
 
 def overflow_model(batch_norm: bool = False):

@@ -16,12 +16,12 @@ import tf_keras as keras
 import tfamp
 from tfamp import cli
 from tfamp.env import EnvError, settings_from_env
-from tfamp.numerics import ranges
+from tfamp.keras.range_monitor import RangeMonitor
+from tfamp.keras.range_probe import collect_keras_ranges
 from tfamp.numerics import plot as ranges_plot
+from tfamp.numerics import ranges
 from tfamp.numerics.range_report import RangeReport
 from tfamp.numerics.ranges import E_MIN, NUM_BINS, TensorRange, bucket_counts
-from tfamp.keras.range_probe import collect_keras_ranges
-from tfamp.keras.range_monitor import RangeMonitor
 
 # ------------------------------------------------------------- bucketing
 

@@ -35,9 +35,9 @@ import subprocess
 import sys
 import textwrap
 
+import keras as keras3
 import numpy as np
 import pytest
-import keras as keras3
 import tensorflow as tf
 import tf_keras as keras
 from tensorflow.python.eager.polymorphic_function import polymorphic_function

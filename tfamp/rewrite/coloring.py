@@ -46,13 +46,31 @@ from tensorflow.core.framework import types_pb2
 
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
-    BOUNDING_OPS, BROADCAST_OPS, CENTRING_OPS, DATA_BOUND_OPS, FLOAT32_ACCUMULATING_ON_GPU,
-    FLOAT32_ACCUMULATING_UNDER_XLA, FUSED_NORMALISATION_OPS, METADATA_OPS, NON_NEGATIVE_OPS,
-    SIZE_KEEPING_COPIES, GROWING_OPS, STATISTIC_REDUCTIONS)
+    BOUNDING_OPS,
+    BROADCAST_OPS,
+    CENTRING_OPS,
+    DATA_BOUND_OPS,
+    FLOAT32_ACCUMULATING_ON_GPU,
+    FLOAT32_ACCUMULATING_UNDER_XLA,
+    FUSED_NORMALISATION_OPS,
+    GROWING_OPS,
+    METADATA_OPS,
+    NON_NEGATIVE_OPS,
+    SIZE_KEEPING_COPIES,
+    STATISTIC_REDUCTIONS,
+)
 from tfamp.rewrite import boundaries, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import (
-    DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef, dtype_name, scalar_constant)
+    DT_BFLOAT16,
+    DT_FLOAT,
+    DT_HALF,
+    Body,
+    GraphView,
+    TensorRef,
+    dtype_name,
+    scalar_constant,
+)
 from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
 from tfamp.rewrite.traffic import CONSTANT_OPS, NO_COPY_OPS
 

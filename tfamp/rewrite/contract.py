@@ -43,8 +43,15 @@ from tensorflow.python.framework import tensor_util
 
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
-    TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, copy_message, rewrite_node, split_inputs,
-    type_attr)
+    TF1_FRAME_OPS,
+    EditedGraph,
+    add_output_shape,
+    bool_attr,
+    copy_message,
+    rewrite_node,
+    split_inputs,
+    type_attr,
+)
 from tfamp.rewrite.shapes import TensorShapes
 
 _SUFFIX = "/tfamp_contract"

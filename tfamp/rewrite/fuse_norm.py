@@ -67,7 +67,13 @@ from tfamp.oplists import METADATA_OPS
 from tfamp.rewrite import scopes
 from tfamp.rewrite.graph import Body, GraphView, TensorRef, scalar_constant
 from tfamp.rewrite.node_edits import (
-    TF1_FRAME_OPS, EditedGraph, add_output_shape, bool_attr, rewrite_node, type_attr)
+    TF1_FRAME_OPS,
+    EditedGraph,
+    add_output_shape,
+    bool_attr,
+    rewrite_node,
+    type_attr,
+)
 from tfamp.rewrite.shapes import TensorShapes
 
 _SUFFIX = "/tfamp_batch_norm"

@@ -36,7 +36,13 @@ from tensorflow.core.framework import graph_pb2
 
 from tfamp.rewrite.graph import Body, GraphView, TensorRef
 from tfamp.rewrite.node_edits import (
-    TF1_FRAME_OPS, add_output_shape, attrs_of, copy_message, rewrite_node, split_inputs)
+    TF1_FRAME_OPS,
+    add_output_shape,
+    attrs_of,
+    copy_message,
+    rewrite_node,
+    split_inputs,
+)
 from tfamp.rewrite.shapes import TensorShapes, dtype_bytes
 
 # Broadcasts whose first input is the value copied (the second says how).

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from tensorflow.core.framework import graph_pb2
 
 from tfamp.config import AmpConfig
-from tfamp.rewrite.casts import insert_casts
 from tfamp.rewrite import runtime_cost
+from tfamp.rewrite.casts import insert_casts
 from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
 from tfamp.rewrite.coloring import color
 from tfamp.rewrite.contract import contract_weight_gradients

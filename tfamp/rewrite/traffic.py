@@ -46,8 +46,7 @@ from tensorflow.python.framework import op_def_registry
 
 from tfamp.oplists import NO_KERNEL_OPS, TWO_PASS_INPUTS
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, Node, TensorRef
-from tfamp.rewrite.runtime_cost import (
-    ELEMENTWISE, LIBRARY, PARAMETER, REDUCTION, op_kind)
+from tfamp.rewrite.runtime_cost import ELEMENTWISE, LIBRARY, PARAMETER, REDUCTION, op_kind
 from tfamp.rewrite.shapes import BYTES_PER_ELEMENT, Bytes, TensorShapes, dtype_bytes
 
 NO_COPY_OPS = frozenset({

@@ -32,18 +32,21 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.function.polymorphism import function_type as function_type_lib
-from tensorflow.python.eager.polymorphic_function import atomic_function, polymorphic_function
+from tensorflow.python.eager.polymorphic_function import (
+    atomic_function,
+    function_type_utils,
+    polymorphic_function,
+    tracing_compilation,
+)
 from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
-from tensorflow.python.eager.polymorphic_function import (function_type_utils,
-                                                           tracing_compilation)
 from tensorflow.python.framework import func_graph as func_graph_lib
 from tensorflow.python.framework import importer
 from tensorflow.python.util import nest
 
-from tfamp.rewrite.check import assert_valid_graph_def
 from tfamp.config import AmpConfig
-from tfamp.rewrite.report import RewriteReport
 from tfamp.rewrite import rewrite_graph_def
+from tfamp.rewrite.check import assert_valid_graph_def
+from tfamp.rewrite.report import RewriteReport
 from tfamp.runtime import progress
 
 log = logging.getLogger("tfamp")
