@@ -13,6 +13,7 @@ step counters). Values that make an update non-finite do not change which kernel
 a skipped update would, so each row says whether the float weights changed.
 
     JAX_PLATFORMS=cuda python time_on_gpu.py --hlo DIR [--programs TAG,...] [--out FILE]
+        [--rounds 4 --steps 15]   # each model's programs side by side, alternating
 """
 
 import argparse
@@ -65,7 +66,8 @@ def synthetic(shape, dtype, rng) -> np.ndarray:
     return np.zeros(shape, dtype=dtype)
 
 
-def time_one(path: str, device, steps: int, warmup: int) -> dict:
+def compile_one(path: str, device) -> tuple[dict, object]:
+    """(its row so far: edits, compile time, whether the update ran; a step function)."""
     tag = os.path.basename(path).split(".hlo.pb")[0]
     row = {"program": tag}
     with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
@@ -102,16 +104,60 @@ def time_one(path: str, device, steps: int, warmup: int) -> dict:
             unchanged += any(np.array_equal(out, c) for c in candidates)
     row["weights_changed"] = f"{weights - unchanged}/{weights}"
     row["update_ran"] = bool(weights) and unchanged <= 0.1 * weights
-    for _ in range(warmup):
-        step()
+    return row, step
+
+
+def _timed(step, count: int) -> list[float]:
     times = []
-    for _ in range(steps):
+    for _ in range(count):
         t = time.perf_counter()
         step()
         times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def time_one(path: str, device, steps: int, warmup: int) -> dict:
+    row, step = compile_one(path, device)
+    for _ in range(warmup):
+        step()
+    times = _timed(step, steps)
     row["ms_median"] = round(statistics.median(times), 3)
     row["ms_min"] = round(min(times), 3)
     return row
+
+
+def time_alternating(paths: list[str], device, steps: int, warmup: int,
+                     rounds: int) -> list[dict]:
+    """One model's programs compiled together, then timed in `rounds` rounds of
+    `steps` steps each, the order reversed every other round: a GPU's clocks and
+    neighbours drift by several percent between calls, which a comparison made
+    in one interleaved run does not see (session 13: rounds of one program
+    differed by up to 2 ms)."""
+    compiled = [compile_one(path, device) for path in paths]
+    for _, step in compiled:
+        for _ in range(warmup):
+            step()
+    times: list[list[float]] = [[] for _ in compiled]
+    for r in range(rounds):
+        order = range(len(compiled)) if r % 2 == 0 else reversed(range(len(compiled)))
+        for i in order:
+            times[i].extend(_timed(compiled[i][1], steps))
+    rows = []
+    for (row, _), ts in zip(compiled, times, strict=True):
+        row["ms_median"] = round(statistics.median(ts), 3)
+        row["ms_min"] = round(min(ts), 3)
+        row["round_medians"] = [round(statistics.median(ts[i * steps:(i + 1) * steps]), 2)
+                                for i in range(rounds)]
+        rows.append(row)
+    return rows
+
+
+def model_of(tag: str) -> str:
+    """'resnet50_b64' of 'resnet50_b64_tfamp_fp16': programs of one model and batch."""
+    for mode in ("_fp32", "_keras_", "_tfamp_"):
+        if mode in tag:
+            return tag.split(mode)[0]
+    return tag
 
 
 def main(argv=None) -> int:
@@ -122,6 +168,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", default="gpu_times.json")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="above 1: each model's programs timed together in this many "
+                             "alternating rounds of --steps steps (a fair comparison)")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     found = {os.path.basename(f).split(".hlo.pb")[0]: f
@@ -131,14 +180,21 @@ def main(argv=None) -> int:
     if missing:
         parser.error(f"--programs: no TAG.hlo.pb in {args.hlo} for {missing}")
     files = [found[t] for t in tags]
+    groups: dict[str, list[str]] = {}
+    for tag, path in zip(tags, files, strict=True):
+        groups.setdefault(model_of(tag) if args.rounds > 1 else tag, []).append(path)
     rows = []
-    for path in files:
+    for group in groups.values():
         try:
-            row = time_one(path, device, args.steps, args.warmup)
+            new_rows = ([time_one(group[0], device, args.steps, args.warmup)]
+                        if args.rounds <= 1 else
+                        time_alternating(group, device, args.steps, args.warmup, args.rounds))
         except Exception as err:  # keep timing the others; say what failed
-            row = {"program": os.path.basename(path), "error": f"{type(err).__name__}: {err}"[:800]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            new_rows = [{"program": os.path.basename(path),
+                         "error": f"{type(err).__name__}: {err}"[:800]} for path in group]
+        for row in new_rows:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
             json.dump({"device": str(device), "jax": jax.__version__, "rows": rows}, f, indent=1)
     return 0
