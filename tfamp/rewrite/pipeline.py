@@ -265,7 +265,7 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
         after = estimate_traffic(new_view, new_shapes,
                                  body_weights(new_view, shapes=new_shapes), outputs=outputs)
     notes = []
-    if _inputs_static(view, shapes) and _grows(before) | _grows(after):
+    if (_grows(before) or _grows(after)) and _inputs_static(view, shapes):
         # Every argument has a static shape: an unknown dimension left is a size
         # computed from values (a sparse update's unique rows, a boolean mask's
         # count), bounded by the inputs, not a dimension that grows with them.
