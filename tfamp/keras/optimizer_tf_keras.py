@@ -1,28 +1,7 @@
 """tfamp's loss-scale optimizer for tf_keras (``tfamp.LossScaleOptimizer``).
 
-Algorithm (dynamic, the float16 default)::
-
-    scale = initial_scale                      # 2**15
-    each step:
-        grads = grad(loss * scale) / scale     # unscaled in float32
-        if all grads finite:
-            apply grads; good_steps += 1
-            if good_steps == growth_interval:  # 2000
-                scale *= 2; good_steps = 0
-        else:                                  # skip: weights and slots untouched
-            skipped_steps += 1; good_steps = 0
-            scale = max(scale / 2, min_scale)  # min_scale default 1
-
-A fixed scale skips non-finite steps the same way but never changes.
-
-``LossScaleOptimizer`` builds on tf_keras's ``LossScaleOptimizerV3``: it keeps
-that class's gradient all-reduce before the finiteness check (so every replica
-makes the same decision), its checkpoint layout, and its behaviour of advancing
-``iterations`` on a skipped step (learning-rate schedules keep counting
-batches). It replaces the scale state to add what tf_keras lacks: a floor other
-than 1, a count of skipped steps, skipping for fixed scales, and the names of
-the first variables whose gradients were non-finite, for the stuck-at-floor
-warning.
+The scaling algorithm (dynamic by default, or fixed) is ``ScaleState``'s: see
+``tfamp/keras/scale_state.py``.
 """
 
 from __future__ import annotations
