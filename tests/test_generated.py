@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 import textwrap
 
+import numpy as np
 import pytest
 
 from tests.progen import grammar, invariants, longrun, shrink, source
@@ -32,10 +33,11 @@ def test_generated_program(seed):
 
 
 # Programs of the long mode (run seed 2) that float32 itself could not run, before
-# two grammar rules (session 13): a TensorList accumulator in an XLA function
+# three grammar rules (sessions 13, 14): a TensorList accumulator in an XLA function
 # without its maximum size (2000245), a cond in an XLA function differentiated
-# outside it (2000233, 2000286, 2000369).
-INVALID_ONCE = [2000233, 2000245, 2000286, 2000369]
+# outside it (2000233, 2000286, 2000369), a Softsign in a tape inside a tape
+# (2000796: SoftsignGrad has no gradient).
+INVALID_ONCE = [2000233, 2000245, 2000286, 2000369, 2000796]
 
 
 @pytest.mark.parametrize("seed", INVALID_ONCE)
@@ -70,6 +72,34 @@ def test_generation_is_deterministic_and_covers_every_feature():
     assert set(grammar.FEATURES) <= seen
     assert {f"optimizer_{flavour}_{opt}" for flavour in grammar.FLAVOURS
             for opt in ("sgd", "momentum", "adam")} <= seen
+
+
+def _with_contexts(stmts, context):
+    for stmt in stmts:
+        yield stmt, context
+        if stmt.body is not None:
+            inner = grammar.body_context(grammar.KINDS[stmt.kind], context)
+            yield from _with_contexts(stmt.body, inner)
+
+
+def test_every_generated_statement_keeps_the_grammars_rules():
+    """No statement sits where a rule forbids it (a Softsign in a tape inside a tape,
+    a BatchNorm over a map_fn row, ...): the rules hold for drawn programs, and
+    such places occur (else the check would be empty)."""
+    nested_tapes = rows = 0
+    for seed in range(1500):
+        program = grammar.generate(seed)
+        top = grammar.TOP | {grammar.DIFFERENTIATED} if program.tape else grammar.TOP
+        for stmt, context in _with_contexts(program.stmts, top):
+            kind = grammar.KINDS[stmt.kind]
+            assert grammar.allowed(kind, stmt.params["variant"], context), (seed, stmt)
+            nested_tapes += grammar.TWICE in context
+            rows += grammar.ROW in context
+    assert nested_tapes > 20 and rows > 20
+    assert not grammar.allowed(grammar.KINDS["unary"], "softsign",
+                               frozenset({grammar.DIFFERENTIATED, grammar.TWICE}))
+    assert not grammar.allowed(grammar.KINDS["keras_bn"], "2d", frozenset({grammar.ROW}))
+    assert grammar.allowed(grammar.KINDS["keras_bn"], "4d", frozenset({grammar.ROW}))
 
 
 def test_every_shrinking_edit_gives_a_program_that_renders():
@@ -128,6 +158,50 @@ def test_a_deny_op_computed_in_16_bit_is_caught():
     assert invariants.check(module, _FLOAT16).ok
     outcome = invariants.check(module, _FLOAT16, changes={"allow_add": ["Exp", "Sum", "Log"]})
     assert {f.invariant for f in outcome.failures} == {"nonfinite"}, _failures(outcome)
+
+
+# A matmul whose float32 result, 76800, is past float16's largest value (65504).
+_PAST_FLOAT16 = textwrap.dedent('''
+    import numpy as np
+    import tensorflow as tf
+
+    def build():
+        w = tf.Variable(np.full((8, 8), 64.0, np.float32))
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.matmul(x, w)) * 1e-4
+            return {"loss": loss, "grad": tape.gradient(loss, w)}
+
+        return step, [w]
+
+    def make_inputs():
+        return [tf.fill([4, 8], 150.0)]
+
+    input_specs = make_inputs
+''')
+
+
+def test_a_value_past_the_16_bit_range_is_not_a_rewrite_failure():
+    """float16 cannot hold the matmul's 76800 (no loss scaling here): not judged,
+    while bfloat16, whose range is float32's, is compared and passes."""
+    outcome = invariants.check(source.load(_PAST_FLOAT16),
+                               [*_FLOAT16, invariants.Config("bfloat16", True)])
+    assert outcome.ok, _failures(outcome)
+    assert outcome.compared >= 2  # bfloat16's loss and gradient
+
+
+def test_an_ill_conditioned_output_is_not_judged_a_well_conditioned_one_is():
+    u = invariants.UNIT_ROUNDOFF["float16"]
+    zero = np.zeros(4, np.float32)  # float32's exact 0; rounding alone gives 0.5
+    assert invariants._judge(zero, zero + 0.5, np.array([0, np.inf, 0, 0], np.float32), u) is None
+    c = np.ones(4, np.float32)
+    kind, *_ = invariants._judge(c, c * (1 + u), np.array([1, np.inf, 1, 1], np.float32), u)
+    assert kind == "nonfinite"
+    kind, *_ = invariants._judge(c, c * (1 + u), c * 1.5, u)
+    assert kind == "numerics"
+    assert invariants._judge(c, c * (1 + u), c * (1 + 2 * u), u)[0] == ""
 
 
 def test_a_wrong_value_in_a_valid_graph_is_caught(monkeypatch):

@@ -43,6 +43,7 @@ class Result:
     size: int = 0
     features: dict = dataclasses.field(default_factory=dict)
     errors: list = dataclasses.field(default_factory=list)  # see invariants.Outcome
+    unjudged_nonfinite: int = 0
 
 
 def check_seed(seed: int) -> Result:
@@ -55,7 +56,8 @@ def check_seed(seed: int) -> Result:
     return Result(seed, outcome.ok, outcome.seconds, [str(f) for f in outcome.failures],
                   [list(f.signature()) for f in outcome.failures], outcome.compared,
                   outcome.skipped, max(outcome.ratios, default=0.0), program.size(),
-                  program.features(), [[round(a, 3), round(b, 3)] for a, b in outcome.errors])
+                  program.features(), [[round(a, 3), round(b, 3)] for a, b in outcome.errors],
+                  outcome.unjudged_nonfinite)
 
 
 def _worker() -> int:
@@ -160,6 +162,9 @@ def summary(results: list[Result], seconds: float) -> dict:
                             "total": round(sum(times), 1)},
         "outputs_compared": sum(r.compared for r in results),
         "outputs_ill_conditioned": sum(r.skipped for r in results),
+        "unjudged_outputs_not_finite": sum(r.unjudged_nonfinite for r in results),
+        "programs_with_unjudged_not_finite": sorted(r.seed for r in results
+                                                    if r.unjudged_nonfinite),
         "max_error_to_bound": round(max((r.max_ratio for r in results), default=0.0), 4),
         "statements": sum(r.size for r in results),
         "programs_with_feature": dict(sorted(features.items())),

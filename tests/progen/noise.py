@@ -15,6 +15,16 @@ Ops that only move values (reshape, transpose, gather, relu, max) add
 nothing. The noise is a forward perturbation (``stop_gradient``): gradient
 ops are noised in their own right (the tape builds them while tracing).
 
+Range, too: a noised result beyond the 16-bit type's largest finite value
+becomes infinite, as the 16-bit kernel's would (float16 overflows past 65504;
+bfloat16 has float32's range). An output computed from a value float16
+cannot hold is then not finite in the noisy run either, and is not judged: a
+gradient of 1e7 is the loss scale's and the fallback's business, not the
+rewrite's (programs 2000569 and 2001003 of the long mode, session 13: a
+value cubed in a loop). The price: an infer or clear op the rewrite keeps
+float32 (next to float32 neighbours) may hold such a value, and what reads it
+is then not judged either. Deny ops are never noised, so never overflow here.
+
 Only ops on the 16-bit type's allow, infer and clear lists are noised
 (``with_noise_size``): the reference is "every op the rewrite may convert
 rounds", and an op it must keep float32 stays exact. The noisy run is the
@@ -65,6 +75,7 @@ _EXACT_OPS = frozenset({
 # GraphDef (``with_noise_size``): one trace serves every 16-bit type.
 MAGIC_SIZE = np.float32(1.2345678e-4)
 MAGIC_TINY = np.float32(8.7654321e-9)
+MAGIC_LARGEST = np.float32(1.2345678e30)
 
 
 def _terms(op_type: str, inputs, outputs, attrs: dict) -> int:
@@ -159,6 +170,8 @@ def rounding_noise(salt: int = 0):
         attr_map = {key: _attr_value(value) for key, value
                     in zip(attrs[::2], attrs[1::2], strict=False)} if attrs else {}
         terms = math.sqrt(_terms(op_type, inputs, outputs, attr_map))
+        # Past the 16-bit type's range an output overflows (see the module doc).
+        largest = tf.constant(MAGIC_LARGEST, name=f"progen_noise__{op_type}__")
         replaced = []
         for tensor in outputs:
             if tensor.dtype != tf.float32:
@@ -178,6 +191,9 @@ def rounding_noise(salt: int = 0):
             # float16's absolute error: up to the value itself (a flush to
             # zero), never past it: rounding keeps a value's sign, and a zero.
             error = (scale * (size * terms) + tf.clip_by_value(tensor, -limit, limit)) * r
+            noisy = tensor + error
+            error += tf.where(tf.abs(noisy) > largest, tf.sign(noisy) * np.float32(np.inf),
+                              tf.zeros_like(noisy))
             # A forward perturbation only: the gradient ops have their own.
             # (Without the stop, a loop's gradient would keep every factor.)
             replaced.append(tensor + tf.stop_gradient(error))
@@ -191,7 +207,7 @@ def rounding_noise(salt: int = 0):
 
 
 def with_noise_size(graph_def, unit_roundoff: float, tiny: float,
-                    lists) -> graph_pb2.GraphDef:
+                    lists, largest: float = np.inf) -> graph_pb2.GraphDef:
     """A copy of a noisy trace's GraphDef with the noise sized for one 16-bit type.
 
     Only ops the rewrite may compute in 16-bit (on the allow, infer or clear
@@ -205,11 +221,16 @@ def with_noise_size(graph_def, unit_roundoff: float, tiny: float,
       tiny: the absolute size (float16's subnormal half-spacing, 2**-25; 0 for
         bfloat16, whose range is float32's).
       lists: the ``tfamp.OpLists`` of that type.
+      largest: past this magnitude a result overflows (float16's rounding
+        threshold 65520; infinity: no overflow).
     """
     copy = graph_pb2.GraphDef()
     copy.CopyFrom(graph_def)
     values = {MAGIC_SIZE.tobytes(): np.float32(unit_roundoff),
-              MAGIC_TINY.tobytes(): np.float32(tiny)}
+              MAGIC_TINY.tobytes(): np.float32(tiny),
+              MAGIC_LARGEST.tobytes(): np.float32(largest)}
+    exact = {MAGIC_SIZE.tobytes(): np.float32(0.0), MAGIC_TINY.tobytes(): np.float32(0.0),
+             MAGIC_LARGEST.tobytes(): np.float32(np.inf)}
     bodies = [copy.node] + [f.node_def for f in copy.library.function]
     for nodes in bodies:
         for node in nodes:
@@ -221,7 +242,7 @@ def with_noise_size(graph_def, unit_roundoff: float, tiny: float,
             if new is None:
                 continue
             if lists.list_of(named.group(1)) not in ("allow", "infer", "clear"):
-                new = np.float32(0.0)
+                new = exact[value.tobytes()]
             node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(new))
     return copy
 
