@@ -200,6 +200,34 @@ def test_fused_batch_norm_computes_16bit_with_float32_statistics():
     assert dtypes == {"T": "float16", "U": "float32"}
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_moving_average_assigned_to_a_variable_is_computed_in_float32(dtype):
+    """Keras 3's BatchNorm: moving = moving * 0.99 + mean * 0.01. The old-to-new
+    path stays float32 (a 16-bit one loses steps below half a 16-bit spacing);
+    the increment may be 16-bit. With assign_add the variable adds in float32."""
+    moving = tf.Variable(tf.zeros([4]))
+    counter = tf.Variable(tf.zeros([4]))
+
+    def step(x, w):
+        y = tf.matmul(x, w, name="mm")
+        mean = tf.reduce_mean(y, axis=0, name="mean")
+        old = tf.multiply(moving.read_value(), 0.99, name="old")
+        new = tf.add(old, tf.multiply(mean, 0.01, name="increment"), name="new")
+        moving.assign(new, name="assign")
+        counter.assign_add(tf.multiply(mean, 0.5, name="delta"), name="count")
+        return tf.matmul(y, w, name="mm2")
+
+    _, new_graph_def, report = rewrite(step, M, M, dtype=dtype, runtime="xla")
+    dtypes = node_dtypes(new_graph_def)
+    for name in ("old", "new"):
+        node = decision(report, name)
+        assert dtypes[node.name]["T"] == "float32", node
+        if dtype == "bfloat16":  # (in float16 the Mean is a float32 statistic already)
+            assert node.kind == "a variable's new value" and "moving average" in node.reason
+    assert decision(report, "mm").converted and not decision(report, "assign").converted
+    assert decision(report, "delta").kind != "a variable's new value"
+
+
 def test_while_loop_body_is_rewritten_and_float_loop_state_goes_16bit():
     # Was "loop types kept" while function signatures were fixed; since
     # boundaries.py, loop-carried float32 values feeding only 16-bit math (h

@@ -26,8 +26,6 @@ scenario runs in its own process and prints one JSON line.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -35,7 +33,7 @@ import textwrap
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import processes
 
 _SCRIPT = textwrap.dedent(r'''
     import json, sys
@@ -240,10 +238,9 @@ _SCRIPT = textwrap.dedent(r'''
 
 
 def run(mode, replicas, **env):
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
-    environment.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": REPO, **env})
     result = subprocess.run([sys.executable, "-c", _SCRIPT, mode, str(replicas)],
-                            capture_output=True, text=True, timeout=300, env=environment)
+                            capture_output=True, text=True, timeout=300,
+                            env=processes.environment(env))
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -292,39 +289,12 @@ def test_tfamp_enable_custom_loop_under_mirrored_decides_alike_on_every_replica(
 
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def run_workers(mode, **env):
     """`mode` in two MultiWorkerMirroredStrategy workers on loopback ports."""
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
-    base.update({"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": REPO, **env})
-    procs = []
-    try:
-        for index in range(2):
-            tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", _SCRIPT, mode, "1"],
-                env={**base, "TF_CONFIG": json.dumps(tf_config)},
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        outputs = [proc.communicate(timeout=400) for proc in procs]
-    finally:
-        for proc in procs:  # no worker outlives the test
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
     results = []
-    for proc, (stdout, stderr) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, stderr[-4000:]
+    for returncode, stdout, stderr in processes.run_workers(
+            [sys.executable, "-c", _SCRIPT, mode, "1"], env, timeout=400):
+        assert returncode == 0, stderr[-4000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     return results
 

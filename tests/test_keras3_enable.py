@@ -247,3 +247,33 @@ def test_example_script_runs():
     summary = next(line for line in result.stdout.splitlines() if "one_step_on_data:" in line)
     converted = summary.split("-> float16 (", 1)[1].split(")", 1)[0]
     assert "MatMul x6" in converted, summary  # (the Dense layers' matrix products)
+
+
+def _moving_mean_after_fit(enable: bool) -> np.ndarray:
+    """A BatchNorm's moving mean after 256 steps of a Keras 3 fit compiled with XLA,
+    on channels whose batch means sit near 2.9 (momentum 0.99)."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(1024, 4, 4, 8)) * 1.4 + 3.0).astype("float32")
+    y = rng.normal(size=(1024, 1)).astype("float32")
+    eye = keras.initializers.Constant(np.eye(8, dtype="float32").reshape(1, 1, 8, 8))
+    model = keras.Sequential([
+        keras.Input((4, 4, 8)),
+        keras.layers.Conv2D(8, 1, kernel_initializer=eye, use_bias=False, trainable=False),
+        keras.layers.BatchNormalization(momentum=0.99),
+        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse", jit_compile=True)
+    if enable:
+        tfamp.enable(model, dtype="bfloat16")
+    model.fit(x, y, batch_size=16, epochs=4, verbose=0, shuffle=False)
+    return np.asarray(model.layers[1].moving_mean)
+
+
+def test_bfloat16_moving_statistics_keep_moving_like_float32():
+    """Keras 3's BatchNorm assigns moving * 0.99 + mean * 0.01. Computed in bfloat16
+    (8 bits of mantissa), a step below half a bfloat16 spacing is lost: the moving
+    mean stalled at 2.34 where float32's reached 2.77. tfamp keeps the old-to-new
+    path float32 (coloring._hold_variable_updates)."""
+    want = _moving_mean_after_fit(enable=False)
+    got = _moving_mean_after_fit(enable=True)
+    assert want.min() > 2.6  # (the channels' means moved most of the way to ~2.9)
+    np.testing.assert_allclose(got, want, rtol=5e-3)

@@ -30,16 +30,15 @@ failed); the rest is marked slow (about 25 minutes on two busy cores).
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scale_scenarios.py"
@@ -53,17 +52,11 @@ LOSS_FACTOR = 1.25
 _cache: dict = {}
 
 
-def _environment(mode: str, tf_config: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TFAMP_")}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
-                   os.pathsep))
-    env.pop("TF_CONFIG", None)
+def _environment(mode: str) -> dict:
+    extra = {"CUDA_VISIBLE_DEVICES": ""}
     if mode == "env":
-        env.update(TFAMP_ENABLE="1", TFAMP_VERBOSITY="1")
-    if tf_config is not None:
-        env["TF_CONFIG"] = json.dumps(tf_config)
-    return env
+        extra.update(TFAMP_ENABLE="1", TFAMP_VERBOSITY="1")
+    return extra
 
 
 def _parse(what: str, returncode: int, stdout: str, stderr: str) -> dict:
@@ -83,21 +76,10 @@ def run_process(strategy: str, flavour: str, mode: str, *scenarios: str) -> dict
     key = (strategy, flavour, mode, scenarios)
     if key not in _cache:
         args = [sys.executable, str(SCRIPT), strategy, flavour, mode, *scenarios]
-        done = subprocess.run(args, env=_environment(mode), capture_output=True, text=True,
-                              timeout=TIMEOUT)
+        done = subprocess.run(args, env=processes.environment(_environment(mode)),
+                              capture_output=True, text=True, timeout=TIMEOUT)
         _cache[key] = _parse(" ".join(args[2:]), done.returncode, done.stdout, done.stderr)
     return _cache[key]
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def run_workers(flavour: str, mode: str, *arguments: str, cache: bool = True) -> list[dict]:
@@ -105,24 +87,10 @@ def run_workers(flavour: str, mode: str, *arguments: str, cache: bool = True) ->
     key = ("multiworker", flavour, mode, arguments)
     if cache and key in _cache:
         return _cache[key]
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
-    procs, start = [], time.monotonic()
-    try:
-        for index in range(2):
-            tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
-            procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), "multiworker", flavour, mode, *arguments],
-                env=_environment(mode, tf_config), stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True))
-        outputs = [proc.communicate(timeout=max(1.0, start + TIMEOUT - time.monotonic()))
-                   for proc in procs]
-    finally:
-        for proc in procs:  # no worker outlives the test
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    results = [_parse(f"worker {i}", proc.returncode, *out)
-               for i, (proc, out) in enumerate(zip(procs, outputs, strict=True))]
+    outputs = processes.run_workers(
+        [sys.executable, str(SCRIPT), "multiworker", flavour, mode, *arguments],
+        _environment(mode), TIMEOUT)
+    results = [_parse(f"worker {i}", *out) for i, out in enumerate(outputs)]
     if cache:
         _cache[key] = results
     return results

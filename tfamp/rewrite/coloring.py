@@ -653,6 +653,7 @@ class _BodyColoring:
                     f"allow: compute-heavy, runs in {self.target_name}", "", rk.KIND_ALLOW)
         self.allow.update(self.forced)
         self._propagate_deny()
+        self._hold_variable_updates()
         self._add_between_allow()
         self._hold_sums_read_by_reductions()
         # Infer after 16-bit and clear propagation feed each other (an infer op
@@ -719,6 +720,78 @@ class _BodyColoring:
             reduced = self.counts.get(root_node.data_inputs[0][0])
             if root is not None and reduced is not None:
                 self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer)
+
+    def _hold_variable_updates(self) -> None:
+        """A variable's new whole value computed from its own read stays float32
+        from the read to the assignment (``AssignVariableOp``).
+
+        That is an exponential moving average: a BatchNorm's moving mean in
+        Keras 3, ``moving * 0.99 + mean * 0.01``. Computed in 16 bits, the new
+        value is rounded to 16 bits at every step, and a step smaller than half
+        a 16-bit spacing of the value is lost: with bfloat16's 8 bits a moving
+        mean of 2.9 stops moving 0.8 short of its target (BUILD_NOTES.md,
+        session 14; Keras 3 under XLA, where the batch mean is bfloat16). Here
+        only the ops that carry the old value to the new one stay float32; the
+        increment (``mean * 0.01``) may still be 16-bit: its rounding error is
+        2^-9 of one step's change, which the float32 value does not accumulate.
+        An update by ``AssignAdd``/``AssignSub`` adds its increment in float32
+        already, as the variable is float32.
+        """
+        nodes = self.body.nodes
+        writes: dict[str, list] = {}
+        reads: dict[str, list[TensorRef]] = {}
+        for name, node in nodes.items():
+            if node.op == "AssignVariableOp" and len(node.data_inputs) > 1:
+                writes.setdefault(self._variable_key(node.data_inputs[0][0]), []).append(
+                    node.data_inputs[1][0])
+            elif node.op == "ReadVariableOp" and node.data_inputs:
+                reads.setdefault(self._variable_key(node.data_inputs[0][0]), []).append(
+                    TensorRef(name, 0))
+        if not writes:
+            return
+        lists, deny = self.slot_list, self.deny
+        for key, values in writes.items():
+            sources = reads.get(key)
+            if not sources:
+                continue
+            value_slots = [s for s in map(self._slot_of, values) if s is not None]
+            # The infer/clear slots upstream of the assigned value ...
+            upstream = set(_dfs(value_slots, self.fanin, lambda s: (
+                lists[s] in ("infer", "clear") and s not in deny)))
+            # ... that the variable's read reaches.
+            readers = {dst for ref in sources
+                       for consumer, index in self.body.consumers.get(ref, ())
+                       for dst in [self._input_slot(consumer, index)]
+                       if dst is not None and dst in upstream}
+            for slot in _dfs(sorted(readers), self.fanout, lambda s: s in upstream):
+                if slot not in deny and slot not in self.blocked:
+                    deny[slot] = (
+                        f"float32: computes a new value of the float32 variable read by "
+                        f"{sources[0].node!r} from its old one (a moving average); in "
+                        f"{self.target_name} an update below half a 16-bit step of the "
+                        f"value would be lost", sources[0].node, rk.KIND_VARIABLE_UPDATE)
+
+    def _variable_key(self, ref: TensorRef) -> str:
+        """Which variable a resource handle is: its source, through Identity."""
+        for _ in range(8):
+            node = None if ref.is_arg else self.body.nodes.get(ref.node)
+            if node is None or node.op != "Identity" or not node.data_inputs:
+                break
+            ref = node.data_inputs[0][0]
+        return f"{ref.node}:{ref.index}"
+
+    def _slot_of(self, ref: TensorRef) -> int | None:
+        """The slot of the float tensor `ref` (None: not a float op's output)."""
+        if ref.is_arg:
+            return None
+        port = self.body.producer_port(ref)
+        return None if port is None else self.slot_index.get((ref.node, port.type_attr))
+
+    def _input_slot(self, consumer: str, index: int) -> int | None:
+        node = self.body.nodes.get(consumer)
+        if node is None or index >= len(node.inputs):
+            return None
+        return self.slot_index.get((consumer, node.inputs[index].type_attr))
 
     def _after_statistic(self, root: int, root_node, reduced: tuple[int, int],
                          leads_to_deny_or_infer: set[int]) -> None:

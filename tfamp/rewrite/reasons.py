@@ -28,6 +28,7 @@ KIND_DENY_LIST = "deny list"  # on the deny list
 KIND_DOWNSTREAM_OF_DENY = "downstream of a deny op"  # deny spread to it
 KIND_STATISTIC = "float32 statistic"  # a small tensor computed from a float32 reduction
 KIND_CENTRED = "centred on a float32 statistic"  # x - mean, kept with the mean
+KIND_VARIABLE_UPDATE = "a variable's new value"  # old * m + x * (1 - m), read to assign
 KIND_OFF_DEVICE = "placed off the target device"  # pinned to another device type (CPU)
 KIND_NO_KERNEL = "no 16-bit kernel"  # OpDef or (its device's) kernels refuse 16-bit
 KIND_USER_OVERRIDE = "user override"  # name matches AmpConfig.keep_fp32
