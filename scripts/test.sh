@@ -16,4 +16,8 @@ if ! command -v chromium >/dev/null 2>&1 && [ -z "${TFAMP_CHROMIUM:-}" ]; then
   fi
 fi
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-exec .venv/bin/python -m pytest -q --durations=10 "$@"
+# One pytest worker per core (pytest-xdist), each test file whole in one worker
+# (its tests keep their order and share their module's caches); a single test
+# runs in one process with TFAMP_TEST_WORKERS=0.
+exec .venv/bin/python -m pytest -q --durations=25 -n "${TFAMP_TEST_WORKERS:-auto}" \
+  --dist loadfile "$@"
