@@ -24,7 +24,7 @@ and r the rewritten run:
   (rounding alone moves it by more than a quarter: its 16-bit value may be
   anything, an overflow included), or c not finite;
 - otherwise r is finite wherever c and n are (n overflows where a float16
-  matmul's result would: see ``noise``), and where n is finite everywhere
+  result would: see ``noise``), and where n is finite everywhere
   ``|r - c| <= K * |n - c| + F * u * |c|`` (norms over the tensor);
 - integers (argmax, an optimizer's step count, a generator's state) must be
   equal, unless the noisy run changes them too.
