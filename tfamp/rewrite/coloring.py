@@ -755,15 +755,22 @@ class _BodyColoring:
             if not sources:
                 continue
             value_slots = [s for s in map(self._slot_of, values) if s is not None]
-            # The infer/clear slots upstream of the assigned value ...
-            upstream = set(_dfs(value_slots, self.fanin, lambda s: (
-                lists[s] in ("infer", "clear") and s not in deny)))
-            # ... that the variable's read reaches.
-            readers = {dst for ref in sources
-                       for consumer, index in self.body.consumers.get(ref, ())
-                       for dst in [self._input_slot(consumer, index)]
-                       if dst is not None and dst in upstream}
-            for slot in _dfs(sorted(readers), self.fanout, lambda s: s in upstream):
+            values_set = set(value_slots)
+            readers = sorted({dst for ref in sources
+                              for consumer, index in self.body.consumers.get(ref, ())
+                              for dst in [self._input_slot(consumer, index)]
+                              if dst is not None})
+
+            def free(s):
+                return s in values_set or (lists[s] in ("infer", "clear") and s not in deny)
+            # What the read reaches through infer/clear ops (a moving average's
+            # few; walked forward from the read, not back from the assigned
+            # value, whose inputs may be a whole backward pass) ...
+            reached = set(_dfs(readers, self.fanout, free))
+            # ... and, of that, what leads on to the assigned value.
+            upstream = set(_dfs(value_slots, self.fanin, lambda s: s in reached and free(s)))
+            start = [r for r in readers if r in upstream]
+            for slot in _dfs(start, self.fanout, lambda s: s in upstream):
                 if slot not in deny and slot not in self.blocked:
                     deny[slot] = (
                         f"float32: computes a new value of the float32 variable read by "
@@ -1567,10 +1574,7 @@ class _BodyColoring:
     def _ref_is_16bit(self, ref: TensorRef) -> bool:
         if ref.is_arg:
             return ref.node in self.overrides.args
-        port = self.body.producer_port(ref)
-        if port is None or port.type_attr is None:
-            return False
-        slot = self.slot_index.get((ref.node, port.type_attr))
+        slot = self._slot_of(ref)
         return slot is not None and slot in self.allow
 
     def _casts_if_fp32(self, slot: int) -> int:
