@@ -761,16 +761,17 @@ class _BodyColoring:
                               for dst in [self._input_slot(consumer, index)]
                               if dst is not None})
 
-            def free(s):
+            def free(s, values_set=values_set):
                 return s in values_set or (lists[s] in ("infer", "clear") and s not in deny)
             # What the read reaches through infer/clear ops (a moving average's
             # few; walked forward from the read, not back from the assigned
             # value, whose inputs may be a whole backward pass) ...
             reached = set(_dfs(readers, self.fanout, free))
             # ... and, of that, what leads on to the assigned value.
-            upstream = set(_dfs(value_slots, self.fanin, lambda s: s in reached and free(s)))
+            upstream = set(_dfs(value_slots, self.fanin,
+                                lambda s, reached=reached, free=free: s in reached and free(s)))
             start = [r for r in readers if r in upstream]
-            for slot in _dfs(start, self.fanout, lambda s: s in upstream):
+            for slot in _dfs(start, self.fanout, upstream.__contains__):
                 if slot not in deny and slot not in self.blocked:
                     deny[slot] = (
                         f"float32: computes a new value of the float32 variable read by "
