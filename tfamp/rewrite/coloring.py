@@ -109,6 +109,9 @@ FIXED_TYPE_ATTRS = {
 _MAX_ROUNDS = 4
 # Largest chain of infer/clear ops after a 16-bit op judged as one region.
 _MAX_REGION = 32
+# Most ops from a variable's read to its new value that _hold_variable_updates
+# keeps float32 (a moving average takes two or three: moving * m + x * (1 - m)).
+_MOVING_AVERAGE_OPS = 6
 # A reduction's output is a statistic when its input has at least this many
 # times its elements (a BatchNorm's mean over N x H x W; a GroupNorm's
 # gradient summed over a batch of 2). Safety does not rest on the ratio (the
@@ -761,12 +764,17 @@ class _BodyColoring:
                               for dst in [self._input_slot(consumer, index)]
                               if dst is not None})
 
-            def free(s, values_set=values_set):
-                return s in values_set or (lists[s] in ("infer", "clear") and s not in deny)
-            # What the read reaches through infer/clear ops (a moving average's
-            # few; walked forward from the read, not back from the assigned
-            # value, whose inputs may be a whole backward pass) ...
-            reached = set(_dfs(readers, self.fanout, free))
+            size = self.counts.get(sources[0])
+
+            def free(s, values_set=values_set, size=size):
+                return s in values_set or (lists[s] in ("infer", "clear") and s not in deny
+                                           and self._no_bigger(s, size))
+            # What the read reaches through a few infer/clear ops no bigger than
+            # the variable (a moving average's; walked forward from the read,
+            # not back from the assigned value, whose inputs may be a whole
+            # backward pass; and not through the activations a weight's read
+            # reaches, a LayerNorm's gamma the whole residual stream) ...
+            reached = _reach(readers, self.fanout, free, _MOVING_AVERAGE_OPS)
             # ... and, of that, what leads on to the assigned value.
             upstream = set(_dfs(value_slots, self.fanin,
                                 lambda s, reached=reached, free=free: s in reached and free(s)))
@@ -778,6 +786,19 @@ class _BodyColoring:
                         f"{sources[0].node!r} from its old one (a moving average); in "
                         f"{self.target_name} an update below half a 16-bit step of the "
                         f"value would be lost", sources[0].node, rk.KIND_VARIABLE_UPDATE)
+
+    def _no_bigger(self, slot: int, size: tuple[int, int] | None) -> bool:
+        """Are `slot`'s outputs no bigger than a variable of `size` elements
+        (unknown sizes: yes, the walk's depth bounds it)?"""
+        if size is None:
+            return True
+        for ref in self._slot_refs(slot)[1]:
+            elements = self.counts.get(ref)
+            if elements is None:
+                continue
+            if elements[0] > size[0] or (elements[0] == size[0] and elements[1] > size[1]):
+                return False
+        return True
 
     def _variable_key(self, ref: TensorRef) -> str:
         """Which variable a resource handle is: its source, through Identity."""
@@ -1787,6 +1808,19 @@ def _describe_casts(casts: list[tuple[int, int]]) -> str:
         return "no Cast"
     sizes = " + ".join(format_elements(c) for c in casts)
     return f"a Cast of {sizes} elements" if len(casts) == 1 else f"Casts of {sizes} elements"
+
+
+def _reach(roots: list[int], edges: list[list[int]], enter, depth: int) -> set[int]:
+    """The slots `roots` reach through `edges` in at most `depth` steps, entering
+    only slots for which `enter` is true (roots included)."""
+    reached = {r for r in roots if enter(r)}
+    frontier = list(reached)
+    for _ in range(depth - 1):
+        frontier = [n for s in frontier for n in edges[s] if n not in reached and enter(n)]
+        if not frontier:
+            break
+        reached.update(frontier)
+    return reached
 
 
 def _dfs(roots: list[int], edges: list[list[int]], enter) -> list[int]:
