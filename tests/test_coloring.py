@@ -231,13 +231,42 @@ def test_a_moving_average_assigned_to_a_variable_is_computed_in_float32(dtype, r
     assert decision(report, "delta").kind != "a variable's new value"
 
 
+@pytest.mark.parametrize("runtime", ["xla", "executor"])
+def test_bfloat16_statistics_accumulate_in_float32_under_xla(runtime):
+    """In bfloat16 a Mean or Sum of a big tensor is on the infer list. Under XLA
+    it reads its input in float32 (XLA fuses the Cast into the reduction) and
+    its small results stay float32, as a float16 statistic does: no kernel that
+    rounds a BatchNorm's batch mean to bfloat16, and a product it sums (the
+    gamma gradient's dy * x) fused into it rather than written in bfloat16.
+    Under TensorFlow's executor the Cast would be a kernel of its own: no change."""
+    def step(x, f):
+        y = tf.nn.conv2d(x, f, 1, "SAME", name="conv")
+        z = tf.nn.conv2d(y, f, 1, "SAME", name="conv2")
+        mean = tf.reduce_mean(y, axis=[0, 1, 2], name="mean")
+        moved = tf.multiply(mean, 0.1, name="moved")
+        product = tf.multiply(y, z, name="product")
+        gamma_grad = tf.reduce_sum(product, axis=[0, 1, 2], name="gamma_grad")
+        return tf.nn.conv2d(tf.nn.relu(z), f, 1, "SAME", name="conv3"), moved, gamma_grad
+
+    specs = (tf.TensorSpec([2, 8, 8, 4]), tf.TensorSpec([3, 3, 4, 4]))
+    _, new_graph_def, report = rewrite(step, *specs, dtype="bfloat16", runtime=runtime)
+    dtypes = node_dtypes(new_graph_def)
+    xla = runtime == "xla"
+    for name in ("mean", "moved", "gamma_grad", "product"):
+        node = decision(report, name)
+        assert node.converted is not xla, node
+        assert (dtypes[node.name]["T"] == "float32") is xla, node
+    assert decision(report, "conv").converted and decision(report, "conv3").converted
+    if xla:
+        assert "accumulates in float32" in decision(report, "mean").reason
+
+
 def test_a_weights_update_does_not_hold_the_activations_its_read_reaches():
     """A scale read into a big activation (a LayerNorm's gamma) reaches, through
     element-wise ops only, the backward ops that compute its own gradient: its
     new value is computed from its read, but that path is no moving average.
     Only the ops no bigger than the variable (the update itself) stay float32;
-    held too, the whole residual stream of a BERT step was float32 (33.8 GB
-    per step on the H100 against 19.3; BUILD_NOTES.md, session 15)."""
+    before session 15 the activations and their gradients were held too."""
     gamma = tf.Variable(tf.ones([4]))
 
     def step(x, w):

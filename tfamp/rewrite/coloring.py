@@ -715,6 +715,7 @@ class _BodyColoring:
                 f"{format_elements(reduced)}-element input, so only ops as small "
                 f"as it stay float32 after it", "", rk.KIND_DENY_LIST)
             self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer)
+        self._xla_statistics(leads_to_deny_or_infer)
         # A fused normalisation's batch mean and variance (its float32 "U"
         # outputs) are statistics of its input too.
         for name in self._fused_normalisations:
@@ -723,6 +724,45 @@ class _BodyColoring:
             reduced = self.counts.get(root_node.data_inputs[0][0])
             if root is not None and reduced is not None:
                 self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer)
+
+    def _xla_statistics(self, leads_to_deny_or_infer: set[int]) -> None:
+        """Under XLA, in bfloat16, a Mean or Sum that reduces a big tensor to a
+        small statistic accumulates in float32 as in float16 (where these ops
+        are on the deny list), and the small statistics after it stay float32.
+
+        bfloat16 has float32's range, so these ops are on its infer list, and
+        a reduction of a bfloat16 tensor was a bfloat16 op: XLA accumulates it
+        in float32 anyway, but rounds the result to bfloat16 in a kernel of its
+        own (a BatchNorm's batch mean, once per layer), and a product it reduces
+        (a BatchNorm's gamma gradient, dy * x) was written to memory in
+        bfloat16 and read again (BUILD_NOTES.md, session 15). Read in float32,
+        the Cast of its input fuses into the reduction: no bytes, and one kernel
+        where there were two. Under TensorFlow's executor the Cast would be a
+        kernel writing a float32 copy of the big input, so nothing changes there.
+
+        Only the statistic rules apply (_after_statistic without the range
+        holds): bfloat16 cannot overflow where float32 does not.
+        """
+        if self.target != DT_BFLOAT16 or self._fusible is None:
+            return
+        lists = self.slot_list
+        for root, list_name in enumerate(lists):
+            if (list_name != "infer" or root in self.deny or root in self.blocked
+                    or root in self.allow):
+                continue
+            root_node = self.body.nodes[self.slot_node[root]]
+            if root_node.op not in ("Mean", "Sum"):
+                continue
+            reduced = self._statistic_input(root_node)
+            if reduced is None:
+                continue
+            self._statistics.append(root)
+            self.deny[root] = (
+                f"float32 under XLA: accumulates in float32, its output a statistic of its "
+                f"{format_elements(reduced)}-element input; XLA fuses the Cast of its input "
+                f"into it", "", rk.KIND_STATISTIC)
+            self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer,
+                                  ranges=False)
 
     def _hold_variable_updates(self) -> None:
         """A variable's new whole value computed from its own read stays float32
@@ -823,9 +863,10 @@ class _BodyColoring:
         return self.slot_index.get((consumer, node.inputs[index].type_attr))
 
     def _after_statistic(self, root: int, root_node, reduced: tuple[int, int],
-                         leads_to_deny_or_infer: set[int]) -> None:
+                         leads_to_deny_or_infer: set[int], ranges: bool = True) -> None:
         """The rules after a statistic (`root`, a slot of `root_node`, whose input
-        has `reduced` elements): see _propagate_deny."""
+        has `reduced` elements): see _propagate_deny. `ranges`: also hold what
+        could leave float16's range (a sum's broadcast)."""
         lists = self.slot_list
         cause = f"{root_node.op} {root_node.name!r}"
         statistics = _dfs([root], self.fanout, lambda s: (
@@ -838,6 +879,9 @@ class _BodyColoring:
                     f"small, so it is cast where a {self.target_name} op reads it",
                     root_node.name, rk.KIND_STATISTIC)
         self._hold_centring(statistics, reduced, root_node.name)
+        if not ranges:  # (bfloat16: every statistic is within its range)
+            self._bounded.update(statistics)
+            return
         if self._bounded_statistic(root_node):
             self._bounded.update(statistics)
             return
