@@ -56,3 +56,21 @@ def test_update_verdict_is_all_finite(flags, graph):
         assert int(state["skipped_steps"].numpy()) == 1
         padded = bad + [-1] * (scale_update.BAD_NAMES_KEPT - len(bad))
         assert state["first_nonfinite"].numpy().tolist() == padded
+
+
+def test_step_log_values_are_new_values():
+    """The step's logs hold the scale and the skipped steps as numbers equal to the
+    variables', the scale in a dtype of its own (an XLA output that is not the
+    variable's new value: no copy kernel)."""
+    from tfamp.keras.scale_state import step_log_values
+
+    class Owner:
+        skipped_steps = tf.Variable(3, dtype=tf.int64)
+        scale = tf.Variable(2.0**15)
+
+        def scale_tensor(self):
+            return tf.convert_to_tensor(self.scale)
+
+    scale, skipped = step_log_values(Owner())
+    assert scale.dtype != Owner.scale.dtype and float(scale) == 2.0**15
+    assert int(skipped) == 3

@@ -64,7 +64,7 @@ from tfamp.keras import fallback, replicas, start_scale, step_metrics, step_scop
 from tfamp.keras.custom_loop import ModelLoop, call_hook, unscaled_message
 from tfamp.keras.flavour import flavour_of
 from tfamp.keras.notices import warn
-from tfamp.keras.scale_state import ScaleState, current_scale, scale_values
+from tfamp.keras.scale_state import ScaleState, current_scale, scale_values, step_log_values
 from tfamp.runtime.runner import RewrittenFunction
 
 log = logging.getLogger("tfamp")
@@ -577,7 +577,7 @@ class ModelPrecision:
         self.step_owner = owner
 
         def read():
-            return scale_values(owner)
+            return step_log_values(owner)
 
         scale, skipped = _read_once(read) if self.flavour.sums_replica_logs else read()
         logs = dict(logs)
