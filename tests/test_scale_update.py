@@ -58,6 +58,29 @@ def test_update_verdict_is_all_finite(flags, graph):
         assert state["first_nonfinite"].numpy().tolist() == padded
 
 
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: f"{len(f)}-{f.count(False)}bad")
+def test_kept_bad_indices(flags, graph):
+    """The record's new value comes out of the reduction: the first bad indices on a
+    bad step, the previous record (whatever it holds) on a finite one."""
+    previous = [7, -1, 3]
+    run = tf.function(scale_update.kept_bad_indices) if graph else scale_update.kept_bad_indices
+    flags_tensor = tf.constant(flags, tf.bool, shape=[len(flags)])
+    kept = run(flags_tensor, tf.constant(previous, tf.int32))
+    bad = [i for i, f in enumerate(flags) if not f][:scale_update.BAD_NAMES_KEPT]
+    padded = bad + [-1] * (scale_update.BAD_NAMES_KEPT - len(bad))
+    assert kept.numpy().tolist() == (previous if all(flags) else padded)
+    assert scale_update.first_bad_indices(flags_tensor).numpy().tolist() == padded
+
+
+def test_finite_step_keeps_the_record():
+    state = _state()
+    state["first_nonfinite"].assign([4, 9, -1])
+    scale_update.update_scale(tf.constant([True, True]), **state, dynamic=True,
+                              growth_interval=2000, min_scale=1.0)
+    assert state["first_nonfinite"].numpy().tolist() == [4, 9, -1]
+
+
 def test_step_log_values_are_new_values():
     """The step's logs hold the scale and the skipped steps as numbers equal to the
     variables', the scale in a dtype of its own (an XLA output that is not the
