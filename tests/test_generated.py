@@ -54,6 +54,20 @@ def test_kept_regression(path):
     assert outcome.ok, _failures(outcome)
 
 
+# Failures the long mode found that are not fixed yet: each must still fail
+# (strict), so a fix shows up here and its program moves to regressions/.
+OPEN = sorted(p for p in (pathlib.Path(__file__).parent / "progen" / "open").glob("*.py")
+              if p.name != "__init__.py")
+
+
+@pytest.mark.xfail(strict=True, reason="open: bfloat16 batch statistics rounded to 8 bits "
+                   "under TensorFlow's executor (BUILD_NOTES.md, session 15, 4000217)")
+@pytest.mark.parametrize("path", OPEN, ids=lambda p: p.stem)
+def test_open_failure(path):
+    outcome = invariants.check(source.load(path.read_text()))
+    assert outcome.ok, _failures(outcome)
+
+
 @pytest.mark.slow
 def test_a_thousand_generated_programs():
     results = longrun.run(LONG_COUNT, LONG_SEED, jobs=2)
