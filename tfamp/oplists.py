@@ -94,13 +94,16 @@ _BFLOAT16_ALLOW = frozenset({
     "Einsum", "FusedPadConv2D", "MatMul",
 })
 
-# bfloat16 has float32's exponent range, so Mean and Sum move from deny to
-# infer and a few more elementwise ops join.
-_BFLOAT16_INFER = _FLOAT16_INFER | {
-    "Mean", "Rsqrt", "Square", "SquaredDifference", "Sum",
+# Reductions float16 denies for its range only: bfloat16 has float32's exponent
+# range, so they move from deny to infer there (under XLA the coloring still
+# accumulates their statistics in float32: coloring._xla_statistics), and a few
+# more elementwise ops join.
+RANGE_DENIED_REDUCTIONS = frozenset({"Mean", "Sum"})
+_BFLOAT16_INFER = _FLOAT16_INFER | RANGE_DENIED_REDUCTIONS | {
+    "Rsqrt", "Square", "SquaredDifference",
 }
 
-_BFLOAT16_DENY = _FLOAT16_DENY - {"Mean", "Sum"}
+_BFLOAT16_DENY = _FLOAT16_DENY - RANGE_DENIED_REDUCTIONS
 
 # grappler's oneDNN list also has While and StatelessWhile here; tfamp leaves
 # them out because changing a loop's carried dtype without its body is exactly

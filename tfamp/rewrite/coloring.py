@@ -56,6 +56,7 @@ from tfamp.oplists import (
     GROWING_OPS,
     METADATA_OPS,
     NON_NEGATIVE_OPS,
+    RANGE_DENIED_REDUCTIONS,
     SIZE_KEEPING_COPIES,
     STATISTIC_REDUCTIONS,
 )
@@ -709,12 +710,10 @@ class _BodyColoring:
                         self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
                                            rk.KIND_DOWNSTREAM_OF_DENY)
                 continue
-            self._statistics.append(root)
-            self.deny[root] = (
+            self._add_statistic(root, root_node, reduced, leads_to_deny_or_infer, (
                 f"deny: accumulates in float32; its output is a statistic of its "
                 f"{format_elements(reduced)}-element input, so only ops as small "
-                f"as it stay float32 after it", "", rk.KIND_DENY_LIST)
-            self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer)
+                f"as it stay float32 after it", "", rk.KIND_DENY_LIST))
         self._xla_statistics(leads_to_deny_or_infer)
         # A fused normalisation's batch mean and variance (its float32 "U"
         # outputs) are statistics of its input too.
@@ -751,18 +750,24 @@ class _BodyColoring:
                     or root in self.allow):
                 continue
             root_node = self.body.nodes[self.slot_node[root]]
-            if root_node.op not in ("Mean", "Sum"):
+            if root_node.op not in RANGE_DENIED_REDUCTIONS:
                 continue
             reduced = self._statistic_input(root_node)
             if reduced is None:
                 continue
-            self._statistics.append(root)
-            self.deny[root] = (
+            self._add_statistic(root, root_node, reduced, leads_to_deny_or_infer, (
                 f"float32 under XLA: accumulates in float32, its output a statistic of its "
                 f"{format_elements(reduced)}-element input; XLA fuses the Cast of its input "
-                f"into it", "", rk.KIND_STATISTIC)
-            self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer,
-                                  ranges=False)
+                f"into it", "", rk.KIND_STATISTIC), ranges=False)
+
+    def _add_statistic(self, root: int, root_node, reduced: tuple[int, int],
+                       leads_to_deny_or_infer: set[int], decision: tuple[str, str, str],
+                       ranges: bool = True) -> None:
+        """`root` (a slot of `root_node`) is a float32 statistic of its `reduced`-
+        element input, for `decision` (reason, cause, kind): the rules after it apply."""
+        self._statistics.append(root)
+        self.deny[root] = decision
+        self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer, ranges=ranges)
 
     def _hold_variable_updates(self) -> None:
         """A variable's new whole value computed from its own read stays float32
