@@ -282,10 +282,22 @@ FLOAT32_ACCUMULATING_ON_GPU = frozenset({"Mean"})
 # TensorFlow lowering sums half and bfloat16 in float32 and rounds the result
 # once), but whose result can leave float16's range where no term does. Under
 # XLA one may read a float16 input as it is where its result is a weight's
-# gradient (coloring._read_16bit_statistics): a 16-bit MatMul or convolution
-# weight gradient is rounded the same way, and an overflow there is one the
-# loss scale sees and answers.
-FLOAT32_ACCUMULATING_UNDER_XLA = frozenset({"Sum"})
+# gradient (coloring._read_16bit_statistics, coloring._read_cast_products): a
+# 16-bit MatMul or convolution weight gradient is rounded the same way, and an
+# overflow there is one the loss scale sees and answers. (TensorFlow's XLA
+# lowering of BiasAddGrad converts its input to float32, reduces and rounds
+# once, as its Sum does.)
+FLOAT32_ACCUMULATING_UNDER_XLA = frozenset({"Sum", "BiasAddGrad"})
+
+# Ops whose result, rounded to bfloat16, is as close to the exact one when they
+# compute from inputs rounded to bfloat16 as when they compute in float32 and
+# round (a product: three roundings' error instead of one, no cancellation, and
+# bfloat16 has float32's range, so nothing overflows or underflows that float32
+# would keep). Under XLA a deny op's downstream product whose readers all read
+# bfloat16 computes in bfloat16 (coloring._read_cast_products). Not float16:
+# there an input rounded before the product (softmax - onehot before the loss
+# scale multiplies it) can leave float16's range where the product would not.
+BFLOAT16_SAFE_PRODUCTS = frozenset({"Mul"})
 
 # Reductions that copy their input when they keep its size (they reduce no
 # axis, or only axes of one element): there they are clear ops, whatever their
