@@ -10,8 +10,8 @@ reason for a node.
 Python prepares the data (categories, name-scope groups, edges with the Casts
 spliced in) and embeds it as JSON; the page's JavaScript (``page/graph.js``,
 with ``graph.css`` and the skeleton ``graph.html``, inlined by
-``tfamp.inspect.page``) lays it out and draws it as SVG. The page needs no network access and no files besides itself, and is
-plain ASCII.
+``tfamp.inspect.page``) lays it out and draws it as SVG. The page needs no
+network access and no files besides itself, and is plain ASCII.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The mixed-precision graph rewrite: ``rewrite_graph_def(graph_def, config) -> (GraphDef, report)``.
+"""The mixed-precision graph rewrite: ``rewrite_graph_def(graph_def, config)``
+-> ``(GraphDef, report)``.
 
 One module per question: ``graph`` (read-only view of a GraphDef and its library),
 ``kernels`` (can an op run in 16-bit on a device?), ``coloring`` (which ops go

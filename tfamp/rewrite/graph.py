@@ -203,10 +203,11 @@ def build_view(graph_def: graph_pb2.GraphDef, *,
         ``GraphView.edited_signatures``).
       written: with `earlier`, what the writer of `graph_def` added or changed
         since `earlier`'s graph: body name -> {node name: NodeDef, or None for
-        a node removed} (``insert_casts``' and ``hoist``'s records). In a body listed there, every other NodeDef
-        is taken as equal to the earlier one without comparing them, and the
-        top graph's edges are patched rather than read again: the cost is that
-        of the edits, not of the graph. Bodies not listed are compared.
+        a node removed} (``insert_casts``' and ``hoist``'s records). In a body
+        listed there, every other NodeDef is taken as equal to the earlier one
+        without comparing them, and the top graph's edges are patched rather
+        than read again: the cost is that of the edits, not of the graph.
+        Bodies not listed are compared.
 
     Returns:
       A GraphView whose bodies refer to `graph_def`'s own NodeDefs, or to

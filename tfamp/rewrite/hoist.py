@@ -278,7 +278,7 @@ def _broadcasting_reader(body: Body, broadcast: str, source: TensorRef, op: dict
     if big is None or other != big or small_shape is None or min(big, default=0) < 0:
         return None
     if len(small_shape) > len(big) or any(
-            s != b and s != 1 for s, b in zip(reversed(small_shape), reversed(big))):
+            s != b and s != 1 for s, b in zip(reversed(small_shape), reversed(big), strict=False)):
         return None
     return reader, position
 
