@@ -1,7 +1,8 @@
 """What every rewrite of every generated program must satisfy.
 
 For each configuration (float16 and bfloat16; the graph with ``_output_shapes``
-and without; and float16 for a GPU, checked without running):
+and without; with shapes, the Casts also placed for XLA, run by TensorFlow's
+executor like the others; and float16 for a GPU, checked without running):
 
 1. ``rewrite_graph_def`` does not raise;
 2. the input GraphDef's serialized bytes are unchanged;
@@ -69,14 +70,20 @@ class Config:
     shapes: bool  # the GraphDef carries _output_shapes
     device: str = "CPU"
     run: bool = True
+    # "auto": the executor's cost model unless the step is jit-compiled; "xla":
+    # the rules for a step XLA compiles (its fused costs, float32 statistics in
+    # bfloat16, ...), whose numerics a CPU run checks as well as any other
+    runtime: str = "auto"
 
     def __str__(self) -> str:
         return (f"{self.dtype}/{'shapes' if self.shapes else 'no-shapes'}/{self.device}"
+                f"{'' if self.runtime == 'auto' else '/' + self.runtime}"
                 f"{'' if self.run else '/not-run'}")
 
 
 CONFIGS = (Config("float16", True), Config("float16", False), Config("bfloat16", True),
-           Config("bfloat16", False), Config("float16", True, "GPU", run=False))
+           Config("bfloat16", False), Config("float16", True, runtime="xla"),
+           Config("bfloat16", True, runtime="xla"), Config("float16", True, "GPU", run=False))
 
 
 @dataclasses.dataclass
@@ -198,7 +205,8 @@ def _rewrite_checked(graph_def, outputs, config: Config, jit: bool, outcome: Out
     serialized = graph_def.SerializeToString(deterministic=True)
     try:
         new, _ = tfamp.rewrite_graph_def(
-            graph_def, tfamp.AmpConfig(dtype=config.dtype, device_type=config.device, **changes),
+            graph_def, tfamp.AmpConfig(dtype=config.dtype, device_type=config.device,
+                                       runtime=config.runtime, **changes),
             outputs=outputs, jit_compile=jit)
     except Exception as err:
         outcome.failures.append(Failure("raises", str(config), _describe(err), _where(err)))
