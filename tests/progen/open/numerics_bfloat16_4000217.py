@@ -1,5 +1,8 @@
 """Shrunk by tests/progen from generated program 4000217 (11 statements -> 3). OPEN (session 15):
 without shapes the loop's tf.nn.moments BatchNorm goes bfloat16 whole under the executor.
+Session 16: the shrunk program fails with shapes too (on session 15's rewrite as well), and
+with the Casts placed for XLA (|r - c| = 0.0307): the first BatchNorm's gamma update (Adam,
+so the sign of a gradient that nearly cancels over 16 elements per channel) is off.
 
 Failed: [numerics] bfloat16/no-shapes/CPU: variable 0 (8,) update: |r - c| = 0.0429, bound 0.0192 (|c| = 0.043, noisy run's |n - c| = 0.00223); max elementwise error 0.0304
 
