@@ -3,7 +3,8 @@
     python tests/scale_scenarios.py STRATEGY FLAVOUR MODE SCENARIO [SCENARIO ...]
 
 STRATEGY: ``single`` (no strategy), ``mirrored`` (MirroredStrategy on two
-logical CPUs) or ``multiworker`` (MultiWorkerMirroredStrategy; TF_CONFIG from
+logical CPUs), ``mirrored1`` (MirroredStrategy on one device, as on a machine
+with one GPU: fit's iterator is a distributed one) or ``multiworker`` (MultiWorkerMirroredStrategy; TF_CONFIG from
 the environment). FLAVOUR: ``tf_keras`` or ``keras3``. MODE: ``enable``
 (``tfamp.enable`` after compile), ``env`` (run under ``TFAMP_ENABLE=1``: the
 script never imports tfamp) or ``float32`` (no tfamp: the reference).
@@ -46,6 +47,8 @@ def _strategy(kind: str):
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
         return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    if kind == "mirrored1":
+        return tf.distribute.MirroredStrategy(["/cpu:0"])
     if kind == "multiworker":
         return tf.distribute.MultiWorkerMirroredStrategy()
     return tf.distribute.get_strategy()
@@ -219,7 +222,7 @@ def run(strategy_kind: str, flavour: str, mode: str, scenarios: list[str], *,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("strategy", choices=["single", "mirrored", "multiworker"])
+    parser.add_argument("strategy", choices=["single", "mirrored", "mirrored1", "multiworker"])
     parser.add_argument("flavour", choices=["tf_keras", "keras3"])
     parser.add_argument("mode", choices=["enable", "env", "float32"])
     parser.add_argument("scenarios", nargs="+", choices=["probe", "forward", "backward",

@@ -149,6 +149,19 @@ def test_mirrored_tf_keras_enable_probes_per_replica_and_falls_back_alike():
     assert "replica_1/pipe/frozen/MatMul" in line
 
 
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
+def test_mirrored_on_one_device_probes_the_start_scale(flavour):
+    """MirroredStrategy with one replica (a machine with one GPU): fit reads its
+    Dataset through a distributed iterator, which cannot hand a batch back.
+    Before session 16 the probe then gave up with a warning that told the user
+    to pass the Dataset they had passed, and training started at 2^15; tf_keras's
+    probe, run outside the replica context, also failed on its metric variables."""
+    run = run_process("mirrored1", flavour, "enable", "probe")
+    assert run["probe"]["replicas"] == 1
+    check_probe(run)
+    assert not tfamp_lines(run["stderr"], "no start scale"), run["stderr"][-2000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour, mode", [("tf_keras", "env"), ("keras3", "enable"),
                                            ("keras3", "env")])

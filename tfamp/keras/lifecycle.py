@@ -125,6 +125,7 @@ class ModelPrecision:
         self._seen_nonfinite = None  # the agreed nonfinite counts at the last look
         self._pending_probe = None  # fit's first batch, for the probe in the step's trace
         self.probe_first_step = False  # the probe waits for fit's first train call
+        self._fit_data = None  # (args, kwargs) of that fit, while the probe waits
         self._recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.loop = ModelLoop(model, self.cls.call, lambda: self.config, settings.check,
                               self.built_scale_owner)
@@ -188,6 +189,7 @@ class ModelPrecision:
                 return cls.fit(model, *args, **kwargs)
             finally:  # a probe waits for this fit's first step only
                 self.probe_first_step, self._pending_probe = False, None
+                self._fit_data = None
 
         def maker(attr):
             def make(force=False):
@@ -386,6 +388,7 @@ class ModelPrecision:
             return self._probe_failed(owner, err)
         if batch is None and through_fit:
             self.probe_first_step = True
+            self._fit_data = (args, kwargs)
             return None
         if batch is None:
             self.start_scale = False
@@ -413,9 +416,25 @@ class ModelPrecision:
         call, where it can (``_on_train_trace``); else it traces the step now.
         """
         self.probe_first_step = False
+        fit_data, self._fit_data = self._fit_data, None
         owner = self._owner_to_calibrate()
         if owner is None:
             return iterator
+        if not isinstance(iterator, tf.data.Iterator) and fit_data is not None:
+            # A strategy of one replica (MirroredStrategy on one GPU): fit's
+            # iterator is a distributed one, which cannot hand a batch back, so a
+            # Dataset is read for one element as under several replicas.
+            try:
+                batch = start_scale.first_batch(self.flavour, *fit_data, dataset=True)
+            except Exception as err:  # same as a probe that failed
+                self._probe_failed(owner, err)
+                return iterator
+            if batch is not None:
+                if self._probe_in_step_possible():
+                    self._pending_probe = batch
+                else:
+                    self._probe(batch)
+                return iterator
         if not isinstance(iterator, tf.data.Iterator):
             self.start_scale = False
             start = self._scale_or_none(owner)

@@ -8,7 +8,9 @@ way (``run_per_replica``: every replica takes its rows of the batch this
 worker read), and what each replica finds is then made one answer for every
 replica of every worker (``agree_rows``: an all-gather over the strategy, so
 each worker ends with the same rows, in the same order). Without a strategy
-(or with one replica) both are the plain single-device call.
+the probe is the plain single-device call; under a strategy of one replica
+(MirroredStrategy on one GPU) it still runs in that replica's context, where
+tf_keras's metrics are updated, and the agreement is the plain value.
 
 A worker must reach ``agree_rows`` whether its own probe worked or not (the
 gather is collective: one absent worker stalls the others), so callers catch
@@ -19,11 +21,20 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
 
 
 def is_distributed(strategy) -> bool:
     """True when a step runs on more than one replica (any number of workers)."""
     return strategy is not None and strategy.num_replicas_in_sync > 1
+
+
+def has_replica_context(strategy) -> bool:
+    """True under a tf.distribute strategy of its own, of any number of replicas
+    (not TensorFlow's default strategy): a step runs in its replica context."""
+    # (TensorFlow's public API says whether a strategy's scope is entered, not
+    # whether a strategy object is the default one)
+    return strategy is not None and strategy is not distribute_lib._get_default_strategy()
 
 
 def replica_rows(batch):
@@ -69,7 +80,7 @@ def run_per_replica(strategy, fn, *args):
     Returns:
       a list with each local replica's result (one element without a strategy).
     """
-    if not is_distributed(strategy):
+    if not has_replica_context(strategy):
         return [fn(*args)]
     results = strategy.run(fn, args=args)
     return _local_results(strategy, results)
