@@ -2,12 +2,12 @@
 
     python tests/scale_scenarios.py STRATEGY FLAVOUR MODE SCENARIO [SCENARIO ...]
 
-STRATEGY: ``single`` (no strategy), ``mirrored`` (MirroredStrategy on two
-logical CPUs), ``mirrored1`` (MirroredStrategy on one device, as on a machine
-with one GPU: fit's iterator is a distributed one) or ``multiworker``
-(MultiWorkerMirroredStrategy; TF_CONFIG from the environment). FLAVOUR:
-``tf_keras`` or ``keras3``. MODE: ``enable`` (``tfamp.enable`` after compile),
-``env`` (run under ``TFAMP_ENABLE=1``: the script never imports tfamp) or ``float32`` (no tfamp: the reference).
+STRATEGY: ``single`` (no strategy), ``mirrored`` (MirroredStrategy on two logical CPUs),
+``mirrored1`` (MirroredStrategy on one device, as on a machine with one GPU: fit's
+iterator is a distributed one) or ``multiworker`` (MultiWorkerMirroredStrategy;
+TF_CONFIG from the environment). FLAVOUR: ``tf_keras`` or ``keras3``. MODE: ``enable``
+(``tfamp.enable`` after compile), ``env`` (run under ``TFAMP_ENABLE=1``: the script
+never imports tfamp) or ``float32`` (no tfamp: the reference).
 Prints one line, ``SCENARIO_RESULT {json}``: per scenario, what the tests compare.
 
 Every worker reads its own data (a different seed per worker, its own
