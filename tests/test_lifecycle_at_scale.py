@@ -150,16 +150,21 @@ def test_mirrored_tf_keras_enable_probes_per_replica_and_falls_back_alike():
 
 
 @pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
-def test_mirrored_on_one_device_probes_the_start_scale(flavour):
-    """MirroredStrategy with one replica (a machine with one GPU): fit reads its
-    Dataset through a distributed iterator, which cannot hand a batch back.
-    Before session 16 the probe then gave up with a warning that told the user
-    to pass the Dataset they had passed, and training started at 2^15; tf_keras's
-    probe, run outside the replica context, also failed on its metric variables."""
-    run = run_process("mirrored1", flavour, "enable", "probe")
+def test_mirrored_on_one_device_probes_and_falls_back(flavour):
+    """MirroredStrategy with one replica (a machine with one GPU). Before session
+    16: fit reads its Dataset through a distributed iterator, which cannot hand
+    a batch back, so the probe gave up with a warning that told the user to
+    pass the Dataset they had passed, and training started at 2^15; and the
+    probe and the overflow locator ran outside the replica context, where
+    tf_keras's metric variables refused them, so tf_keras never moved the
+    overflowing layer (every step skipped, the loss NaN) and Keras 3's backward
+    case moved it only after 15 skipped steps."""
+    run = run_process("mirrored1", flavour, "enable", *SCENARIOS)
     assert run["probe"]["replicas"] == 1
     check_probe(run)
     assert not tfamp_lines(run["stderr"], "no start scale"), run["stderr"][-2000:]
+    check_fallback(run, "forward", "frozen")
+    check_fallback(run, "backward", "wide")
 
 
 @pytest.mark.slow
