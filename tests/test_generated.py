@@ -218,6 +218,22 @@ def test_an_ill_conditioned_output_is_not_judged_a_well_conditioned_one_is():
     assert invariants._judge(c, c * (1 + u), c * (1 + 2 * u), u)[0] == ""
 
 
+def test_a_variable_update_is_judged_to_its_float32_resolution_and_no_finer():
+    """5000408: an SGD step below half a float32 step of a gamma near 1 leaves it
+    unchanged in float32 (and in the noisy run); the float16 gradient, a little
+    larger, moved it by one float32 step. An update is a difference of two
+    stored float32 values, so one step per element is within the bound; ten are
+    not."""
+    u = invariants.UNIT_ROUNDOFF["float16"]
+    gamma = np.array([1.25, 1.5], np.float32)
+    step = np.spacing(gamma)
+    floor = invariants._resolution(gamma)
+    unchanged, moved = np.zeros(2), step.astype(np.float64)
+    assert invariants._judge(unchanged, unchanged, moved, u)[0] == "numerics"  # (floor 0)
+    assert invariants._judge(unchanged, unchanged, moved, u, floor)[0] == ""
+    assert invariants._judge(unchanged, unchanged, 10 * moved, u, floor)[0] == "numerics"
+
+
 def test_a_wrong_value_in_a_valid_graph_is_caught(monkeypatch):
     """The rewritten graph computes max - lse instead of lse - max."""
     real = invariants.tfamp.rewrite_graph_def

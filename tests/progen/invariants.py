@@ -315,20 +315,20 @@ def _compare(clean, noisy, got, before, config: Config, outcome: Outcome) -> Non
     u = UNIT_ROUNDOFF[config.dtype]
     if len(noisy_state) != len(clean_state):  # (the builds differ: compare outputs only)
         noisy_state = [None] * len(clean_state)
-    pairs = [(name, c, n, r) for (name, c), (_, n), (_, r)
+    pairs = [(name, c, n, r, 0.0) for (name, c), (_, n), (_, r)
              in zip(clean_out, noisy_out, got_out, strict=True)]
     for index, (b, c, n, r) in enumerate(zip(before, clean_state, noisy_state, got_state,
                                              strict=True)):
         if n is not None and n.shape == c.shape:
             pairs.append((f"variable {index} {c.shape} update", _delta(c, b), _delta(n, b),
-                          _delta(r, b)))
-    for name, c, n, r in pairs:
+                          _delta(r, b), _resolution(c)))
+    for name, c, n, r, floor in pairs:
         if r.dtype != c.dtype or r.shape != c.shape:
             outcome.failures.append(Failure("output_dtype", str(config),
                                             f"{name}: {c.dtype}{c.shape} became "
                                             f"{r.dtype}{r.shape}"))
             continue
-        verdict = _judge(c, n, r, u)
+        verdict = _judge(c, n, r, u, floor)
         if verdict is None:
             outcome.skipped += 1
             if r.dtype.kind == "f" and not np.all(np.isfinite(r)):
@@ -344,15 +344,27 @@ def _compare(clean, noisy, got, before, config: Config, outcome: Outcome) -> Non
             outcome.failures.append(Failure(kind, str(config), f"{name}: {message}"))
 
 
+def _resolution(after) -> float:
+    """The norm of one unit in the last place of each element of a variable's new
+    value: an update is a difference of two stored values, so no update is known
+    to better than that. (5000408: an SGD step below half a float32 step of a
+    gamma near 1 rounds to no change in float32; the float16 gradient, a little
+    larger, moved it by one float32 step, 1.2e-7, against a bound of 0.)"""
+    if after.dtype.kind != "f":
+        return 0.0
+    return float(np.linalg.norm(np.spacing(np.abs(after)).astype(np.float64)))
+
+
 def _delta(after, before):
     if after.dtype.kind == "f":
         return after.astype(np.float64) - before.astype(np.float64)
     return after
 
 
-def _judge(c, n, r, u):
+def _judge(c, n, r, u, floor: float = 0.0):
     """None (not compared), or (failure kind or "", |r - c| / bound, message,
-    (|r - c|, |n - c|) / (u |c|) or None)."""
+    (|r - c|, |n - c|) / (u |c|) or None). `floor`: what the bound is at least
+    (``_resolution``)."""
     if c.dtype.kind not in "fc":
         if not np.array_equal(n, c):
             return None
@@ -378,7 +390,7 @@ def _judge(c, n, r, u):
         return None
     noise_error = np.linalg.norm(n - c)
     error = np.linalg.norm(r - c)
-    bound = K * noise_error + F * u * scale
+    bound = K * noise_error + F * u * scale + floor
     ratio = error / bound if bound else (0.0 if error == 0 else np.inf)
     relative = ((error / (u * scale), noise_error / (u * scale)) if scale
                 else None)
