@@ -399,6 +399,11 @@ class ModelPrecision:
                  f"pass arrays or a tf.data.Dataset, or call "
                  f"tfamp.calibrate_loss_scale(model.train_step, batch, model=model) first.")
             return None
+        return self._probe_in_trace_or_now(batch, in_step)
+
+    def _probe_in_trace_or_now(self, batch, in_step: bool = True):
+        """The probe on `batch`: in the step's first trace where it can (`in_step`:
+        fit's own call), else now. Returns the StartScale when probed now."""
         if in_step and self._probe_in_step_possible():
             self._pending_probe = batch
             return None
@@ -420,22 +425,19 @@ class ModelPrecision:
         owner = self._owner_to_calibrate()
         if owner is None:
             return iterator
-        if not isinstance(iterator, tf.data.Iterator) and fit_data is not None:
-            # A strategy of one replica (MirroredStrategy on one GPU): fit's
-            # iterator is a distributed one, which cannot hand a batch back, so a
-            # Dataset is read for one element as under several replicas.
-            try:
-                batch = start_scale.first_batch(self.flavour, *fit_data, dataset=True)
-            except Exception as err:  # same as a probe that failed
-                self._probe_failed(owner, err)
-                return iterator
-            if batch is not None:
-                if self._probe_in_step_possible():
-                    self._pending_probe = batch
-                else:
-                    self._probe(batch)
-                return iterator
         if not isinstance(iterator, tf.data.Iterator):
+            if fit_data is not None:
+                # A strategy of one replica (MirroredStrategy on one GPU): fit's
+                # iterator is a distributed one, which cannot hand a batch back,
+                # so a Dataset is read for one element as under several replicas.
+                try:
+                    batch = start_scale.first_batch(self.flavour, *fit_data, dataset=True)
+                except Exception as err:  # same as a probe that failed
+                    self._probe_failed(owner, err)
+                    return iterator
+                if batch is not None:
+                    self._probe_in_trace_or_now(batch)
+                    return iterator
             self.start_scale = False
             start = self._scale_or_none(owner)
             warn(f"tfamp: model {self.model.name!r}: no start scale from the gradients: "
@@ -454,10 +456,7 @@ class ModelPrecision:
             return iterator
         if not elements:
             return replay
-        if self._probe_in_step_possible():
-            self._pending_probe = elements[0]
-        else:
-            self._probe(elements[0])
+        self._probe_in_trace_or_now(elements[0])
         return replay
 
     def _owner_to_calibrate(self):
