@@ -141,7 +141,7 @@ def test_under_xla_the_smallest_product_stays_per_example_as_the_layout_anchor()
     assert shapes.shapes[view.bodies[0].name][TensorRef(product, 0)] == (BATCH, UNITS, 3)
     want = run_graph_def(graph_def, VALUES, outputs)
     got = run_graph_def(anchored.graph_def, VALUES, outputs)
-    for w, g in zip(want, got):
+    for w, g in zip(want, got, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     # One product is nothing to anchor against: it is contracted.
     single, single_outputs = _traced(lambda x, kernel: tf.gradients(
@@ -154,4 +154,12 @@ def test_under_xla_the_smallest_product_stays_per_example_as_the_layout_anchor()
     for runtime, count in (("xla", 1), ("executor", 2)):
         _, report = tfamp.rewrite_graph_def(
             graph_def, tfamp.AmpConfig(device_type="GPU", runtime=runtime), outputs=outputs)
-        assert [e["edit"] for e in report.broadcast_edits].count("contracted") == count
+        edits = [e["edit"] for e in report.broadcast_edits]
+        assert (edits.count("contracted"), edits.count("anchored")) == (count, 2 - count)
+    # The report says which one stays, and why.
+    _, report = tfamp.rewrite_graph_def(
+        graph_def, tfamp.AmpConfig(device_type="GPU", runtime="xla"), outputs=outputs)
+    (row,) = [e for e in report.broadcast_edits if e["edit"] == "anchored"]
+    assert (row["node"], row["into"]) == (total, product)
+    assert "(the same sums in another order); 1 left per-example as XLA's layout anchor" in (
+        report.edits_line())

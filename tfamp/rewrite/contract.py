@@ -43,7 +43,8 @@ Keras step's gradients live there), and not one with TF1 loops.
 ``contract_weight_gradients(graph_def, view, shapes, outputs, anchor=False) -> EditedGraph |
 None``: pure; None when nothing changes; ``anchor`` (under XLA) leaves the layout anchor. Its ``made`` rows are (body, the Sum node, now a
 MatMul; the BatchMatMulV2 node, now the Reshape of its first operand), reported
-as edit "contracted", op "Sum".
+as edit "contracted", op "Sum"; the layout anchor is reported as edit "anchored" (the
+Sum and its BatchMatMulV2, both as they were).
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
         return None
     fetched = {name.split(":")[0] for name in outputs}
     found = _find(top, shapes.shapes.get(top.name, {}), fetched)
+    anchored = []
     if anchor and len(found) >= 2:
         # The smallest [batch, d, f] tensor; the first in graph order among equals.
         kept = min(found, key=lambda match: match[2] // match[5] * match[3] * match[4])
         found = [match for match in found if match is not kept]
+        anchored = [(top.name, kept[0], kept[1])]
     if not found:
         return None
     new_graph_def = graph_pb2.GraphDef()
@@ -135,7 +138,8 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
     new_shapes[top.name] = body_shapes
     return EditedGraph(new_graph_def, {top.name: written},
                        [(top.name, total, product) for total, product, *_ in found],
-                       TensorShapes(new_shapes), edit="contracted", op="Sum")
+                       TensorShapes(new_shapes), edit="contracted", op="Sum", left=anchored,
+                       left_edit="anchored")
 
 
 def _find(body: Body, shapes: dict,
