@@ -41,10 +41,10 @@ no transpose), read by nothing else; both operands have those batch axes
 Keras step's gradients live there), and not one with TF1 loops.
 
 ``contract_weight_gradients(graph_def, view, shapes, outputs, anchor=False) -> EditedGraph |
-None``: pure; None when nothing changes; ``anchor`` (under XLA) leaves the layout anchor. Its ``made`` rows are (body, the Sum node, now a
-MatMul; the BatchMatMulV2 node, now the Reshape of its first operand), reported
-as edit "contracted", op "Sum"; the layout anchor is reported as edit "anchored" (the
-Sum and its BatchMatMulV2, both as they were).
+None``: pure; None when nothing changes; ``anchor`` (under XLA) leaves the layout anchor.
+Its ``made`` rows are (body, the Sum node, now a MatMul; the BatchMatMulV2 node, now the
+Reshape of its first operand), reported as edit "contracted", op "Sum"; the layout anchor
+is reported as edit "anchored" (the Sum and its BatchMatMulV2, both as they were).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ on the executor), the normalised output ``node`` of a BatchNorm (op "BatchNorm")
 now an Identity of the FusedBatchNormV3 ``into``; "contracted", the ``Sum`` ``node``
 of per-example products is now one MatMul and the BatchMatMulV2 ``into`` the
 Reshape of its first operand; "anchored", such a ``Sum`` and its ``into`` left as they
-were on purpose (under XLA, the layout anchor: ``tfamp.rewrite.contract``); "moved", a scaling ``node`` (its ``op``: a
-RealDiv/Mul/Neg by a scalar) now runs on the small tensor in node ``into`` and
-``node`` broadcasts the result; "dropped", the broadcast ``node`` (``op``
-Tile/BroadcastTo) is gone and ``into``, an op that broadcasts, reads its input.
+were on purpose (under XLA, the layout anchor: ``tfamp.rewrite.contract``); "moved", a
+scaling ``node`` (its ``op``: a RealDiv/Mul/Neg by a scalar) now runs on the small
+tensor in node ``into`` and ``node`` broadcasts the result; "dropped", the broadcast
+``node`` (``op`` Tile/BroadcastTo) is gone and ``into``, an op that broadcasts, reads its input.
 Reports saved before ``kind``, the traffic, the runtime keys or the edits
 existed still load (with None / empty values for those keys).
 Optional: matrix_flops (total, in_16bit, degree, not_counted; set by ``tfamp
