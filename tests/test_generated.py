@@ -60,8 +60,8 @@ OPEN = sorted(p for p in (pathlib.Path(__file__).parent / "progen" / "open").glo
               if p.name != "__init__.py")
 
 
-@pytest.mark.xfail(strict=True, reason="open: bfloat16 batch statistics rounded to 8 bits "
-                   "under TensorFlow's executor (BUILD_NOTES.md, session 15, 4000217)")
+@pytest.mark.xfail(strict=True, reason="open: a failure the long mode found and no fix yet "
+                   "(tests/progen/open/, BUILD_NOTES.md)")
 @pytest.mark.parametrize("path", OPEN, ids=lambda p: p.stem)
 def test_open_failure(path):
     outcome = invariants.check(source.load(path.read_text()))

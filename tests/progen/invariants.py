@@ -61,6 +61,8 @@ LARGEST = {"float16": 65520.0, "bfloat16": np.inf}
 K = 8.0
 F = 8.0
 SKIP = 0.25
+# More samples of the noise a numerics failure is confirmed against (``check``).
+EXTRA_SALTS = (1, 2)
 _SIXTEEN = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 
 
@@ -183,7 +185,23 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
                 outcome.failures.append(Failure("program", f"{config.dtype}/noisy",
                                                 _describe(err), type(err).__name__))
                 continue
-        _compare(clean, noisy[config.dtype], results[key], before, config, outcome)
+        found = Outcome([])
+        _compare(clean, noisy[config.dtype], results[key], before, config, found)
+        if any(f.invariant == "numerics" for f in found.failures):
+            # A numerics failure is confirmed against more samples of the noise
+            # (5000536: an Adam update of a gradient that the noise moves by 0.3
+            # to 4 times its size; one sample kept every sign, 5 of 8 flipped some,
+            # and Adam turns a sign into a whole step): each output is judged
+            # against the sample that moved it most.
+            try:
+                worst = _worst_noise(clean, [noisy[config.dtype]] + [
+                    noisy_step.run(config.dtype, salt) for salt in EXTRA_SALTS])
+            except Exception:  # (another sample that does not run: keep the first's verdict)
+                worst = None
+            if worst is not None:
+                found = Outcome([])
+                _compare(clean, worst, results[key], before, config, found)
+        _merge(outcome, found)
     outcome.seconds = time.perf_counter() - start
     return outcome
 
@@ -286,27 +304,62 @@ def _restore(variables, values) -> None:
 
 
 class _NoisyStep:
-    """A fresh build of the program traced under ``noise.rounding_noise``; run
-    with the noise of one 16-bit type at a time, from the same start."""
+    """A fresh build of the program traced under ``noise.rounding_noise`` (one
+    build per noise sample, `salt`); run with the noise of one 16-bit type at a
+    time, from the same start."""
 
     def __init__(self, module):
-        step, state = module.build()
-        with noise.rounding_noise():
-            self.concrete = step.get_concrete_function(*module.input_specs())
-        self.graph_def = self.concrete.graph.as_graph_def()
-        self.inputs = module.make_inputs()
-        self.captured = list(self.concrete.variables)
-        self.snapshot = [v.numpy() for v in self.captured]
-        self.state = full_state(self.concrete, state)
+        self.module = module
+        self.builds: dict[int, tuple] = {}
 
-    def run(self, dtype: str):
-        sized = noise.with_noise_size(self.graph_def, UNIT_ROUNDOFF[dtype], TINY[dtype],
+    def _build(self, salt: int):
+        if salt not in self.builds:
+            step, state = self.module.build()
+            with noise.rounding_noise(salt):
+                concrete = step.get_concrete_function(*self.module.input_specs())
+            captured = list(concrete.variables)
+            self.builds[salt] = (concrete, concrete.graph.as_graph_def(),
+                                 self.module.make_inputs(), captured,
+                                 [v.numpy() for v in captured], full_state(concrete, state))
+        return self.builds[salt]
+
+    def run(self, dtype: str, salt: int = 0):
+        concrete, graph_def, inputs, captured, snapshot, state = self._build(salt)
+        sized = noise.with_noise_size(graph_def, UNIT_ROUNDOFF[dtype], TINY[dtype],
                                       tfamp.AmpConfig(dtype=dtype).op_lists, LARGEST[dtype])
-        _restore(self.captured, self.snapshot)
+        _restore(captured, snapshot)
         try:
-            return _run(_concrete_from(sized, self.concrete), self.inputs, self.state)
+            return _run(_concrete_from(sized, concrete), inputs, state)
         finally:
-            _restore(self.captured, self.snapshot)
+            _restore(captured, snapshot)
+
+
+def _worst_noise(clean, samples):
+    """One noisy run made of `samples` (runs of noisy steps): each output and
+    variable the one farthest from float32's `clean` (norm of the difference),
+    or None where the samples' structures differ."""
+    def far(c, n):
+        if n is None or np.shape(n) != np.shape(c) or np.asarray(c).dtype.kind != "f":
+            return -1.0
+        d = np.asarray(n, np.float64) - np.asarray(c, np.float64)
+        return float(np.linalg.norm(d)) if np.all(np.isfinite(d)) else np.inf
+    clean_out, clean_state = clean
+    if any(len(s[0]) != len(clean_out) or len(s[1]) != len(clean_state) for s in samples):
+        return None
+    outs = [max((s[0][i] for s in samples), key=lambda item, c=c: far(c, item[1]))
+            for i, (_, c) in enumerate(clean_out)]
+    state = [max((s[1][i] for s in samples), key=lambda n, c=c: far(c, n))
+             for i, c in enumerate(clean_state)]
+    return outs, state
+
+
+def _merge(outcome: Outcome, found: Outcome) -> None:
+    outcome.failures += found.failures
+    outcome.compared += found.compared
+    outcome.skipped += found.skipped
+    outcome.unjudged_nonfinite += found.unjudged_nonfinite
+    outcome.ratios += found.ratios
+    outcome.errors += found.errors
 
 
 def _compare(clean, noisy, got, before, config: Config, outcome: Outcome) -> None:

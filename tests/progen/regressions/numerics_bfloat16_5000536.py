@@ -1,10 +1,10 @@
-"""Shrunk by tests/progen from generated program 4000217 (11 statements -> 3). OPEN (session 15):
-without shapes the loop's tf.nn.moments BatchNorm goes bfloat16 whole under the executor.
-Session 16: the shrunk program fails with shapes too (on session 15's rewrite as well), and
-with the Casts placed for XLA (|r - c| = 0.0307): the first BatchNorm's gamma update (Adam,
-so the sign of a gradient that nearly cancels over 16 elements per channel) is off.
+"""Shrunk by tests/progen from generated program 5000536 (10 statements -> 5).
+A harness case, not a rewrite defect: Adam's first step is lr * sign(g), and one element of the
+embedding's gradient (-2.9e-4 of a gradient of norm 0.14) changes sign in bfloat16 (executor
+and XLA placements alike); one sample of the noise kept that sign, others flip it
+(invariants.EXTRA_SALTS).
 
-Failed: [numerics] bfloat16/no-shapes/CPU: variable 0 (8,) update: |r - c| = 0.0429, bound 0.0192 (|c| = 0.043, noisy run's |n - c| = 0.00223); max elementwise error 0.0304
+Failed: [numerics] bfloat16/shapes/CPU/xla: variable 0 (8, 8) update: |r - c| = 0.0304, bound 0.0119 (|c| = 0.108, noisy run's |n - c| = 0.00107); max elementwise error 0.0304
 
 Run: python <this file>   (checks the invariants; exit status 1 on a failure)
 """
@@ -18,13 +18,13 @@ from tensorflow.python.ops import list_ops
 
 import tf_keras as K
 
-SEED = 4000217
-D = 32
+SEED = 5000536
+D = 16
 BATCH = 4
 ID_LENGTH = 8
 VOCAB = 8
 DYNAMIC_BATCH = False
-SPEC = '{"aux": "", "d": 32, "dynamic_batch": false, "flavour": "tf_keras", "int_output": false, "loss": "mse", "optimizer": "adam", "outputs": [], "seed": 4000217, "stmts": [{"args": ["x1"], "kind": "bn_moments", "out": "t7", "params": {"layout": 0, "variant": "moving_average"}}, {"args": ["t7"], "body": [{"args": ["@in"], "kind": "bn_moments", "out": "t10", "params": {"layout": 1, "variant": "moving_average"}}], "kind": "tensorlist", "out": "t11", "params": {"trips": 2, "variant": "list_ops"}}], "tape": true}'
+SPEC = '{"aux": "", "d": 16, "dynamic_batch": false, "flavour": "tf_keras", "int_output": false, "loss": "mse", "optimizer": "adam", "outputs": [], "seed": 5000536, "stmts": [{"args": ["x1"], "kind": "embedding", "out": "t1", "params": {"layout": 1, "variant": "lookup"}}, {"args": ["t1"], "kind": "softmax", "out": "t2", "params": {"variant": "softmax"}}, {"args": ["t2"], "body": [{"args": ["@in"], "body": [{"args": ["@in"], "kind": "attention", "out": "t3", "params": {"layout": 0, "variant": "plain"}}], "kind": "tensorlist", "out": "t4", "params": {"trips": 3, "variant": "tensor_array"}}], "kind": "map_fn", "out": "t6", "params": {"variant": ""}}], "tape": true}'
 
 
 def grid(key, shape, lim=4, den=16):
@@ -63,12 +63,10 @@ def build():
     def tf_variable(weight):
         return weight if isinstance(weight, tf.Variable) else weight.value
 
-    g_t7 = var(1, (8,), value=1.0 + grid(1, (8,), 2, 8))
-    beta_t7 = var(101, (8,), lim=2, den=8)
-    mm_t7 = var(2, (8,), trainable=False)
-    g_t10 = var(3, (2,), value=1.0 + grid(3, (2,), 2, 8))
-    beta_t10 = var(103, (2,), lim=2, den=8)
-    mm_t10 = var(4, (2,), trainable=False)
+    E_t1 = var(1, (8, 8), den=8)
+    Wq_t3 = var(2, (4, 4), den=8)
+    Wk_t3 = var(3, (4, 4), den=8)
+    Wv_t3 = var(4, (4, 4), den=8)
     opt = K.optimizers.Adam(learning_rate=2.0 ** -6)
     if train:
         opt.build(train)
@@ -78,25 +76,29 @@ def build():
     def step(x0, x1, ids, labels):
         with tf.GradientTape() as tape:
             tape.watch([x0, x1])
-            x4_t7 = tf.reshape(x1, [-1, 2, 2, 8])
-            mean_t7, var_t7 = tf.nn.moments(x4_t7, axes=[0, 1, 2])
-            t7 = tf.reshape(tf.nn.batch_normalization(x4_t7, mean_t7, var_t7, beta_t7, g_t7, 1e-3), [-1, 32])
-            mm_t7.assign(mm_t7 * 0.875 + mean_t7 * 0.125)
-            def body_t11(i, h_t11, acc):
-                x4_t10 = tf.reshape(h_t11, [-1, 4, 4, 2])
-                mean_t10, var_t10 = tf.nn.moments(x4_t10, axes=[0, 1, 2])
-                t10 = tf.reshape(tf.nn.batch_normalization(x4_t10, mean_t10, var_t10, beta_t10, g_t10, 1e-3), [-1, 32])
-                mm_t10.assign(mm_t10 * 0.875 + mean_t10 * 0.125)
-                return i + 1, t10, list_ops.tensor_list_push_back(acc, t10)
-            _, _, acc_t11 = tf.while_loop(lambda i, *_: i < 2, body_t11, (tf.constant(0), t7, list_ops.empty_tensor_list(element_shape=tf.shape(t7), element_dtype=tf.float32, max_num_elements=2)), maximum_iterations=2)
-            t11 = tf.reduce_mean(list_ops.tensor_list_stack(acc_t11, tf.float32), axis=0)
-            loss = tf.reduce_mean(tf.square(t11))
+            t1 = x1 + tf.reshape(tf.nn.embedding_lookup(E_t1, ids[:, :2]), [-1, 16])
+            t2 = tf.nn.softmax(t1 * 2.0, axis=-1) * 16.0
+            def row_t6(r):
+                h_t6 = r[None, :]
+                def body_t4(i, h_t4, acc):
+                    x3_t3 = tf.reshape(h_t4, [-1, 4, 4])
+                    q_t3 = tf.matmul(x3_t3, Wq_t3)
+                    k_t3 = tf.matmul(x3_t3, Wk_t3)
+                    v_t3 = tf.matmul(x3_t3, Wv_t3)
+                    s_t3 = tf.matmul(q_t3, k_t3, transpose_b=True) * 0.5
+                    t3 = tf.reshape(tf.matmul(tf.nn.softmax(s_t3), v_t3), [-1, 16])
+                    return i + 1, t3, acc.write(i, t3)
+                _, _, acc_t4 = tf.while_loop(lambda i, *_: i < 3, body_t4, (tf.constant(0), h_t6, tf.TensorArray(tf.float32, size=3)), maximum_iterations=3)
+                t4 = tf.reduce_mean(acc_t4.stack(), axis=0)
+                return t4[0]
+            t6 = tf.map_fn(row_t6, t2)
+            loss = tf.reduce_mean(tf.square(t6))
         grads = tape.gradient(loss, train + [x0, x1],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         weight_grads, input_grads = grads[:len(train)], grads[len(train):]
         if train:
             opt.apply_gradients(zip(weight_grads, train))
-        return {"loss": loss, "grads": [tf.convert_to_tensor(g) for g in weight_grads], "input_grads": input_grads, "t11": t11}
+        return {"loss": loss, "grads": [tf.convert_to_tensor(g) for g in weight_grads], "input_grads": input_grads, "t6": t6}
     return step, state
 
 
