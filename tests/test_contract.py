@@ -151,14 +151,14 @@ def test_under_xla_the_smallest_product_stays_per_example_as_the_layout_anchor()
                                       single_outputs, anchor=True)
     assert alone is not None and len(alone.made) == 1
     # Through the pipeline: the runtime decides.
+    reports = {}
     for runtime, count in (("xla", 1), ("executor", 2)):
-        _, report = tfamp.rewrite_graph_def(
+        _, reports[runtime] = tfamp.rewrite_graph_def(
             graph_def, tfamp.AmpConfig(device_type="GPU", runtime=runtime), outputs=outputs)
-        edits = [e["edit"] for e in report.broadcast_edits]
+        edits = [e["edit"] for e in reports[runtime].broadcast_edits]
         assert (edits.count("contracted"), edits.count("anchored")) == (count, 2 - count)
     # The report says which one stays, and why.
-    _, report = tfamp.rewrite_graph_def(
-        graph_def, tfamp.AmpConfig(device_type="GPU", runtime="xla"), outputs=outputs)
+    report = reports["xla"]
     (row,) = [e for e in report.broadcast_edits if e["edit"] == "anchored"]
     assert (row["node"], row["into"]) == (total, product)
     assert "(the same sums in another order); 1 left per-example as XLA's layout anchor" in (
