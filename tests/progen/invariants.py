@@ -354,12 +354,11 @@ def _worst_noise(clean, samples):
 
 
 def _merge(outcome: Outcome, found: Outcome) -> None:
-    outcome.failures += found.failures
-    outcome.compared += found.compared
-    outcome.skipped += found.skipped
-    outcome.unjudged_nonfinite += found.unjudged_nonfinite
-    outcome.ratios += found.ratios
-    outcome.errors += found.errors
+    """Adds `found`'s failures and counts to `outcome` (its time is check's own)."""
+    for field in dataclasses.fields(Outcome):
+        if field.name != "seconds":
+            setattr(outcome, field.name,
+                    getattr(outcome, field.name) + getattr(found, field.name))
 
 
 def _compare(clean, noisy, got, before, config: Config, outcome: Outcome) -> None:

@@ -88,7 +88,7 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
     anchored = []
     if anchor and len(found) >= 2:
         # The smallest [batch, d, f] tensor; the first in graph order among equals.
-        kept = min(found, key=lambda match: match[2] // match[5] * match[3] * match[4])
+        kept = min(found, key=lambda match: match[5])
         found = [match for match in found if match is not kept]
         anchored = [(top.name, kept[0], kept[1])]
     if not found:
@@ -145,7 +145,8 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
 
 def _find(body: Body, shapes: dict,
           fetched: set[str]) -> list[tuple[str, str, int, int, int, int]]:
-    """(Sum, BatchMatMulV2, rows = batch x contracted, d, f, contracted) for each match."""
+    """(Sum, BatchMatMulV2, rows = batch x contracted, d, f, size of the per-example
+    [batch, d, f] tensor) for each match."""
     found = []
     for name, node in body.nodes.items():
         if node.op != "Sum" or node.node_def.attr["keep_dims"].b or not node.data_inputs:
@@ -167,7 +168,8 @@ def _find(body: Body, shapes: dict,
                 or tuple(out) != (*lhs[:-2], lhs[-1], rhs[-1])
                 or tuple(total) != (lhs[-1], rhs[-1])):
             continue
-        found.append((name, product.name, math.prod(lhs[:-1]), lhs[-1], rhs[-1], lhs[-2]))
+        found.append((name, product.name, math.prod(lhs[:-1]), lhs[-1], rhs[-1],
+                      math.prod(out)))
     return found
 
 
