@@ -14,6 +14,11 @@ a skipped update would, so each row says whether the float weights changed.
 
     JAX_PLATFORMS=cuda python time_on_gpu.py --hlo DIR [--programs TAG,...] [--out FILE]
         [--rounds 4 --steps 15]   # each model's programs side by side, alternating
+
+Plan a lent machine's minutes by the compiles: with autotuning one program took 8-25 s on
+an H100 (session 18), but each of EfficientNetB0's Keras programs 136-138 s, and
+MobileNetV2's four more than 160 s together. The results file is rewritten after each
+model, so a call that runs out of time still returns the models it finished.
 """
 
 import argparse
@@ -81,6 +86,8 @@ def compile_one(path: str, device) -> tuple[dict, object]:
             module, executable_devices=xla_client.DeviceList((device,)),
             compile_options=xla_client.CompileOptions())
     row["compile_s"] = round(time.perf_counter() - started, 1)
+    # (rows print per model; this line says where a call that ran out of time was)
+    print(f"time_on_gpu: compiled {tag} in {row['compile_s']} s", file=sys.stderr, flush=True)
     rng = np.random.default_rng(0)
     host = [synthetic(shape, dtype, rng) for shape, dtype in shapes]
     buffers = [jax.device_put(v, device) for v in host]
