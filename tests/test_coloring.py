@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tests.graphs import decision, node_dtypes, rewrite, run_graph_def
+from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import dtype_name
 
 M = tf.TensorSpec([4, 4], tf.float32)
@@ -303,6 +304,52 @@ def test_a_bfloat16_loss_gradient_is_written_once_in_bfloat16_under_xla(dtype, r
     for want, got in zip(run_graph_def(old, inputs, names), run_graph_def(new, inputs, names),
                          strict=True):
         np.testing.assert_allclose(got, want, rtol=0.03, atol=0.02 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("runtime", ["xla", "executor"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_allow_op_on_positions_and_constants_stays_float32(dtype, runtime):
+    """A rotary embedding's angles (keras-hub's RotaryEmbedding, Llama, Gemma, ...):
+    positions x inverse frequencies, an Einsum of a Range shifted by an integer
+    cache index and of constants. In float16 the angle at position 255 was off by
+    0.1 rad and every position past 65504 was inf (NaN after cos); bfloat16 rounded
+    positions above 256. Such an op reads no float input and no variable, so it
+    stays float32; the Einsum that applies the rotation to the data still converts."""
+    seq, dim = 64, 16
+
+    def step(x, start):
+        positions = tf.range(seq, dtype=tf.float32) + tf.cast(start, tf.float32)
+        inverse = 1.0 / (10000.0 ** (tf.range(0, dim, 2, dtype=tf.float32) / dim))
+        angles = tf.einsum("i,j->ij", positions, inverse, name="angles")
+        rotation = tf.concat([tf.cos(angles), tf.sin(angles)], axis=-1)
+        return tf.einsum("bsd,sd->bs", x, rotation, name="applied")
+
+    specs = (tf.TensorSpec([2, seq, dim]), tf.TensorSpec([], tf.int32))
+    old, new, report = rewrite(step, *specs, dtype=dtype, runtime=runtime)
+    angles, applied = decision(report, "angles/Einsum"), decision(report, "applied/Einsum")
+    assert not angles.converted and angles.kind == rk.KIND_POSITIONS, angles
+    assert "positions, indices and constants" in angles.reason, angles.reason
+    assert applied.converted, applied
+    assert node_dtypes(new)["angles/Einsum"]["T"] == "float32"
+    x = np.random.default_rng(0).normal(size=(2, seq, dim)).astype(np.float32)
+    names = [t.name for t in tf.function(step).get_concrete_function(*specs).graph.outputs]
+    for start in (0, 70000):
+        inputs = {"x": x, "start": np.int32(start)}
+        (want,), (got,) = run_graph_def(old, inputs, names), run_graph_def(new, inputs, names)
+        assert np.isfinite(got).all(), start
+        np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05 * np.abs(want).max())
+
+
+def test_an_allow_op_reading_a_float_input_still_converts():
+    """The same Einsum of positions with frequencies that are a float input (a
+    step's data) is an ordinary allow op: the rule looks for no float input at
+    all, not for a Range among them."""
+    def step(frequencies):
+        positions = tf.range(8, dtype=tf.float32)
+        return tf.einsum("i,j->ij", positions, frequencies, name="angles")
+
+    _, _, report = rewrite(step, tf.TensorSpec([4]), dtype="float16")
+    assert decision(report, "angles/Einsum").converted
 
 
 def test_a_weights_update_does_not_hold_the_activations_its_read_reaches():

@@ -349,6 +349,7 @@ class _BodyColoring:
         self._statistics: list[int] = []  # deny reductions with a small output
         self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
         self._bounded: set[int] = set()  # statistics within their input's range (means)
+        self._positions: dict[str, bool] = {}  # node -> computes from positions only?
         # FusedBatchNorm nodes in training mode: their "U" outputs are
         # statistics, held as a Mean's are where the lists hold a Mean (float16;
         # bfloat16 has float32's range, and Mean and Sum are infer there).
@@ -654,6 +655,14 @@ class _BodyColoring:
         can = self._candidate
         for slot, list_name in enumerate(self.slot_list):
             if list_name == "allow" and can(slot):
+                if self._on_positions(self.slot_node[slot]):
+                    self.blocked[slot] = (
+                        f"stays float32: computes from positions, indices and constants only "
+                        f"(no float input, no variable), such as a rotary embedding's "
+                        f"angles; {self.target_name} would round positions above "
+                        f"{_EXACT_INTEGERS[self.target]} and the angles' phase",
+                        rk.KIND_POSITIONS)
+                    continue
                 self.allow[slot] = (
                     f"allow: compute-heavy, runs in {self.target_name}", "", rk.KIND_ALLOW)
         self.allow.update(self.forced)
@@ -678,6 +687,66 @@ class _BodyColoring:
 
     def _candidate(self, slot: int) -> bool:
         return slot not in self.blocked
+
+    def _on_positions(self, name: str) -> bool:
+        """Does node `name` compute from positions, indices and constants only:
+        is every float tensor it reads derived from constants, `Range`s and
+        integer tensors (cast), never from a float argument or placeholder, a
+        variable, a random op or a call?
+
+        Such values do not depend on the step's data, and they are often large
+        exact numbers: a rotary embedding's angles are positions x inverse
+        frequencies (keras-hub computes them in float32 on purpose, then casts
+        cos and sin), where float16 rounds the angle of position 255 by 0.1 rad,
+        turns every position past 65504 into inf (NaN after cos), and bfloat16
+        rounds positions above 256. They are small (no batch axis), so float32
+        costs nothing that matters.
+        """
+        positions = self._positions
+        if name in positions:
+            return positions[name]
+        nodes, arg_dtypes, producer_port = (
+            self.body.nodes, self.body.arg_dtypes, self.body.producer_port)
+
+        def float_inputs(node):
+            """The producers of `node`'s float inputs, or None if one rules it out."""
+            found = []
+            for ref, _ in node.data_inputs:
+                if ref.is_arg:
+                    dtype = arg_dtypes.get(ref.node)
+                else:
+                    port = producer_port(ref)
+                    dtype = None if port is None else port.dtype
+                if dtype is None or dtype in _OPAQUE_TYPES:
+                    return None
+                if dtype not in _REAL_TYPES:
+                    continue  # an integer or bool tensor: an index, whatever made it
+                if ref.is_arg or positions.get(ref.node) is False or not (
+                        ref.node in nodes and _may_compute_positions(nodes[ref.node])):
+                    return None  # (a float argument: the step's data)
+                found.append(ref.node)
+            return found
+
+        # Depth-first, one unknown input at a time (an input that rules the node
+        # out is found before anything is walked); iterative: chains are long.
+        stack, on_stack = [name], {name}
+        while stack:
+            current = stack[-1]
+            node = nodes.get(current)
+            inputs = (float_inputs(node) if node is not None and _may_compute_positions(node)
+                      else None)
+            result = inputs is not None
+            if result:
+                unknown = next((n for n in inputs if n not in positions), None)
+                if unknown is not None and unknown not in on_stack:
+                    stack.append(unknown)
+                    on_stack.add(unknown)
+                    continue
+                result = unknown is None  # (an input on the stack: a cycle)
+            positions[current] = result
+            stack.pop()
+            on_stack.discard(current)
+        return positions[name]
 
     def _propagate_deny(self) -> None:
         """Deny ops stay float32, and so do the infer/clear ops downstream of them.
@@ -1876,6 +1945,30 @@ class _BodyColoring:
             return (f"clear: stays float32, no {self.target_name} neighbour", "",
                     rk.KIND_NO_NEIGHBOUR)
         return "unlisted: stays float32", "", rk.KIND_UNLISTED
+
+
+# Integers a 16-bit type holds exactly (its mantissa's bits + 1): positions above
+# them round (float16: 2048; bfloat16: 256).
+_EXACT_INTEGERS = {DT_HALF: 2048, DT_BFLOAT16: 256}
+_REAL_TYPES = frozenset({DT_FLOAT, DT_HALF, DT_BFLOAT16, types_pb2.DT_DOUBLE})
+# Tensors that carry state or structure, not values: never positions.
+_OPAQUE_TYPES = frozenset({types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT})
+# Ops whose float output is not a function of their inputs' values alone.
+_NOT_POSITIONS = VARIABLE_READ_OPS | {
+    "VarHandleOp", "ResourceGather", "TruncatedNormal", "StatelessTruncatedNormal",
+    "StatelessTruncatedNormalV2", "ParameterizedTruncatedNormal", "Multinomial"}
+
+
+def _may_compute_positions(node) -> bool:
+    """Could `node`'s output be derived from positions and constants: a Const, or
+    an op that computes from its inputs (no state, no randomness, no call, no
+    placeholder)? Its inputs decide the rest (_BodyColoring._on_positions)."""
+    if node.op == "Const":
+        return True
+    if (not node.data_inputs or node.op in _NOT_POSITIONS or node.called_functions
+            or "Random" in node.op or not node.known_op):
+        return False
+    return True
 
 
 def _scales_down_by(node, nodes: dict, terms: float) -> bool:

@@ -32,6 +32,7 @@ KIND_VARIABLE_UPDATE = "a variable's new value"  # old * m + x * (1 - m), read t
 KIND_OFF_DEVICE = "placed off the target device"  # pinned to another device type (CPU)
 KIND_NO_KERNEL = "no 16-bit kernel"  # OpDef or (its device's) kernels refuse 16-bit
 KIND_USER_OVERRIDE = "user override"  # name matches AmpConfig.keep_fp32
+KIND_POSITIONS = "positions and constants"  # allow op on no float data: RoPE's angles
 KIND_LOSS_SCALE = "loss-scale machinery"  # seed, unscaling, finiteness check, scale update
 KIND_GRAPH_OUTPUT = "graph output"  # callers rely on the output's dtype
 KIND_VARIABLE = "variable op"  # variables (resource or ref) and their reads
