@@ -64,6 +64,9 @@ class _Activation:
         # Set while a model that runs a Keras mixed policy builds its functions:
         # tf.function is then Keras's own (see _patch_keras_mixed_policies).
         self.stepping_aside = threading.local()
+        # Does tfamp step aside for the object a traced method belongs to (a model
+        # under a Keras mixed policy)? Set by _patch_keras_mixed_policies.
+        self.steps_aside_for = lambda owner: False
         self.stepped_aside: list[str] = []  # model names, for the exit notice
         self.told_eager = False  # the eager-step line was given (once per process)
 
@@ -130,7 +133,8 @@ def _patch_tf_function(active: _Activation) -> None:
             return lambda f: function(f, **kwargs)
         if isinstance(func, RewrittenFunction):
             return func
-        if getattr(active.stepping_aside, "on", False):
+        if (getattr(active.stepping_aside, "on", False)
+                or active.steps_aside_for(getattr(func, "__self__", None))):
             return original(func, **kwargs)
         return RewrittenFunction(original(func, **kwargs), active.settings.config,
                                  on_report=on_report)
@@ -289,7 +293,8 @@ def _patch_keras_mixed_policies(active: _Activation) -> None:
     (``mixed_float16`` wraps its optimizer in Keras's LossScaleOptimizer), so
     its train / test / predict functions are built with the plain tf.function
     (not rewritten) and its train step is marked as scaling itself (the tape
-    does not scale again). One log line per model says so.
+    does not scale again); so is any other method of the model that a script or
+    library traces (keras-hub's generate step). One log line per model says so.
     """
     from tfamp.keras.activation import mixed_policy_name
 
@@ -321,6 +326,16 @@ def _patch_keras_mixed_policies(active: _Activation) -> None:
                         "neither rewrites nor scales it (for tfamp instead, set the policy "
                         "to 'float32').", model.name, policy)
         return True
+
+    model_classes = tuple(classes)
+
+    def steps_aside_for(owner) -> bool:
+        """A model's own method traced outside Keras's makers (keras-hub's
+        generate function is ``tf.function(self.generate_step)``) is the model's
+        computation too: left to Keras with the rest of it."""
+        return owner is not None and isinstance(owner, model_classes) and step_aside(owner)
+
+    active.steps_aside_for = steps_aside_for
 
     def patch_maker(model_class, maker_name: str) -> None:
         original = getattr(model_class, maker_name)
