@@ -61,8 +61,11 @@ LARGEST = {"float16": 65520.0, "bfloat16": np.inf}
 K = 8.0
 F = 8.0
 SKIP = 0.25
-# More samples of the noise a numerics failure is confirmed against (``check``).
-EXTRA_SALTS = (1, 2)
+# More samples of the noise a numerics failure is confirmed against (``check``),
+# and a sample with no rounding noise in which near-tied values compare as equal
+# (TIES: noise.rounding_noise's `ties_only`).
+TIES = -1
+EXTRA_SALTS = (1, 2, TIES)
 _SIXTEEN = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 
 
@@ -191,8 +194,10 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
             # A numerics failure is confirmed against more samples of the noise
             # (5000536: an Adam update of a gradient that the noise moves by 0.3
             # to 4 times its size; one sample kept every sign, 5 of 8 flipped some,
-            # and Adam turns a sign into a whole step): each output is judged
-            # against the sample that moved it most.
+            # and Adam turns a sign into a whole step), and against the sample
+            # in which near-tied values compare as equal (9000082: a where that
+            # 16-bit rounding turns): each output is judged against the sample
+            # that moved it most.
             try:
                 worst = _worst_noise(clean, [noisy[config.dtype]] + [
                     noisy_step.run(config.dtype, salt) for salt in EXTRA_SALTS])
@@ -305,8 +310,8 @@ def _restore(variables, values) -> None:
 
 class _NoisyStep:
     """A fresh build of the program traced under ``noise.rounding_noise`` (one
-    build per noise sample, `salt`); run with the noise of one 16-bit type at a
-    time, from the same start."""
+    build per noise sample, `salt`; TIES: the near-ties sample); run with the
+    noise of one 16-bit type at a time, from the same start."""
 
     def __init__(self, module):
         self.module = module
@@ -315,7 +320,7 @@ class _NoisyStep:
     def _build(self, salt: int):
         if salt not in self.builds:
             step, state = self.module.build()
-            with noise.rounding_noise(salt):
+            with noise.rounding_noise(max(salt, 0), ties_only=salt == TIES):
                 concrete = step.get_concrete_function(*self.module.input_specs())
             captured = list(concrete.variables)
             self.builds[salt] = (concrete, concrete.graph.as_graph_def(),

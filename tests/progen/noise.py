@@ -150,17 +150,42 @@ def _attr_value(value):
     return getattr(value, kind) if kind in ("b", "s", "i", "f") else value
 
 
+# Comparisons whose answer 16-bit rounding of their inputs may change (see
+# rounding_noise's `ties_only`), and how near is near, in unit roundoffs
+# of the inputs' magnitudes (a few chained 16-bit ops: 9000082's gap was 1.3,
+# the rounding that closed it 1.7).
+_ORDERINGS = frozenset({"Greater", "GreaterEqual", "Less", "LessEqual"})
+_TIE_ROUNDOFFS = 4.0
+
+
 @contextlib.contextmanager
-def rounding_noise(salt: int = 0):
+def rounding_noise(salt: int = 0, ties_only: bool = False):
     """Traces inside this add rounding noise to every float32 op (see the module doc).
 
     The noise's sizes are placeholders (MAGIC_SIZE, MAGIC_TINY) until
     ``with_noise_size`` sets them for a 16-bit type. `salt`: a second seed
-    word (another sample of the same noise).
+    word (another sample of the same noise). `ties_only`: no rounding noise;
+    instead every ordering comparison (``a > b``, ...) of float32 values closer
+    than a few 16-bit roundings, ``|a - b| <= 4 u (|a| + |b|)``, is answered as
+    for equal values. 16-bit rounding lands values on a coarse grid, so such a
+    gap may close, and a ``tf.where`` then picks the other side: 9000082, a
+    16-bit attention output rounded onto the grid value it was compared with
+    (gap 1.3 u); a random-sign sample crosses such a gap only by chance (a
+    quarter of them here), and one that moves the other way widens it.
     """
     counter = [0]
 
     def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if ties_only:
+            if (graph is None or op_type not in _ORDERINGS or len(inputs) != 2
+                    or any(t.dtype != tf.float32 for t in inputs)):
+                return None
+            a, b = inputs
+            size = tf.constant(MAGIC_SIZE, name=f"progen_noise__{op_type}__")
+            near = tf.abs(a - b) <= (tf.abs(a) + tf.abs(b)) * (size * _TIE_ROUNDOFFS)
+            if op_type in ("Greater", "Less"):  # (a tie is not strictly ordered)
+                return [tf.logical_and(outputs[0], tf.logical_not(near))]
+            return [tf.logical_or(outputs[0], near)]
         if graph is None or op_type in _EXACT_OPS or re.match(r"(TensorList|TensorArray|"
                                                                 r"ReadVariable|Assign|"
                                                                 r"ResourceApply)", op_type):
