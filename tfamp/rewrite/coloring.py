@@ -349,7 +349,6 @@ class _BodyColoring:
         self._statistics: list[int] = []  # deny reductions with a small output
         self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
         self._bounded: set[int] = set()  # statistics within their input's range (means)
-        self._positions: dict[str, bool] = {}  # node -> computes from positions only?
         # FusedBatchNorm nodes in training mode: their "U" outputs are
         # statistics, held as a Mean's are where the lists hold a Mean (float16;
         # bfloat16 has float32's range, and Mean and Sum are infer there).
@@ -374,6 +373,7 @@ class _BodyColoring:
             for port in ports)
         node_block_of, attr_block, blocked = self._node_block, self._attr_block, self.blocked
         attr_blocks = self._attr_blocks
+        positions: dict[str, bool] = {}  # node -> computes from positions only?
         no_block = ("", "")
         for name, node in self.body.nodes.items():
             list_name = list_of(node.op)
@@ -396,6 +396,14 @@ class _BodyColoring:
                     block = attr_blocks.get((node.op, attr, node.node_def.device))
                     if block is None:
                         block = attr_block(node, attr)
+                    if not block[0] and list_name == "allow" and self._on_positions(
+                            name, positions):
+                        block = (
+                            f"stays float32: computes from positions, indices and constants "
+                            f"only (no float input, no variable), such as a rotary "
+                            f"embedding's angles; {self.target_name} would round positions "
+                            f"above {_EXACT_INTEGERS[self.target]} and the angles' phase",
+                            rk.KIND_POSITIONS)
                 if block[0]:
                     blocked[slot] = block
                     # Blocks boundaries.solve may lift for a whole group: a
@@ -655,14 +663,6 @@ class _BodyColoring:
         can = self._candidate
         for slot, list_name in enumerate(self.slot_list):
             if list_name == "allow" and can(slot):
-                if self._on_positions(self.slot_node[slot]):
-                    self.blocked[slot] = (
-                        f"stays float32: computes from positions, indices and constants only "
-                        f"(no float input, no variable), such as a rotary embedding's "
-                        f"angles; {self.target_name} would round positions above "
-                        f"{_EXACT_INTEGERS[self.target]} and the angles' phase",
-                        rk.KIND_POSITIONS)
-                    continue
                 self.allow[slot] = (
                     f"allow: compute-heavy, runs in {self.target_name}", "", rk.KIND_ALLOW)
         self.allow.update(self.forced)
@@ -688,7 +688,7 @@ class _BodyColoring:
     def _candidate(self, slot: int) -> bool:
         return slot not in self.blocked
 
-    def _on_positions(self, name: str) -> bool:
+    def _on_positions(self, name: str, positions: dict[str, bool]) -> bool:
         """Does node `name` compute from positions, indices and constants only:
         is every float tensor it reads derived from constants, `Range`s and
         integer tensors (cast), never from a float argument or placeholder, a
@@ -700,9 +700,9 @@ class _BodyColoring:
         cos and sin), where float16 rounds the angle of position 255 by 0.1 rad,
         turns every position past 65504 into inf (NaN after cos), and bfloat16
         rounds positions above 256. They are small (no batch axis), so float32
-        costs nothing that matters.
+        costs nothing that matters. `positions`: the answers so far (node ->
+        bool), filled in; a body's slots are made once (_Skeleton), so once.
         """
-        positions = self._positions
         if name in positions:
             return positions[name]
         nodes, arg_dtypes, producer_port = (
