@@ -67,6 +67,7 @@ from tfamp.rewrite.graph import (
     DT_BFLOAT16,
     DT_FLOAT,
     DT_HALF,
+    FLOAT_TYPES,
     Body,
     GraphView,
     TensorRef,
@@ -1950,7 +1951,7 @@ class _BodyColoring:
 # Integers a 16-bit type holds exactly (its mantissa's bits + 1): positions above
 # them round (float16: 2048; bfloat16: 256).
 _EXACT_INTEGERS = {DT_HALF: 2048, DT_BFLOAT16: 256}
-_REAL_TYPES = frozenset({DT_FLOAT, DT_HALF, DT_BFLOAT16, types_pb2.DT_DOUBLE})
+_REAL_TYPES = FLOAT_TYPES | {types_pb2.DT_DOUBLE}
 # Tensors that carry state or structure, not values: never positions.
 _OPAQUE_TYPES = frozenset({types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT})
 # Ops whose float output is not a function of their inputs' values alone.
