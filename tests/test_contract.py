@@ -16,7 +16,7 @@ import tensorflow as tf
 import tfamp
 from tests.graphs import run_graph_def
 from tfamp.rewrite.contract import contract_weight_gradients
-from tfamp.rewrite.graph import TensorRef, build_view
+from tfamp.rewrite.graph import build_view
 from tfamp.rewrite.shapes import tensor_shapes
 from tfamp.rewrite.traffic import body_weights, estimate_traffic
 
@@ -121,45 +121,23 @@ def test_the_rewrite_reports_it_and_counts_before_from_the_graph_as_given():
         np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
 
 
-def test_under_xla_the_smallest_product_stays_per_example_as_the_layout_anchor():
-    """XLA:GPU takes the row-major layout of a transformer's activations from the
-    per-example products' batched matrix kernels; with every one contracted, a
-    reduction over the batch transposed the whole residual stream (Keras 3's BERT:
-    135 transpose kernels). Under XLA the smallest product stays; the executor
-    contracts them all."""
+def test_under_xla_every_product_is_contracted_as_on_the_executor():
+    """Session 17 left the smallest product per-example under XLA, to keep XLA:GPU's
+    layout of BERT's residual stream row-major (148 kernels fewer); that program measured
+    7-9% slower on an H200 than the one with every product contracted (session 19), so
+    both runtimes contract them all, and the report's rows and line say so."""
     graph_def, outputs = _traced(_step, SPECS)
-    view = build_view(graph_def)
-    shapes = tensor_shapes(graph_def, view)
-    anchored = contract_weight_gradients(graph_def, view, shapes, outputs, anchor=True)
-    # dk2's product is [4, 5, 3] per example, dk's [4, 8, 5]: dk2's stays.
-    every = contract_weight_gradients(graph_def, view, shapes, outputs)
-    assert len(every.made) == 2 and len(anchored.made) == 1
-    (_, total, product), = [m for m in every.made if m not in anchored.made]
-    after = {n.name: n for n in anchored.graph_def.node}
-    assert (after[total].op, after[product].op) == ("Sum", "BatchMatMulV2")
-    assert after[total].input[0] == product
-    assert shapes.shapes[view.bodies[0].name][TensorRef(product, 0)] == (BATCH, UNITS, 3)
     want = run_graph_def(graph_def, VALUES, outputs)
-    got = run_graph_def(anchored.graph_def, VALUES, outputs)
-    for w, g in zip(want, got, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-    # One product is nothing to anchor against: it is contracted.
-    single, single_outputs = _traced(lambda x, kernel: tf.gradients(
-        tf.reduce_sum(tf.matmul(x, kernel)), kernel)[0], SPECS[:2])
-    view = build_view(single)
-    alone = contract_weight_gradients(single, view, tensor_shapes(single, view),
-                                      single_outputs, anchor=True)
-    assert alone is not None and len(alone.made) == 1
-    # Through the pipeline: the runtime decides.
-    reports = {}
-    for runtime, count in (("xla", 1), ("executor", 2)):
-        _, reports[runtime] = tfamp.rewrite_graph_def(
+    for runtime in ("xla", "executor"):
+        new_graph_def, report = tfamp.rewrite_graph_def(
             graph_def, tfamp.AmpConfig(device_type="GPU", runtime=runtime), outputs=outputs)
-        edits = [e["edit"] for e in reports[runtime].broadcast_edits]
-        assert (edits.count("contracted"), edits.count("anchored")) == (count, 2 - count)
-    # The report says which one stays, and why.
-    report = reports["xla"]
-    (row,) = [e for e in report.broadcast_edits if e["edit"] == "anchored"]
-    assert (row["node"], row["into"]) == (total, product)
-    assert "(the same sums in another order); 1 left per-example as XLA's layout anchor" in (
-        report.edits_line())
+        contracted = [e for e in report.broadcast_edits if e["edit"] == "contracted"]
+        assert len(contracted) == 2, runtime
+        assert {e["edit"] for e in report.broadcast_edits} <= {"contracted", "moved", "dropped"}
+        nodes = {n.name: n for n in new_graph_def.node}
+        assert {nodes[e["node"]].op for e in contracted} == {"MatMul"}
+        assert {nodes[e["into"]].op for e in contracted} == {"Reshape"}
+        assert "per-example" not in report.edits_line()
+        got = run_graph_def(new_graph_def, VALUES, outputs)
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())

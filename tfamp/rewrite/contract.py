@@ -20,19 +20,17 @@ is the sum over both. Made before colouring, the edit
 The result is the same sum in another order: equal in exact arithmetic, equal
 to float32 rounding in float32 (not bit-identical, unlike ``hoist``'s edits).
 
-Under XLA one product stays as it is, the smallest where there are two or more (the
-*layout anchor*). XLA:GPU chooses each tensor's memory layout from constraints: a batched
-matrix product's operands must be row-major, while a reduction over leading axes only (a
-position embedding's gradient, a Sum over the batch) prefers its input transposed, with
-the summed axes minor. The per-example products are what pinned a transformer's
-activations row-major; with all of them contracted (their operands flattened by a
-Reshape, which pins nothing), that preference wins and spreads through every element-wise
-op of the residual stream. XLA:GPU then computes the stream as [seq, d, batch] and
-transposes at each matrix product: Keras 3's BERT step (batch 32) had 135 more transpose
-kernels than Keras's own program (which keeps every product), 124 more kernels in all. One
-product left per-example anchors the stream again: 148 kernels fewer, for 0.3 GB more
-traffic (its [batch, d, f] tensor). The executor has no such layout choice, so there
-everything is contracted.
+Under XLA too, every product is contracted, although XLA:GPU then lays a transformer's
+residual stream out as [seq, d, batch] (nothing pins it row-major once no batched matrix
+product is left, and a reduction over the batch prefers its summed axes minor) and
+transposes it at each matrix product: Keras 3's BERT step (batch 32) launches 1491 kernels,
+Keras's own program 1367. Leaving one product per-example pins the stream row-major again
+(1343 kernels; session 17's rewrite did so), but that program measured 7% (float16) and 9%
+(bfloat16) slower side by side on an H200: row-major, XLA fuses each LayerNorm's
+parameter-gradient sum over 4096 rows with two full-size element-wise outputs into one
+column-reduction kernel of 82 us, 1.9 ms of the step's 11.3 ms of kernel time, where the
+transposed program's reductions and transposes together take 2.5 ms (BUILD_NOTES.md,
+session 19). Fewer kernels is not faster here, so the measured program is the one kept.
 
 Only where the shapes are static and say it: the Sum reduces exactly the
 batch axes of a ``BatchMatMulV2`` with ``adj_x`` and not ``adj_y`` (the
@@ -41,11 +39,10 @@ no transpose), read by nothing else; both operands have those batch axes
 (no broadcasting between them); ``keep_dims`` is false. Top graph only (a
 Keras step's gradients live there), and not one with TF1 loops.
 
-``contract_weight_gradients(graph_def, view, shapes, outputs, anchor=False) -> EditedGraph |
-None``: pure; None when nothing changes; ``anchor`` (under XLA) leaves the layout anchor.
-Its ``made`` rows are (body, the Sum node, now a MatMul; the BatchMatMulV2 node, now the
-Reshape of its first operand), reported as edit "contracted", op "Sum"; the layout anchor
-is reported as edit "anchored" (the Sum and its BatchMatMulV2, both as they were).
+``contract_weight_gradients(graph_def, view, shapes, outputs) -> EditedGraph | None``:
+pure; None when nothing changes. Its ``made`` rows are (body, the Sum node, now a MatMul;
+the BatchMatMulV2 node, now the Reshape of its first operand), reported as edit
+"contracted", op "Sum".
 """
 
 from __future__ import annotations
@@ -73,24 +70,13 @@ _SUFFIX = "/tfamp_contract"
 
 
 def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
-                              shapes: TensorShapes, outputs: list[str],
-                              anchor: bool = False) -> EditedGraph | None:
-    """Per-example products summed over the batch become one MatMul (module doc).
-
-    ``anchor``: leave the smallest product per-example where two or more are found (the
-    layout anchor for XLA, module doc).
-    """
+                              shapes: TensorShapes, outputs: list[str]) -> EditedGraph | None:
+    """Per-example products summed over the batch become one MatMul (module doc)."""
     top = view.bodies[0]
     if top.ops & TF1_FRAME_OPS:  # (a new Const would sit outside a TF1 loop's frame)
         return None
     fetched = {name.split(":")[0] for name in outputs}
     found = _find(top, shapes.shapes.get(top.name, {}), fetched)
-    anchored = []
-    if anchor and len(found) >= 2:
-        # The smallest [batch, d, f] tensor; the first in graph order among equals.
-        kept = min(found, key=lambda match: match[5])
-        found = [match for match in found if match is not kept]
-        anchored = [(top.name, kept[0], kept[1])]
     if not found:
         return None
     new_graph_def = graph_pb2.GraphDef()
@@ -98,7 +84,7 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
     node_defs = {n.name: n for n in new_graph_def.node}
     body_shapes = dict(shapes.shapes.get(top.name, {}))
     written: dict[str, object] = {}
-    for total, product, rows, left, right, _ in found:
+    for total, product, rows, left, right in found:
         product_def, total_def = node_defs[product], node_defs[total]
         dtype = type_attr(product_def.attr["T"].type)
         (lhs, rhs), controls = split_inputs(product_def.input)
@@ -139,14 +125,12 @@ def contract_weight_gradients(graph_def: graph_pb2.GraphDef, view: GraphView,
     new_shapes[top.name] = body_shapes
     return EditedGraph(new_graph_def, {top.name: written},
                        [(top.name, total, product) for total, product, *_ in found],
-                       TensorShapes(new_shapes), edit="contracted", op="Sum", left=anchored,
-                       left_edit="anchored")
+                       TensorShapes(new_shapes), edit="contracted", op="Sum")
 
 
 def _find(body: Body, shapes: dict,
-          fetched: set[str]) -> list[tuple[str, str, int, int, int, int]]:
-    """(Sum, BatchMatMulV2, rows = batch x contracted, d, f, size of the per-example
-    [batch, d, f] tensor) for each match."""
+          fetched: set[str]) -> list[tuple[str, str, int, int, int]]:
+    """(Sum, BatchMatMulV2, rows = batch x contracted, d, f) for each match."""
     found = []
     for name, node in body.nodes.items():
         if node.op != "Sum" or node.node_def.attr["keep_dims"].b or not node.data_inputs:
@@ -168,8 +152,7 @@ def _find(body: Body, shapes: dict,
                 or tuple(out) != (*lhs[:-2], lhs[-1], rhs[-1])
                 or tuple(total) != (lhs[-1], rhs[-1])):
             continue
-        found.append((name, product.name, math.prod(lhs[:-1]), lhs[-1], rhs[-1],
-                      math.prod(out)))
+        found.append((name, product.name, math.prod(lhs[:-1]), lhs[-1], rhs[-1]))
     return found
 
 

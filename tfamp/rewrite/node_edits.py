@@ -75,8 +75,6 @@ class EditedGraph:
         module says what `node` and `into` are.
       shapes: the new graph's shapes.
       edit, op: the "edit" and "op" of the report's ``broadcast_edits`` rows.
-      left: (body, node, into) for each place the edit found and left as it was on
-        purpose, reported as edit ``left_edit`` (``contract``'s layout anchor).
     """
 
     graph_def: graph_pb2.GraphDef
@@ -85,12 +83,9 @@ class EditedGraph:
     shapes: TensorShapes
     edit: str
     op: str
-    left: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
-    left_edit: str = ""
 
     def edits(self) -> list[dict[str, str]]:
         """Rows of the report's ``broadcast_edits``."""
-        return [{"edit": edit, "function": function, "node": node, "op": self.op,
+        return [{"edit": self.edit, "function": function, "node": node, "op": self.op,
                  "into": into}
-                for edit, rows in ((self.edit, self.made), (self.left_edit, self.left))
-                for function, node, into in rows]
+                for function, node, into in self.made]

@@ -123,8 +123,7 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
         graph_def = fused.graph_def
         view = build_view(graph_def, earlier=view, written=fused.written)
         shapes = fused.shapes
-    contracted = contract_weight_gradients(graph_def, view, shapes, outputs,
-                                           anchor=runtime == runtime_cost.XLA.name)
+    contracted = contract_weight_gradients(graph_def, view, shapes, outputs)
     if contracted is not None:
         graph_def = contracted.graph_def
         view = build_view(graph_def, earlier=view, written=contracted.written)

@@ -21,8 +21,7 @@ before colouring (``fuse_norm``, ``contract``, ``hoist`` in ``tfamp.rewrite``), 
 on the executor), the normalised output ``node`` of a BatchNorm (op "BatchNorm") is
 now an Identity of the FusedBatchNormV3 ``into``; "contracted", the ``Sum`` ``node``
 of per-example products is now one MatMul and the BatchMatMulV2 ``into`` the
-Reshape of its first operand; "anchored", such a ``Sum`` and its ``into`` left as they
-were on purpose (under XLA, the layout anchor: ``tfamp.rewrite.contract``); "moved", a
+Reshape of its first operand; "moved", a
 scaling ``node`` (its ``op``: a RealDiv/Mul/Neg by a scalar) now runs on the small
 tensor in node ``into`` and ``node`` broadcasts the result; "dropped", the broadcast
 ``node`` (``op`` Tile/BroadcastTo) is gone and ``into``, an op that broadcasts, reads its input.
@@ -201,7 +200,6 @@ class RewriteReport:
                  " (the same statistics in another order)"),
                 ((("contracted", "{n} weight-gradient sum{s} over examples computed as "
                                  "one MatMul{each}"),), " (the same sums in another order)"),
-                ((("anchored", "{n} left per-example as XLA's layout anchor"),), ""),
                 ((("moved", "{n} scaling{s} ({ops}) moved before {its} broadcast{s}"),
                   ("dropped", "{n} broadcast{s} ({ops}) left to the op that reads {it}")),
                  " (values unchanged)")):
