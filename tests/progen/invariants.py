@@ -63,9 +63,11 @@ F = 8.0
 SKIP = 0.25
 # More samples of the noise a numerics failure is confirmed against (``check``),
 # and a sample with no rounding noise in which near-tied values compare as equal
-# (TIES: noise.rounding_noise's `ties_only`).
+# (TIES: noise.rounding_noise's `ties_only`), and one in which sums within their
+# rounding of zero change sign (CROSSED: `crossed`, a ReLU's other branch).
 TIES = -1
-EXTRA_SALTS = (1, 2, TIES)
+CROSSED = -2
+EXTRA_SALTS = (1, 2, TIES, CROSSED)
 _SIXTEEN = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 
 
@@ -310,8 +312,9 @@ def _restore(variables, values) -> None:
 
 class _NoisyStep:
     """A fresh build of the program traced under ``noise.rounding_noise`` (one
-    build per noise sample, `salt`; TIES: the near-ties sample); run with the
-    noise of one 16-bit type at a time, from the same start."""
+    build per noise sample, `salt`; TIES: the near-ties sample; CROSSED: the
+    near-zero sums crossed); run with the noise of one 16-bit type at a time,
+    from the same start."""
 
     def __init__(self, module):
         self.module = module
@@ -320,7 +323,8 @@ class _NoisyStep:
     def _build(self, salt: int):
         if salt not in self.builds:
             step, state = self.module.build()
-            with noise.rounding_noise(max(salt, 0), ties_only=salt == TIES):
+            with noise.rounding_noise(max(salt, 0), ties_only=salt == TIES,
+                                      crossed=salt == CROSSED):
                 concrete = step.get_concrete_function(*self.module.input_specs())
             captured = list(concrete.variables)
             self.builds[salt] = (concrete, concrete.graph.as_graph_def(),

@@ -159,7 +159,7 @@ _TIE_ROUNDOFFS = 4.0
 
 
 @contextlib.contextmanager
-def rounding_noise(salt: int = 0, ties_only: bool = False):
+def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False):
     """Traces inside this add rounding noise to every float32 op (see the module doc).
 
     The noise's sizes are placeholders (MAGIC_SIZE, MAGIC_TINY) until
@@ -172,6 +172,14 @@ def rounding_noise(salt: int = 0, ties_only: bool = False):
     16-bit attention output rounded onto the grid value it was compared with
     (gap 1.3 u); a random-sign sample crosses such a gap only by chance (a
     quarter of them here), and one that moves the other way widens it.
+    `crossed`: no rounding noise either; instead every result of a summing op
+    closer to zero than its rounding, ``|y| < u sqrt(k) m`` (m the sum of the
+    terms' magnitudes, as for the noise), changes sign: a ReLU (or any kink)
+    it feeds then takes the other branch, as a 16-bit run's may. 11000068: a
+    Dense pre-activation of -3.8e-4 whose 16 terms' magnitudes sum to 1.7
+    (0.11 of that rounding); upstream 16-bit rounding turned it positive, the
+    ReLU let its gradient through (0.029 on the bias); 2 of 8 random samples
+    cross it, none of the three that judged it did.
     """
     counter = [0]
 
@@ -186,6 +194,20 @@ def rounding_noise(salt: int = 0, ties_only: bool = False):
             if op_type in ("Greater", "Less"):  # (a tie is not strictly ordered)
                 return [tf.logical_and(outputs[0], tf.logical_not(near))]
             return [tf.logical_or(outputs[0], near)]
+        if crossed:
+            if graph is None or op_type not in _SUMMING_OPS or len(outputs) != 1 or (
+                    outputs[0].dtype != tf.float32):
+                return None
+            (tensor,) = outputs
+            attr_map = {key: _attr_value(value) for key, value
+                        in zip(attrs[::2], attrs[1::2], strict=False)} if attrs else {}
+            terms = math.sqrt(_terms(op_type, inputs, outputs, attr_map))
+            size = tf.constant(MAGIC_SIZE, name=f"progen_noise__{op_type}__")
+            scale = _sum_of_magnitudes(op_type, inputs, attrs, outputs, graph)
+            near = tf.abs(tensor) < scale * (size * terms)
+            # (a forward change only, as for the noise)
+            return [tensor + tf.stop_gradient(tf.where(near, -2.0 * tensor,
+                                                       tf.zeros_like(tensor)))]
         if graph is None or op_type in _EXACT_OPS or re.match(r"(TensorList|TensorArray|"
                                                                 r"ReadVariable|Assign|"
                                                                 r"ResourceApply)", op_type):
