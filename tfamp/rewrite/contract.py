@@ -28,8 +28,8 @@ Keras's own program 1367. Leaving one product per-example pins the stream row-ma
 (1343 kernels; session 17's rewrite did so), but that program measured 7% (float16) and 9%
 (bfloat16) slower side by side on an H200: row-major, XLA fuses each LayerNorm's
 parameter-gradient sum over 4096 rows with two full-size element-wise outputs into one
-column-reduction kernel of 82 us, 1.9 ms of the step's 11.3 ms of kernel time, where the
-transposed program's reductions and transposes together take 2.5 ms (BUILD_NOTES.md,
+column-reduction kernel of 82 us, 1.9 ms of the step's 11.3 ms of kernel time; its
+reductions and transposes take 4.5 ms, the transposed program's 3.1 ms (BUILD_NOTES.md,
 session 19). Fewer kernels is not faster here, so the measured program is the one kept.
 
 Only where the shapes are static and say it: the Sum reduces exactly the
