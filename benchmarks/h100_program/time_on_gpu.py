@@ -16,8 +16,9 @@ a skipped update would, so each row says whether the float weights changed.
         [--rounds 4 --steps 15]   # each model's programs side by side, alternating
 
 Plan a lent machine's minutes by the compiles: with autotuning one program took 8-25 s on
-an H100 (session 18), but each of EfficientNetB0's Keras programs 136-138 s, and
-MobileNetV2's four more than 160 s together. The results file is rewritten after each
+an H100 (session 18), but each of EfficientNetB0's Keras programs 136-138 s, and each of
+MobileNetV2's 75-83 s (an H200, session 19; tfamp's 5-6 s after Keras's of the same dtype;
+the LSTM's 1-7 s). The results file is rewritten after each
 model, so a call that runs out of time still returns the models it finished.
 """
 
