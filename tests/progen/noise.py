@@ -24,6 +24,9 @@ rewrite's (programs 2000569 and 2001003 of the long mode, session 13: a
 value cubed in a loop). The price: an infer or clear op the rewrite keeps
 float32 (next to float32 neighbours) may hold such a value, and what reads it
 is then not judged either. Deny ops are never noised, so never overflow here.
+A Cast into float32 from bfloat16 or float64 overflows the same way (no
+rounding): its value was never range-checked by a float32 op, and the rewrite
+may cast it straight to the 16-bit type (12000260).
 
 Only ops on the 16-bit type's allow, infer and clear lists are noised
 (``with_noise_size``): the reference is "every op the rewrite may convert
@@ -76,6 +79,9 @@ _EXACT_OPS = frozenset({
 MAGIC_SIZE = np.float32(1.2345678e-4)
 MAGIC_TINY = np.float32(8.7654321e-9)
 MAGIC_LARGEST = np.float32(1.2345678e30)
+# Types whose values no float32 op of the trace range-checked (see the Casts in
+# ``rounding_noise``).
+_UNRANGED = (tf.bfloat16, tf.float64)
 
 
 def _terms(op_type: str, inputs, outputs, attrs: dict) -> int:
@@ -208,6 +214,18 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
             # (a forward change only, as for the noise)
             return [tensor + tf.stop_gradient(tf.where(near, -2.0 * tensor,
                                                        tf.zeros_like(tensor)))]
+        if (graph is not None and op_type == "Cast" and len(inputs) == 1 and len(outputs) == 1
+                and outputs[0].dtype == tf.float32 and inputs[0].dtype in _UNRANGED):
+            # A value entering float32 from bfloat16 or float64 was never checked
+            # against float16's range, and overflows here: the rewrite may cast it
+            # straight to the 16-bit type for its consumers (12000260: the
+            # gradient of a Cast to bfloat16, 1.4e5, retargeted to float16 for
+            # a float16 SigmoidGrad whose own result, 3.8e4, fits). No rounding.
+            (tensor,) = outputs
+            largest = tf.constant(MAGIC_LARGEST, name="progen_range__Cast__")
+            return [tensor + tf.stop_gradient(tf.where(
+                tf.abs(tensor) > largest, tf.sign(tensor) * np.float32(np.inf),
+                tf.zeros_like(tensor)))]
         if graph is None or op_type in _EXACT_OPS or re.match(r"(TensorList|TensorArray|"
                                                                 r"ReadVariable|Assign|"
                                                                 r"ResourceApply)", op_type):
@@ -281,6 +299,10 @@ def with_noise_size(graph_def, unit_roundoff: float, tiny: float,
     bodies = [copy.node] + [f.node_def for f in copy.library.function]
     for nodes in bodies:
         for node in nodes:
+            if node.op == "Const" and _RANGE_NAME.search(node.name):  # (any Cast's range)
+                node.attr["value"].tensor.CopyFrom(
+                    tensor_util.make_tensor_proto(np.float32(largest)))
+                continue
             named = _NOISE_NAME.search(node.name)
             if node.op != "Const" or named is None:
                 continue
@@ -295,3 +317,4 @@ def with_noise_size(graph_def, unit_roundoff: float, tiny: float,
 
 
 _NOISE_NAME = re.compile(r"progen_noise__(\w+?)__")
+_RANGE_NAME = re.compile(r"progen_range__Cast__")
