@@ -164,6 +164,13 @@ _ORDERINGS = frozenset({"Greater", "GreaterEqual", "Less", "LessEqual"})
 _TIE_ROUNDOFFS = 4.0
 
 
+def _root_terms(op_type: str, inputs, attrs, outputs) -> float:
+    """sqrt of the number of terms one output of the op sums (``_terms``)."""
+    attr_map = {key: _attr_value(value) for key, value
+                in zip(attrs[::2], attrs[1::2], strict=False)} if attrs else {}
+    return math.sqrt(_terms(op_type, inputs, outputs, attr_map))
+
+
 @contextlib.contextmanager
 def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False):
     """Traces inside this add rounding noise to every float32 op (see the module doc).
@@ -205,9 +212,7 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
                     outputs[0].dtype != tf.float32):
                 return None
             (tensor,) = outputs
-            attr_map = {key: _attr_value(value) for key, value
-                        in zip(attrs[::2], attrs[1::2], strict=False)} if attrs else {}
-            terms = math.sqrt(_terms(op_type, inputs, outputs, attr_map))
+            terms = _root_terms(op_type, inputs, attrs, outputs)
             size = tf.constant(MAGIC_SIZE, name=f"progen_noise__{op_type}__")
             scale = _sum_of_magnitudes(op_type, inputs, attrs, outputs, graph)
             near = tf.abs(tensor) < scale * (size * terms)
@@ -232,9 +237,7 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
             return None
         if not outputs or not any(t.dtype == tf.float32 for t in outputs):
             return None
-        attr_map = {key: _attr_value(value) for key, value
-                    in zip(attrs[::2], attrs[1::2], strict=False)} if attrs else {}
-        terms = math.sqrt(_terms(op_type, inputs, outputs, attr_map))
+        terms = _root_terms(op_type, inputs, attrs, outputs)
         # Past the 16-bit type's range an output overflows (see the module doc).
         largest = tf.constant(MAGIC_LARGEST, name=f"progen_noise__{op_type}__")
         replaced = []
