@@ -445,9 +445,10 @@ def test_many_boundary_groups_are_pruned_by_estimate_not_one_colouring_each(
     colourings = []
     solve = boundaries.solve
 
-    def counting_solve(view, config, pinned, color_body):
+    def counting_solve(view, config, pinned, color_body, *rest):
         return solve(view, config, pinned,
-                     lambda body, overrides: colourings.append(1) or color_body(body, overrides))
+                     lambda body, overrides: colourings.append(1) or color_body(body, overrides),
+                     *rest)
 
     monkeypatch.setattr(boundaries, "solve", counting_solve)
     monkeypatch.setattr(boundaries, "_EXACT_WORK", 0)  # (this graph is small: force it)

@@ -226,8 +226,10 @@ class _Analysis:
     """Groups, their blocks and the loop weight of every body."""
 
     def __init__(self, view: GraphView, config: AmpConfig, pinned: set[TensorRef],
-                 targets: dict[Site, str] | None = None):
+                 targets: dict[Site, str] | None = None,
+                 xla_compiled: frozenset[str] = frozenset()):
         self.view = view
+        self.xla_compiled = xla_compiled
         self.targets = targets or {}
         self.config = config
         self.target = config.target_enum
@@ -328,8 +330,11 @@ class _Analysis:
         if not kernels.opdef_allows(node.op, base, self.target):
             return f"{node.op}'s OpDef does not allow {dtype_name(self.target)} for {base}"
         device_type = kernels.node_device_type(node.node_def.device, self.device_type)
-        if not kernels.has_kernel(node.op, base, self.target, device_type):
-            return f"no {dtype_name(self.target)} {device_type} kernel for {node.op} ({base})"
+        missing = kernels.missing_kernel(
+            node.op, base, self.target, device_type,
+            original_function_name(body.name) in self.xla_compiled)
+        if missing:
+            return f"no {dtype_name(self.target)} {missing} kernel for {node.op} ({base})"
         if not body.is_function:
             for index, port in enumerate(node.outputs):
                 if port.type_attr == attr and TensorRef(node.name, index) in self.pinned:
@@ -895,7 +900,8 @@ def _merge_clones(solution: Solution, view: GraphView, target: int) -> Solution:
 
 
 def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
-          color_body: Callable[[Body, BodyOverrides], dict]) -> Solution:
+          color_body: Callable[[Body, BodyOverrides], dict],
+          xla_compiled: frozenset[str] = frozenset()) -> Solution:
     """Chooses which boundary groups go 16-bit and colours every body.
 
     Args:
@@ -906,6 +912,8 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
         decisions keyed by (function, node) and the slots that must stay
         float32 whatever the boundaries ({(node, type attribute): reason}:
         reached by deny propagation, or blocked for their own reasons).
+      xla_compiled: the names of the bodies XLA compiles (``compiled``), whose
+        ops need XLA kernels for their types too.
 
     Returns:
       A Solution: decisions for every node, new signature types, and the
@@ -913,7 +921,7 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
     """
     original_view = view
     view, clones, targets = _clone_call_sites(view)
-    analysis = _Analysis(view, config, pinned, targets)
+    analysis = _Analysis(view, config, pinned, targets, xla_compiled)
     solver = _Solver(analysis, color_body)
     plan: set[int] = set()
     decisions = solver.color_all(plan)

@@ -61,7 +61,7 @@ from tfamp.oplists import (
     SIZE_KEEPING_COPIES,
     STATISTIC_REDUCTIONS,
 )
-from tfamp.rewrite import boundaries, kernels, runtime_cost, scopes
+from tfamp.rewrite import boundaries, compiled, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import (
     DT_BFLOAT16,
@@ -205,6 +205,8 @@ def color(view: GraphView, config: AmpConfig,
     # LSTM step's loop bodies dozens of times); what does not depend on the
     # overrides is worked out once per body (see _Skeleton).
     skeletons: dict[str, _Skeleton] = {}
+    # The bodies XLA compiles, whose ops need XLA kernels for their types too.
+    xla_compiled = compiled.xla_compiled(view, runtime)
 
     def color_body(body: Body, overrides: boundaries.BodyOverrides):
         body_pins = pinned_outputs if not body.is_function else set()
@@ -215,14 +217,15 @@ def color(view: GraphView, config: AmpConfig,
         if shapes is not None:  # (a copy of a function has its original's shapes)
             counts = shapes.counts(body.name if shapes.shapes.get(body.name) else original)
         body_coloring = _BodyColoring(body, config, body_pins, body_keep, counts,
-                                      overrides, skeletons, runtime)
+                                      overrides, skeletons, runtime,
+                                      original in xla_compiled)
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
         hard = {slot: why for slot, (why, _) in body_coloring.hard_blocked.items()}
         return decisions, {**denied, **hard}
 
-    solution = boundaries.solve(view, config, pinned_outputs, color_body)
+    solution = boundaries.solve(view, config, pinned_outputs, color_body, xla_compiled)
     return Coloring(target=config.target_enum, decisions=solution.decisions,
                     signatures=solution.signatures, clones=solution.clones,
                     call_targets=solution.call_targets)
@@ -265,9 +268,11 @@ class _BodyColoring:
                  keep: Mapping[str, str] | None = None, counts: dict | None = None,
                  overrides: boundaries.BodyOverrides | None = None,
                  skeletons: dict[str, _Skeleton] | None = None,
-                 runtime: str = "executor"):
+                 runtime: str = "executor", xla_compiled: bool = False):
         self.body = body
         self.runtime = runtime
+        # Whether XLA compiles the body: its ops need XLA kernels for their types.
+        self.xla_compiled = xla_compiled
         # What a Cast costs beyond its bytes in the byte choices (_costs): a
         # launch, in byte-equivalents; under XLA none next to an element-wise
         # op (see runtime_cost), where _fusible says which nodes are.
@@ -575,9 +580,13 @@ class _BodyColoring:
             return (f"{node.op}'s OpDef does not allow {self.target_name} for {base_attr}",
                     rk.KIND_NO_KERNEL)
         device_type = kernels.node_device_type(device, self.device_type)
-        if not kernels.has_kernel(node.op, base_attr, self.target, device_type):
+        missing = kernels.missing_kernel(node.op, base_attr, self.target, device_type,
+                                         self.xla_compiled)
+        if missing:
             where = f" on its device {device!r}" if device else ""
-            return (f"no {self.target_name} {device_type} kernel "
+            if missing != device_type:
+                where += ", and XLA compiles this function"
+            return (f"no {self.target_name} {missing} kernel "
                     f"for {node.op} ({base_attr}){where}", rk.KIND_NO_KERNEL)
         return self._fixed_block(node, attr)
 

@@ -26,6 +26,9 @@ FLOAT_TYPES = frozenset({DT_FLOAT, DT_HALF, DT_BFLOAT16})
 
 # Attributes whose value names a function the node calls.
 FUNC_ATTRS = ("f", "body", "cond", "then_branch", "else_branch", "branches")
+# The attribute, on a FunctionDef or a call site, that says XLA compiles the
+# function (tf.function(jit_compile=...) sets it, True or False).
+XLA_MUST_COMPILE = "_XlaMustCompile"
 
 
 def dtype_name(dtype: int) -> str:
@@ -100,6 +103,9 @@ class Body:
     consumers: dict[TensorRef, list[tuple[str, int]]]
     # FunctionDef attribute names (e.g. "api_implements"); empty for the top graph.
     function_attrs: frozenset[str] = frozenset()
+    # Whether the FunctionDef says XLA must compile it (``_XlaMustCompile``:
+    # tf.function(jit_compile=True)); False for the top graph.
+    xla_must_compile: bool = False
     # With build_view's `earlier`: the nodes whose NodeDef is new or differs
     # from the one of the same name there (every other node, and every edge
     # between two such others, reads exactly as before). None when the body is
@@ -587,6 +593,7 @@ def _build_body(name: str, node_defs, resolver: _PortResolver, fdef,
     return Body(name=name, is_function=is_function, nodes=nodes,
                 arg_dtypes=arg_dtypes, rets=rets, consumers=consumers,
                 function_attrs=frozenset(fdef.attr) if is_function else frozenset(),
+                xla_must_compile=is_function and must_compile(fdef.attr),
                 edited=None if edited is None else frozenset(edited))
 
 
@@ -600,6 +607,12 @@ def _parse_input(text: str, is_function: bool, arg_dtypes, output_offsets) -> Te
         return TensorRef(node, offset + index)
     node, _, index = text.partition(":")
     return TensorRef(node, int(index) if index else 0)
+
+
+def must_compile(attrs) -> bool:
+    """True if NodeDef or FunctionDef attributes `attrs` say XLA compiles it."""
+    value = attrs.get(XLA_MUST_COMPILE)
+    return value is not None and value.b
 
 
 def _called_functions(node_def, recipe: _OpRecipe | None) -> list[str]:

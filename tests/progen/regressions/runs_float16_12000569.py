@@ -1,12 +1,11 @@
 """Shrunk by tests/progen from generated program 12000569 (21 statements -> 3).
-Open (session 19): a rewrite defect, no fix yet. Inside a function compiled with
+Fixed (session 20). Inside a function compiled with
 jit_compile=True, a tape over conv -> relu -> max_pool2d is differentiated twice, so the
 outer gradient holds a MaxPoolGradGrad. The rewrite makes it float16 (bfloat16) because the
 CPU and GPU kernels accept it, but XLA's kernel (XLA_CPU_JIT / XLA_GPU_JIT) takes float32
-only, and tf2xla refuses the function: "No registered 'MaxPoolGradGrad' OpKernel for
-XLA_CPU_JIT devices ... T=DT_HALF". The kernel check (tfamp.rewrite.kernels.has_kernel) should
-ask the XLA kernel registry for bodies XLA compiles (those registrations exist only once an
-XLA device was made in the process).
+only, and tf2xla refused the function: "No registered 'MaxPoolGradGrad' OpKernel for
+XLA_CPU_JIT devices ... T=DT_HALF". The kernel check (tfamp.rewrite.kernels.missing_kernel)
+now asks XLA's kernel registry too for the bodies XLA compiles (tfamp.rewrite.compiled).
 
 Failed: [runs] float16/shapes/CPU: InvalidArgumentError: Graph execution error:
 (and float16/no-shapes, bfloat16/shapes, bfloat16/no-shapes)
