@@ -100,6 +100,72 @@ def test_custom_loop_overflow_step_is_skipped_only_with_tfamp(tmp_path):
     assert "train_step: " in amp.stderr and "-> float16 (MatMul" in amp.stderr
 
 
+CUSTOM_LOOP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    flavour, feed = sys.argv[1], sys.argv[2]
+    if flavour == "tf_keras":
+        import tf_keras as keras
+    else:
+        keras = tf.keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(1e-6)
+    x = np.random.default_rng(0).normal(size=(128, 16)).astype("float32")
+    y = 30.0 * x.sum(axis=1, keepdims=True)
+
+    def loss_and_update(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(xb) - yb))  # a sum: overflows at 2**15
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    if feed == "batches":
+        step = tf.function(loss_and_update)
+        for i in range(4):
+            step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)])
+    else:  # the step reads its batch from an iterator
+        @tf.function
+        def step(iterator):
+            return loss_and_update(*next(iterator))
+        iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
+        for _ in range(4):
+            step(iterator)
+    from tfamp.runtime import startup  # (the test reads the custom-loop scale)
+    print(json.dumps({"skipped": int(startup.process_scale_state().skipped_steps.numpy())}))
+""")
+
+
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+def test_a_custom_loop_starts_at_a_scale_from_its_own_gradients(tmp_path, flavour):
+    """The probe fit runs, before the step's first run: no step lost to 2**15's
+    overflows (which the fixed start shows it would lose)."""
+    script = tmp_path / "loop.py"
+    script.write_text(CUSTOM_LOOP_SCRIPT)
+    auto = run([str(script), flavour, "batches"], tmp_path, TFAMP_ENABLE="1")
+    assert last_json(auto)["skipped"] == 0, auto.stderr[-3000:]
+    assert "tfamp: start loss scale 2^" in auto.stderr
+    fixed = run([str(script), flavour, "batches"], tmp_path, TFAMP_ENABLE="1",
+                TFAMP_INITIAL_SCALE="32768")
+    assert last_json(fixed)["skipped"] >= 1
+    assert "tfamp: start loss scale" not in fixed.stderr
+
+
+def test_a_custom_loop_reading_an_iterator_is_not_probed(tmp_path):
+    """A probe would take a batch from the iterator: the loop keeps its data and
+    starts at 2**15, and one line says why and what to do."""
+    script = tmp_path / "loop.py"
+    script.write_text(CUSTOM_LOOP_SCRIPT)
+    result = run([str(script), "keras3", "iterator"], tmp_path, TFAMP_ENABLE="1")
+    assert last_json(result)["skipped"] >= 1  # started at 2**15
+    assert "no start loss scale from its gradients: it reads its batch from an " \
+           "iterator" in result.stderr
+    assert "tfamp.calibrate_loss_scale(step, batch)" in result.stderr
+
+
 @pytest.mark.parametrize("variable, value, expected", [
     ("TFAMP_ENABLE", "maybe", "TFAMP_ENABLE='maybe' is not valid; accepted values: 1/true"),
     ("TFAMP_DTYPE", "float8", "TFAMP_DTYPE='float8' is not valid; accepted values: float16, "

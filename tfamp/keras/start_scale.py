@@ -35,7 +35,9 @@ worker (``replicas.agree_rows``) sets the one start scale. A probe that fails
 on one worker fails on all (each warns and starts at the default scale).
 
 Custom training loops call ``calibrate_loss_scale(step, *args, model=...)``
-once before the loop (the same probe on the user's step function).
+once before the loop (the same probe on the user's step function). Under
+``TFAMP_ENABLE`` the start-up hook does that itself, before the step's first
+run, with the batch it was called with (``tfamp.runtime.startup``).
 """
 
 from __future__ import annotations
@@ -700,6 +702,13 @@ def calibrate_loss_scale(step, *args, model=None, strategy=None, **kwargs) -> St
       >>> tfamp.calibrate_loss_scale(train_step, x[:32], y[:32], model=model)
       >>> for x_batch, y_batch in data: train_step(x_batch, y_batch)
     """
+    return calibrate_step(step, args, kwargs, model=model, strategy=strategy)
+
+
+def calibrate_step(step, args: tuple, kwargs: dict, *, model=None,
+                   strategy=None) -> StartScale:
+    """``calibrate_loss_scale`` with the step's arguments as they were passed (a step
+    may take keyword arguments named ``model`` or ``strategy``)."""
     from tfamp.keras.range_probe import state_variables
 
     lifecycle = getattr(model, "_tfamp_state", None) if model is not None else None

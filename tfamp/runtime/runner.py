@@ -352,6 +352,7 @@ class RewrittenFunction(polymorphic_function.Function):
                  check: bool = False, after_call: Callable[[Any], None] | None = None,
                  on_report: Callable[[RewriteReport], None] | None = None,
                  on_trace: Callable[[Any], None] | None = None,
+                 before_new_trace_runs: Callable[[Any, Any, tuple, dict], None] | None = None,
                  **tf_function_kwargs):
         if not callable(fn):
             raise TypeError(
@@ -374,6 +375,10 @@ class RewrittenFunction(polymorphic_function.Function):
         self._after_call = after_call
         self._on_report = on_report
         self._on_trace = on_trace
+        # (tf.function, traced ConcreteFunction, args, kwargs) -> None, called
+        # eagerly before a call that traced runs (a custom loop's start-scale
+        # probe: tfamp.runtime.startup)
+        self._before_new_trace_runs = before_new_trace_runs
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
         # One bound RewrittenFunction per instance, as tf.function keeps (not in
         # the instance's __dict__, where a tf.Module would save it as a function).
@@ -512,12 +517,14 @@ class RewrittenFunction(polymorphic_function.Function):
         were built (e.g. the float32 fallback, ``tfamp.keras.fallback``)."""
         return RewrittenFunction(self._tf_function, config, check=self._check,
                                  after_call=self._after_call, on_report=self._on_report,
-                                 on_trace=self._on_trace)
+                                 on_trace=self._on_trace,
+                                 before_new_trace_runs=self._before_new_trace_runs)
 
     def _rewrapped(self, tf_function) -> RewrittenFunction:
         return RewrittenFunction(tf_function, self._config, check=self._check,
                                  after_call=self._after_call, on_report=self._on_report,
-                                 on_trace=self._on_trace)
+                                 on_trace=self._on_trace,
+                                 before_new_trace_runs=self._before_new_trace_runs)
 
     def __call__(self, *args, **kwargs):
         # A first call traces, rewrites and (under XLA) compiles: said in one line
@@ -526,7 +533,10 @@ class RewrittenFunction(polymorphic_function.Function):
         try:
             outputs = self._call_traced(args, kwargs)
             if outputs is _NOT_TRACED:
-                outputs = self.get_concrete_function(*args, **kwargs)(*args, **kwargs)
+                concrete = self.get_concrete_function(*args, **kwargs)
+                if self._before_new_trace_runs is not None and tf.executing_eagerly():
+                    self._before_new_trace_runs(self._tf_function, concrete, args, kwargs)
+                outputs = concrete(*args, **kwargs)
         finally:
             progress.leave(entered)
         if self._after_call is not None:

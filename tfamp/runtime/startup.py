@@ -69,6 +69,10 @@ class _Activation:
         self.steps_aside_for = lambda owner: False
         self.stepped_aside: list[str] = []  # model names, for the exit notice
         self.told_eager = False  # the eager-step line was given (once per process)
+        # A traced custom-loop step scaled a tape with the process-wide scale, and
+        # whether its start scale was looked for (_custom_loop_start_scale).
+        self.custom_loop_scaled = False
+        self.start_scale_sought = False
 
 
 _active: _Activation | None = None
@@ -126,6 +130,10 @@ def _patch_tf_function(active: _Activation) -> None:
 
     original = tf.function
     on_report = functools.partial(_record_report, active)
+    settings = active.settings
+    before_run = (functools.partial(_custom_loop_start_scale, active)
+                  if settings.loss_scale == "dynamic" and settings.initial_scale == "auto"
+                  else None)
 
     @functools.wraps(original)
     def function(func=None, **kwargs):
@@ -137,7 +145,7 @@ def _patch_tf_function(active: _Activation) -> None:
                 or active.steps_aside_for(getattr(func, "__self__", None))):
             return original(func, **kwargs)
         return RewrittenFunction(original(func, **kwargs), active.settings.config,
-                                 on_report=on_report)
+                                 on_report=on_report, before_new_trace_runs=before_run)
 
     function._tfamp_original = original
     function._tfamp_on_report = on_report  # for functions tfamp.enable builds itself
@@ -390,6 +398,8 @@ def _patch_custom_loops(active: _Activation) -> None:
                 or not is_loss_target(target, sources) or is_scaled(target)):
             return original_gradient(self, target, sources, output_gradients, **kwargs)
         scale = _scale_state(active).current_loss_scale
+        if not tf.executing_eagerly():
+            active.custom_loop_scaled = True
         grads = original_gradient(self, target, sources, seed(target, scale), **kwargs)
         return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
 
@@ -408,6 +418,67 @@ def _patch_custom_loops(active: _Activation) -> None:
             return original_compute(self, *args, **kwargs)
 
     optimizer_tf_keras.LossScaleOptimizer.compute_gradients = compute_gradients
+
+
+def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
+                             kwargs) -> None:
+    """The start loss scale of a custom loop from its step's own gradients.
+
+    Called before a newly traced tf.function first runs. Once per process, for
+    the first step whose trace scaled a tape with the process-wide scale (and
+    before that scale has taken a step or was set by ``calibrate_loss_scale``):
+    the probe ``fit`` runs (``tfamp.keras.start_scale``), on this call's batch,
+    so the loop does not lose its first steps to halving a 2**15 start. Where a
+    probe could change what the loop does, it is not run and one line says so.
+    """
+    if not active.custom_loop_scaled or active.start_scale_sought:
+        return
+    active.start_scale_sought = True
+    from tfamp.keras import scale_state, start_scale
+
+    state = _scale_state(active)
+    # Kept: a scale set by calibrate_loss_scale, grown, or restored, and one that
+    # has skipped a step. (Eager steps before, in float32, count good steps only.)
+    if (float(state.current_loss_scale.numpy()) != scale_state.DEFAULT_INITIAL_SCALE
+            or scale_state.has_stepped_counters(state.skipped_steps)):
+        return
+    name = getattr(tf_function, "__name__", "step")
+    why_not = _no_probe_reason(concrete, args, kwargs)
+    if not why_not:
+        try:
+            start_scale.calibrate_step(tf_function, args, kwargs)
+            return
+        except Exception as err:  # the loop must run whatever the probe meets
+            why_not = f"the probe failed ({type(err).__name__}: {err})"
+    log.info("tfamp: custom loop step %s: no start loss scale from its gradients: %s; "
+             "dynamic scaling starts at 2^15 and may skip its first steps. Fix: call "
+             "tfamp.calibrate_loss_scale(step, batch) before the loop, or set "
+             "TFAMP_INITIAL_SCALE=<number>.", name, why_not)
+
+
+def _no_probe_reason(concrete, args, kwargs) -> str:
+    """Why the start-scale probe must not run this step now, or ""."""
+    import collections.abc
+
+    import tensorflow as tf
+
+    for leaf in tf.nest.flatten((args, kwargs)):
+        if isinstance(leaf, (tf.data.Iterator, tf.data.Dataset,
+                             tf.distribute.DistributedIterator, collections.abc.Iterator)):
+            return "it reads its batch from an iterator, which a probe would advance"
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            return ("its batch is distributed (a tf.distribute strategy); call "
+                    "calibrate_loss_scale on every worker")
+    if tf.distribute.has_strategy() or _has_collectives(concrete):
+        return ("it runs under a tf.distribute strategy; call calibrate_loss_scale on "
+                "every worker")
+    return ""
+
+
+def _has_collectives(concrete) -> bool:
+    graph_def = concrete.graph.as_graph_def()
+    nodes = [n for f in graph_def.library.function for n in f.node_def]
+    return any(n.op.startswith("Collective") for n in [*graph_def.node, *nodes])
 
 
 def _scaled_elsewhere(active: _Activation) -> bool:
