@@ -443,13 +443,13 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
             or scale_state.has_stepped_counters(state.skipped_steps)):
         return
     name = getattr(tf_function, "__name__", "step")
-    why_not = _no_probe_reason(concrete, args, kwargs)
-    if not why_not:
-        try:
+    try:  # the loop must run whatever the probe meets
+        why_not = _no_probe_reason(concrete, args, kwargs)
+        if not why_not:
             start_scale.calibrate_step(tf_function, args, kwargs)
             return
-        except Exception as err:  # the loop must run whatever the probe meets
-            why_not = f"the probe failed ({type(err).__name__}: {err})"
+    except Exception as err:  # noqa: BLE001 (said in the line below)
+        why_not = f"the probe failed ({type(err).__name__}: {err})"
     log.info("tfamp: custom loop step %s: no start loss scale from its gradients: %s; "
              "dynamic scaling starts at 2^15 and may skip its first steps. Fix: call "
              "tfamp.calibrate_loss_scale(step, batch) before the loop, or set "
