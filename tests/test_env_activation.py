@@ -105,6 +105,11 @@ CUSTOM_LOOP_SCRIPT = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     flavour, feed = sys.argv[1], sys.argv[2]
+    if feed == "mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     if flavour == "tf_keras":
         import tf_keras as keras
     else:
@@ -127,6 +132,18 @@ CUSTOM_LOOP_SCRIPT = textwrap.dedent("""
         step = tf.function(loss_and_update)
         for i in range(4):
             step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)])
+    elif feed == "mirrored":  # one machine, two replicas, a distributed batch
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((16,)),
+                                      keras.layers.Dense(64, activation="relu"),
+                                      keras.layers.Dense(1)])
+            optimizer = keras.optimizers.SGD(1e-6)
+        @tf.function
+        def step(batch):
+            return strategy.run(loss_and_update, args=batch)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+        for batch in strategy.experimental_distribute_dataset(data):
+            step(batch)
     else:  # the step reads its batch from an iterator
         @tf.function
         def step(iterator):
@@ -152,6 +169,18 @@ def test_a_custom_loop_starts_at_a_scale_from_its_own_gradients(tmp_path, flavou
                 TFAMP_INITIAL_SCALE="32768")
     assert last_json(fixed)["skipped"] >= 1
     assert "tfamp: start loss scale" not in fixed.stderr
+
+
+def test_a_mirrored_custom_loop_is_probed_too(tmp_path):
+    """One machine's strategy: the step calls strategy.run on a distributed batch."""
+    script = tmp_path / "loop.py"
+    script.write_text(CUSTOM_LOOP_SCRIPT)
+    auto = run([str(script), "keras3", "mirrored"], tmp_path, TFAMP_ENABLE="1")
+    assert last_json(auto)["skipped"] == 0, auto.stderr[-3000:]
+    assert "tfamp: start loss scale 2^" in auto.stderr
+    fixed = run([str(script), "keras3", "mirrored"], tmp_path, TFAMP_ENABLE="1",
+                TFAMP_INITIAL_SCALE="32768")
+    assert last_json(fixed)["skipped"] >= 1
 
 
 def test_a_custom_loop_reading_an_iterator_is_not_probed(tmp_path):

@@ -229,3 +229,27 @@ def test_an_eager_loop_is_told_it_runs_float32_even_when_the_script_traces_later
     lines = [line for line in tfamp_lines(result.stderr) if "applies gradients eagerly" in line]
     assert len(lines) == 1, tfamp_lines(result.stderr)
     assert "@tf.function" in lines[0]
+
+
+def test_a_step_talking_to_other_workers_is_not_probed_by_the_hook():
+    """The custom-loop probe runs on one machine's strategy (its collectives on
+    /job:localhost) but not where workers would each pick a scale alone."""
+    from types import SimpleNamespace
+
+    from tensorflow.core.framework import graph_pb2
+
+    from tfamp.runtime import startup
+
+    def step_with_collective_on(device):
+        graph_def = graph_pb2.GraphDef()
+        graph_def.library.function.add().node_def.add(
+            name="all_reduce", op="CollectiveReduceV2", device=device)
+        return SimpleNamespace(graph=SimpleNamespace(as_graph_def=lambda: graph_def))
+
+    assert startup._talks_to_other_workers(
+        step_with_collective_on("/job:worker/replica:0/task:1/device:GPU:0"))
+    assert "multi-worker" in startup._no_probe_reason(
+        step_with_collective_on("/job:worker/replica:0/task:0/device:CPU:0"), (), {})
+    local = step_with_collective_on("/job:localhost/replica:0/task:0/device:CPU:1")
+    assert not startup._talks_to_other_workers(local)
+    assert startup._no_probe_reason(local, (), {}) == ""

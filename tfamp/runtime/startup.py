@@ -466,19 +466,30 @@ def _no_probe_reason(concrete, args, kwargs) -> str:
         if isinstance(leaf, (tf.data.Iterator, tf.data.Dataset,
                              tf.distribute.DistributedIterator, collections.abc.Iterator)):
             return "it reads its batch from an iterator, which a probe would advance"
-        if isinstance(leaf, tf.distribute.DistributedValues):
-            return ("its batch is distributed (a tf.distribute strategy); call "
-                    "calibrate_loss_scale on every worker")
-    if tf.distribute.has_strategy() or _has_collectives(concrete):
-        return ("it runs under a tf.distribute strategy; call calibrate_loss_scale on "
-                "every worker")
+    # One machine's strategy (MirroredStrategy: a distributed batch, the step
+    # calling strategy.run) is probed as calibrate_loss_scale probes it. Workers
+    # must all probe, at one time, to agree on one scale: a step whose graph
+    # talks to other workers is left to the user.
+    if _talks_to_other_workers(concrete):
+        return ("it runs under a multi-worker tf.distribute strategy; call "
+                "calibrate_loss_scale on every worker")
     return ""
 
 
-def _has_collectives(concrete) -> bool:
+def _talks_to_other_workers(concrete) -> bool:
+    """A collective op of the step placed on a job other than this process's
+    ("localhost"): a multi-worker strategy (MirroredStrategy's on one machine are
+    /job:localhost)."""
+    from tensorflow.python.framework import device_spec
+
     graph_def = concrete.graph.as_graph_def()
-    nodes = [n for f in graph_def.library.function for n in f.node_def]
-    return any(n.op.startswith("Collective") for n in [*graph_def.node, *nodes])
+    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+    for node in nodes:
+        if node.op.startswith("Collective") and node.device:
+            job = device_spec.DeviceSpecV2.from_string(node.device).job
+            if job not in (None, "localhost"):
+                return True
+    return False
 
 
 def _scaled_elsewhere(active: _Activation) -> bool:
