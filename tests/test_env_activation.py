@@ -132,6 +132,13 @@ CUSTOM_LOOP_SCRIPT = textwrap.dedent("""
         step = tf.function(loss_and_update)
         for i in range(4):
             step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)])
+    elif feed == "traced_first":
+        step = tf.function(loss_and_update)
+        step.get_concrete_function(x[:32], y[:32])  # traced (its tape scaled), not run
+        predict = tf.function(lambda xb: model(xb))
+        predict(x[:32])  # the first run after that trace: no loss, not the step
+        for i in range(4):
+            step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)])
     elif feed == "mirrored":  # one machine, two replicas, a distributed batch
         with strategy.scope():
             model = keras.Sequential([keras.Input((16,)),
@@ -169,6 +176,17 @@ def test_a_custom_loop_starts_at_a_scale_from_its_own_gradients(tmp_path, flavou
                 TFAMP_INITIAL_SCALE="32768")
     assert last_json(fixed)["skipped"] >= 1
     assert "tfamp: start loss scale" not in fixed.stderr
+
+
+def test_the_probe_waits_for_the_step_itself(tmp_path):
+    """The step traced ahead (get_concrete_function) and another function run
+    first: that one differentiates no loss, and the step's own first run is probed."""
+    script = tmp_path / "loop.py"
+    script.write_text(CUSTOM_LOOP_SCRIPT)
+    result = run([str(script), "keras3", "traced_first"], tmp_path, TFAMP_ENABLE="1")
+    assert last_json(result)["skipped"] == 0, result.stderr[-3000:]
+    assert "tfamp: start loss scale 2^" in result.stderr
+    assert "no start loss scale" not in result.stderr
 
 
 def test_a_mirrored_custom_loop_is_probed_too(tmp_path):

@@ -60,6 +60,10 @@ from tfamp.runtime.plain import plain_calls, plain_function
 
 log = logging.getLogger("tfamp")
 
+
+class NoLossDifferentiated(ValueError):
+    """The probed function took no gradient of a float loss (not a training step)."""
+
 AUTO = "auto"
 # The probe sees one batch before any update; gradients grow in the first steps
 # of a from-scratch model, so keep two doublings of room (max * S < 2**14).
@@ -397,7 +401,7 @@ def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy) -> _Foun
     # (tf.function traces twice when the first trace made variables: the last counts.)
     final = [r for r in recorders if any(r.in_graph(concrete.graph))]
     if not final:
-        raise ValueError("the step differentiated no float loss with a GradientTape")
+        raise NoLossDifferentiated("the step differentiated no float loss with a GradientTape")
     restore = _unique([*assigned_variables(concrete), *extra_state])
     saved = [(c, np.array(c.numpy(), copy=True))
              for v in restore for c in replicas.local_components(v)]

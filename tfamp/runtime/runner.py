@@ -375,10 +375,11 @@ class RewrittenFunction(polymorphic_function.Function):
         self._after_call = after_call
         self._on_report = on_report
         self._on_trace = on_trace
-        # (tf.function, traced ConcreteFunction, args, kwargs) -> None, called
-        # eagerly before a call that traced runs (a custom loop's start-scale
-        # probe: tfamp.runtime.startup)
+        # (tf.function, rewritten ConcreteFunction, args, kwargs) -> None, called
+        # eagerly before each rewritten trace first runs (a custom loop's
+        # start-scale probe: tfamp.runtime.startup); ids of those that ran
         self._before_new_trace_runs = before_new_trace_runs
+        self._ran: set[int] = set()
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
         # One bound RewrittenFunction per instance, as tf.function keeps (not in
         # the instance's __dict__, where a tf.Module would save it as a function).
@@ -534,14 +535,20 @@ class RewrittenFunction(polymorphic_function.Function):
             outputs = self._call_traced(args, kwargs)
             if outputs is _NOT_TRACED:
                 concrete = self.get_concrete_function(*args, **kwargs)
-                if self._before_new_trace_runs is not None and tf.executing_eagerly():
-                    self._before_new_trace_runs(self._tf_function, concrete, args, kwargs)
+                self._before_first_run(concrete, args, kwargs)
                 outputs = concrete(*args, **kwargs)
         finally:
             progress.leave(entered)
         if self._after_call is not None:
             self._after_call(outputs)
         return outputs
+
+    def _before_first_run(self, concrete, args, kwargs) -> None:
+        if self._before_new_trace_runs is None or id(concrete) in self._ran:
+            return
+        if tf.executing_eagerly():  # (called inside another trace, it does not run now)
+            self._ran.add(id(concrete))
+            self._before_new_trace_runs(self._tf_function, concrete, args, kwargs)
 
     def _call_traced(self, args, kwargs):
         """The call of an already rewritten trace, as cheap as a tf.function's own.
@@ -567,6 +574,7 @@ class RewrittenFunction(polymorphic_function.Function):
         if entry is None or entry[0] is not concrete:
             return _NOT_TRACED
         rewritten = entry[1]
+        self._before_first_run(rewritten, args, kwargs)
         flat = rewritten.function_type.unpack_inputs(
             rewritten.function_type.bind(*bound.args, **bound.kwargs))
         return rewritten._call_flat(flat, captured_inputs=rewritten.captured_inputs)

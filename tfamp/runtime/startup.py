@@ -433,9 +433,9 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
     """
     if not active.custom_loop_scaled or active.start_scale_sought:
         return
-    active.start_scale_sought = True
     from tfamp.keras import scale_state, start_scale
 
+    active.start_scale_sought = True
     state = _scale_state(active)
     # Kept: a scale set by calibrate_loss_scale, grown, or restored, and one that
     # has skipped a step. (Eager steps before, in float32, count good steps only.)
@@ -448,6 +448,11 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
         if not why_not:
             start_scale.calibrate_step(tf_function, args, kwargs)
             return
+    except start_scale.NoLossDifferentiated:
+        # Not the step (its tape was traced inside another function, first run
+        # from a trace): the next new function's first run is asked again.
+        active.start_scale_sought = False
+        return
     except Exception as err:  # noqa: BLE001 (said in the line below)
         why_not = f"the probe failed ({type(err).__name__}: {err})"
     log.info("tfamp: custom loop step %s: no start loss scale from its gradients: %s; "
