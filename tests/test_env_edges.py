@@ -253,3 +253,19 @@ def test_a_step_talking_to_other_workers_is_not_probed_by_the_hook():
     local = step_with_collective_on("/job:localhost/replica:0/task:0/device:CPU:1")
     assert not startup._talks_to_other_workers(local)
     assert startup._no_probe_reason(local, (), {}) == ""
+
+
+def test_a_step_taking_a_dataset_is_not_probed_by_the_hook():
+    """An epoch function looping over a (distributed) dataset: a probe would read it."""
+    import tensorflow as tf
+
+    from tfamp.runtime import startup
+
+    data = tf.data.Dataset.range(4).batch(2)
+    distributed = tf.distribute.MirroredStrategy(["/cpu:0"]).experimental_distribute_dataset(
+        data)
+    no_collectives = tf.function(lambda: tf.constant(1.0)).get_concrete_function()
+    for argument in (data, distributed, iter(data), iter(distributed)):
+        why = startup._no_probe_reason(no_collectives, (argument,), {})
+        assert "iterator or a dataset" in why, (type(argument).__name__, why)
+    assert startup._no_probe_reason(no_collectives, (tf.constant([1.0]),), {}) == ""

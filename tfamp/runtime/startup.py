@@ -457,8 +457,8 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
         why_not = f"the probe failed ({type(err).__name__}: {err})"
     log.info("tfamp: custom loop step %s: no start loss scale from its gradients: %s; "
              "dynamic scaling starts at 2^15 and may skip its first steps. Fix: call "
-             "tfamp.calibrate_loss_scale(step, batch) before the loop, or set "
-             "TFAMP_INITIAL_SCALE=<number>.", name, why_not)
+             "tfamp.calibrate_loss_scale(step, batch) before the loop, with the function "
+             "that trains on one batch, or set TFAMP_INITIAL_SCALE=<number>.", name, why_not)
 
 
 def _no_probe_reason(concrete, args, kwargs) -> str:
@@ -468,9 +468,10 @@ def _no_probe_reason(concrete, args, kwargs) -> str:
     import tensorflow as tf
 
     for leaf in tf.nest.flatten((args, kwargs)):
-        if isinstance(leaf, (tf.data.Iterator, tf.data.Dataset,
+        if isinstance(leaf, (tf.data.Iterator, tf.data.Dataset, tf.distribute.DistributedDataset,
                              tf.distribute.DistributedIterator, collections.abc.Iterator)):
-            return "it reads its batch from an iterator, which a probe would advance"
+            return ("it reads its batches from an iterator or a dataset, which a probe "
+                    "would advance")
     # One machine's strategy (MirroredStrategy: a distributed batch, the step
     # calling strategy.run) is probed as calibrate_loss_scale probes it. Workers
     # must all probe, at one time, to agree on one scale: a step whose graph
