@@ -316,3 +316,17 @@ def test_without_noise_the_noisy_run_is_the_float32_run():
     # The same comparison tells float16's noise apart.
     noised, _ = noisy.run("float16")
     assert not all(_float32_close(a, b) for (_, a), (_, b) in zip(noised, clean[0], strict=True))
+
+
+def test_a_graph_execution_error_is_described_by_the_ops_own_message():
+    import tensorflow as tf
+
+    @tf.function(input_signature=[tf.TensorSpec([None])])
+    def gather(x):
+        return tf.gather(x, 5) * 2.0
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        gather(tf.constant([1.0, 2.0, 3.0]))
+    described = invariants._describe(caught.value)
+    assert described.startswith("InvalidArgumentError: Graph execution error")
+    assert described.endswith("indices = 5 is not in [0, 3)"), described

@@ -471,7 +471,17 @@ def _judge(c, n, r, u, floor: float = 0.0):
 
 def _describe(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
+    first = text[0][:300] if text else ""
+    # TensorFlow's "Graph execution error:" says what failed further down: the op's
+    # own message is the line before "[[{{node NAME}}]]" (13000717, 14000461: an
+    # AbortedError whose first line alone said nothing).
+    for index, line in enumerate(text):
+        if "[[{{node" in line:
+            said = next((t.strip() for t in reversed(text[:index]) if t.strip()), "")
+            if said and said != first:
+                first = f"{first} {said[:300]}"
+            break
+    return f"{type(err).__name__}: {first}"
 
 
 def _where(err: BaseException) -> str:
