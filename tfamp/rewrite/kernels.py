@@ -48,6 +48,7 @@ def has_kernel(op: str, attr: str, dtype: int, device_type: str) -> bool:
     return _accepts(_kernels(op), attr, dtype, (device_type, "DEFAULT"))
 
 
+@functools.cache
 def missing_kernel(op: str, attr: str, dtype: int, device_type: str,
                    compiled: bool = False) -> str:
     """The kernel `op` lacks to take `dtype` for `attr`, or "" if none is lacking.
