@@ -41,7 +41,9 @@ DIFFERENTIATED = "differentiated"
 TWICE = "twice_differentiated"
 _NOT_TWICE = {("unary", "softsign")}
 TOP: frozenset[str] = frozenset()
-_NOT_DIFFERENTIATED_IN_XLA = frozenset({"while", "map_fn", "scan", "tensorlist", "cond"})
+# (A Keras recurrent layer runs a while loop.)
+_NOT_DIFFERENTIATED_IN_XLA = frozenset({"while", "map_fn", "scan", "tensorlist", "cond",
+                                        "keras_rnn"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +72,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                                "leaky_relu", "silu", "linear", "bias_add")),
     Kind("einsum", "dense", 1, ("weight", "rowdot")),
     Kind("keras_dense", "keras_layer", 1, ("relu", "tanh", "linear")),
+    Kind("keras_rnn", "keras_layer", 1, ("lstm", "gru", "simple_rnn")),
     Kind("conv", "conv", 1, ("conv2d", "depthwise", "conv1d", "keras_conv2d",
-                             "conv2d_relu_pool")),
+                             "conv2d_relu_pool", "transpose", "separable", "avg_pool",
+                             "resize")),
     Kind("bn_moments", "norm", 1, ("plain", "moving_average")),
     Kind("bn_fused", "norm", 1, ("training", "inference")),
     Kind("keras_bn", "norm", 1, ("4d", "2d")),
@@ -83,7 +87,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("int_ops", "int_edge", 1, ("rsqrt_size", "positions", "argmax_one_hot",
                                     "segment_sum", "range_mask")),
     Kind("reduce", "reduction", 1, ("sum", "mean", "max", "min", "logsumexp", "l2",
-                                    "mean_all", "sum_batch")),
+                                    "mean_all", "sum_batch", "top_k")),
     Kind("cumsum", "reduction", 1),
     Kind("where", "where", 2, ("leaky", "finite", "pick", "labels")),
     Kind("cast", "cast", 1, ("half_round_trip", "bf16_round_trip", "float64", "bool_mask",
@@ -92,10 +96,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
                                  "stateless_uniform", "generator")),
     Kind("unary", "elementwise", 1, ("exp", "log1p_sq", "sqrt", "pow", "square", "rsqrt",
                                      "erf", "reciprocal", "clip", "sin", "swish",
-                                     "softsign")),
+                                     "softsign", "selu", "log_sigmoid", "l2_normalize")),
     Kind("binary", "elementwise", 2, ("add", "mul", "sub", "maximum", "sqdiff", "div")),
     Kind("shape", "shape", 2, ("concat_split", "stack_mean", "transpose", "pad_slice",
-                               "tile_slice")),
+                               "tile_slice", "roll_reverse", "gather")),
     # Blocks.
     Kind("while", "loop", 1, block=True),
     Kind("map_fn", "loop", 1, block=True, body_adds=frozenset({NO_INTS, ROW})),
@@ -123,7 +127,7 @@ _NOT_IN_XLA = {("random", "generator")}
 # residual times 1/sqrt(epsilon) (shrunk from the long mode's 2000574, session
 # 14: bfloat16 moved such a gradient by 165%, beyond any rounding bound). It
 # normalises nothing; a real model does not train that way.
-_NOT_IN_ROW = {("keras_bn", "2d")}
+_NOT_IN_ROW = {("keras_bn", "2d")} | {("keras_rnn", v) for v in ("lstm", "gru", "simple_rnn")}
 
 OPTIMIZERS = ("none", "manual_sgd", "sgd", "momentum", "adam")
 FLAVOURS = ("tf_keras", "keras3")
@@ -311,7 +315,8 @@ def _params(rng: random.Random, kind: Kind, context: frozenset[str]) -> dict:
         return {"trips": rng.randint(1, 3)}
     if kind.name == "conv":
         return {"layout": rng.randint(0, 1), "k": rng.choice([1, 3])}
-    if kind.name in ("attention", "bn_moments", "bn_fused", "keras_bn", "embedding"):
+    if kind.name in ("attention", "bn_moments", "bn_fused", "keras_bn", "embedding",
+                     "keras_rnn"):
         return {"layout": rng.randint(0, 1)}
     if kind.name == "reduce":
         return {"combine": rng.choice(["sub", "mul", "div"])}

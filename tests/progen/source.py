@@ -265,6 +265,14 @@ class _Writer:
                           f"activation={activation!r}), (None, {d}))")
         return [f"{o} = L_{o}({a})"]
 
+    def _keras_rnn(self, s: Stmt, a: str) -> list[str]:
+        d, o = self.d, s.out
+        t, e = sequence_layout(d, s.params["layout"])
+        cell = {"lstm": "LSTM", "gru": "GRU", "simple_rnn": "SimpleRNN"}[s.params["variant"]]
+        self.setup.append(f"L_{o} = layer({self.key()}, K.layers.{cell}({e}, "
+                          f"return_sequences=True), (None, {t}, {e}))")
+        return [f"{o} = tf.reshape(L_{o}(tf.reshape({a}, [-1, {t}, {e}])), [-1, {d}])"]
+
     def _conv(self, s: Stmt, a: str) -> list[str]:
         d, o = self.d, s.out
         h, w, c = image_layout(d, s.params["layout"])
@@ -281,12 +289,27 @@ class _Writer:
             self.setup.append(f"L_{o} = layer({self.key()}, K.layers.Conv2D({c}, {ks}, "
                               f'padding="same"), (None, {h}, {w}, {c}))')
             y = f"L_{o}({view})"
+        elif variant == "transpose":  # (a forward Conv2DBackpropInput)
+            self.setup.append(f"F_{o} = var({self.key()}, ({ks}, {ks}, {c}, {c}), "
+                              f"den={self._den(ks * ks * c)})")
+            y = (f"tf.nn.conv2d_transpose({view}, F_{o}, [tf.shape({a})[0], {h}, {w}, {c}], "
+                 f'1, "SAME")')
+        elif variant == "separable":
+            k = self.key()
+            self.setup += [f"D_{o} = var({k}, ({ks}, {ks}, {c}, 1), den=8)",
+                           f"P_{o} = var({k + 100}, (1, 1, {c}, {c}), den={self._den(c)})"]
+            y = f'tf.nn.separable_conv2d({view}, D_{o}, P_{o}, [1, 1, 1, 1], "SAME")'
+        elif variant == "resize":  # a 2x2 average down, bilinear back up
+            y = (f'tf.image.resize(tf.nn.avg_pool2d({view}, 2, 2, "VALID"), [{h}, {w}], '
+                 f'"bilinear")')
         else:
             self.setup.append(f"F_{o} = var({self.key()}, ({ks}, {ks}, {c}, {c}), "
                               f"den={self._den(ks * ks * c)})")
             y = f'tf.nn.conv2d({view}, F_{o}, 1, "SAME")'
             if variant == "conv2d_relu_pool":
                 y = f'tf.nn.max_pool2d(tf.nn.relu({y}), 2, 1, "SAME")'
+            elif variant == "avg_pool":
+                y = f'tf.nn.avg_pool2d({y}, 2, 1, "SAME")'
         return [f"{o} = tf.reshape({y}, [-1, {d}])"]
 
     def _scale_and_offset(self, o: str, c: int) -> None:
@@ -419,6 +442,7 @@ class _Writer:
              "l2": f"tf.norm({a}, axis=-1, keepdims=True)",
              "mean_all": f"tf.reduce_mean({a})",
              "sum_batch": f"tf.reduce_sum({a}, axis=0, keepdims=True)",
+             "top_k": f"tf.reduce_mean(tf.math.top_k({a}, k=2).values, axis=-1, keepdims=True)",
              }[s.params["variant"]]
         combine = {"sub": f"{a} - r_{o}", "mul": f"{a} * tf.tanh(r_{o})",
                    "div": f"{a} / (1.0 + tf.abs(r_{o}))"}[s.params["combine"]]
@@ -480,6 +504,9 @@ class _Writer:
             "sin": f"tf.sin({a} * 2.0)",
             "swish": f"{a} * tf.sigmoid({a})",
             "softsign": f"tf.nn.softsign({a})",
+            "selu": f"tf.nn.selu({a})",
+            "log_sigmoid": f"tf.math.log_sigmoid({a})",
+            "l2_normalize": f"tf.math.l2_normalize({a}, axis=-1)",
         }[s.params["variant"]]
         return [f"{s.out} = {expr}"]
 
@@ -505,6 +532,8 @@ class _Writer:
             "pad_slice": [f"{o} = tf.pad({a}, [[0, 0], [1, 1]])[:, 1:-1] "
                           f"+ tf.pad({b}, [[0, 0], [2, 0]])[:, :{d}]"],
             "tile_slice": [f"{o} = tf.tile({a}, [1, 2])[:, {half}:{half + d}]"],
+            "roll_reverse": [f"{o} = tf.roll({a}, shift=1, axis=1) + 0.5 * tf.reverse({b}, [1])"],
+            "gather": [f"{o} = tf.gather({a}, {[(3 * i + 1) % d for i in range(d)]}, axis=1)"],
         }[s.params["variant"]]
 
     # -- blocks -------------------------------------------------------------------------
