@@ -55,6 +55,7 @@ from tfamp.oplists import (
     FLOAT32_ACCUMULATING_UNDER_XLA,
     FUSED_NORMALISATION_OPS,
     GROWING_OPS,
+    INEXACT_16BIT_KERNELS,
     METADATA_OPS,
     NON_NEGATIVE_OPS,
     RANGE_DENIED_REDUCTIONS,
@@ -588,6 +589,11 @@ class _BodyColoring:
                 where += ", and XLA compiles this function"
             return (f"no {self.target_name} {missing} kernel "
                     f"for {node.op} ({base_attr}){where}", rk.KIND_NO_KERNEL)
+        inexact = INEXACT_16BIT_KERNELS.get(node.op)
+        if inexact and not self.xla_compiled:
+            return (f"no exact {self.target_name} kernel for {node.op}: TensorFlow's "
+                    f"{inexact} (XLA's is exact: jit_compile keeps it 16-bit)",
+                    rk.KIND_NO_KERNEL)
         return self._fixed_block(node, attr)
 
     def _edge_keys(self, base_slot_node: list[str]
