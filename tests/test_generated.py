@@ -330,3 +330,14 @@ def test_a_graph_execution_error_is_described_by_the_ops_own_message():
     described = invariants._describe(caught.value)
     assert described.startswith("InvalidArgumentError: Graph execution error")
     assert described.endswith("indices = 5 is not in [0, 3)"), described
+
+
+def test_only_tensorflows_transient_onednn_errors_are_checked_again():
+    transient = ("[program] float32: AbortedError: Graph execution error: Operation received "
+                 "an exception:Status: 2, message: could not create a primitive descriptor "
+                 "for the reorder primitive.")
+    assert longrun.is_transient([transient])
+    assert longrun.is_transient([transient, transient.replace("float32", "float16/noisy")])
+    assert not longrun.is_transient([transient, "[numerics] float16/shapes/CPU: t9: ..."])
+    assert not longrun.is_transient(["[runs] float16/shapes/CPU: AbortedError: other"])
+    assert not longrun.is_transient([])
