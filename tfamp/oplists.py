@@ -263,6 +263,11 @@ BROADCAST_OPS = frozenset({
 # is at most 1/sqrt(eps) (31.6 for Keras's eps of 1e-3).
 BOUNDING_OPS = frozenset({"Rsqrt"})
 
+# Ops whose result grows without bound as their input nears 0: in float16 one
+# stays a deny op unless a constant epsilon keeps its input away from 0 far
+# enough (coloring._rsqrt_overflow: rsqrt(x + 1e-12) reaches 1e6 for x = 0).
+GROWING_INVERSES = frozenset({"Rsqrt"})
+
 # Ops that centre a tensor on a statistic (x - mean). Where one operand is a
 # float32 statistic and the result is big, they stay float32: in 16-bit the
 # statistic would be rounded once and every element of the result would carry

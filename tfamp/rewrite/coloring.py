@@ -54,6 +54,7 @@ from tfamp.oplists import (
     FLOAT32_ACCUMULATING_ON_GPU,
     FLOAT32_ACCUMULATING_UNDER_XLA,
     FUSED_NORMALISATION_OPS,
+    GROWING_INVERSES,
     GROWING_OPS,
     INEXACT_16BIT_KERNELS,
     METADATA_OPS,
@@ -260,6 +261,8 @@ class _Skeleton:
     # key may name a pseudo-slot that only some overrides create. None until
     # a second colouring of the body needs them.
     edges: list[tuple[tuple[str, str], tuple[str, str]]] | None = None
+    # slot -> its deny decision where the op's range makes it a deny op (_rsqrt_overflow)
+    range_denied: dict[int, tuple[str, str, str]] | None = None
 
 
 class _BodyColoring:
@@ -326,7 +329,7 @@ class _BodyColoring:
             skeleton = _Skeleton(
                 body, list(self.slot_node), list(self.slot_attr), list(self.slot_list),
                 dict(self.slot_index), dict(self.blocked), self.node_blocks,
-                self.hard_blocked)
+                self.hard_blocked, range_denied=self._range_denied)
             if skeletons is not None:
                 skeletons[body.name] = skeleton
             fresh = True
@@ -339,6 +342,7 @@ class _BodyColoring:
             self.blocked = dict(skeleton.blocked)
             self.node_blocks = skeleton.node_blocks
             self.hard_blocked = skeleton.hard_blocked
+            self._range_denied = skeleton.range_denied or {}
         base_slots = len(self.slot_node)
         self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
@@ -369,6 +373,7 @@ class _BodyColoring:
 
     def _make_slots(self, pinned: set[TensorRef]) -> None:
         pinned_nodes = {ref.node for ref in pinned}
+        self._range_denied: dict[int, tuple[str, str, str]] = {}  # (_rsqrt_overflow)
         list_of = self.lists.list_of
         slot_node, slot_attr, slot_list = self.slot_node, self.slot_attr, self.slot_list
         slot_index, node_blocks = self.slot_index, self.node_blocks
@@ -388,6 +393,9 @@ class _BodyColoring:
                 list_name = "clear"
             elif list_name == "deny" and node.op == "Exp" and self._bounded_exp(node):
                 list_name = "infer"
+            overflow = self._rsqrt_overflow(node) if node.op in GROWING_INVERSES else ""
+            if overflow:
+                list_name = "deny"
             attrs = node.float_type_attrs
             call_block = self._call_block(node) if node.called_functions else no_block
             node_block = node_blocks[name] = node_block_of(name, node, call_block)
@@ -397,6 +405,8 @@ class _BodyColoring:
                 slot_attr.append(attr)
                 slot_list.append(list_name)
                 slot_index[(name, attr)] = slot
+                if overflow:
+                    self._range_denied[slot] = (f"deny: {overflow}", "", rk.KIND_DENY_LIST)
                 if node_block[0]:
                     block = node_block
                 else:  # (_attr_block's cache, looked up here: every float slot)
@@ -436,6 +446,52 @@ class _BodyColoring:
         reduced = self.counts.get(node.data_inputs[0][0])
         result = self.counts.get(TensorRef(node.name, 0))
         return reduced is not None and reduced == result and not reduced[0]
+
+    def _rsqrt_overflow(self, node) -> str:
+        """Why `node` (oplists.GROWING_INVERSES: an Rsqrt) can leave the 16-bit
+        type's range, or "" if it cannot.
+
+        rsqrt(x) passes float16's largest value for x below 2.3e-10. An
+        l2 normalisation, x * rsqrt(max(sum(x * x), eps)) (tf.math.l2_normalize,
+        eps 1e-12), reaches 1e6 on a row of zeros (a ReLU's, a padded step's): in
+        float16 the statistic became inf where it was cast, 0 * inf is NaN where
+        float32 gives 0, and its gradient (dy * 1e6) became inf where a ReLU's
+        gradient multiplies it by 0. So an Rsqrt of a Sum plus (or max with) a
+        constant eps below 2.4e-10 is a deny op, and what reads it stays float32
+        up to the next allow op (_propagate_deny). A variance with such an eps
+        (BERT's LayerNorm's 1e-12) is left as it is: it is 0 only on a row of
+        equal values, and holding every LayerNorm's backward in float32 would
+        cost BERT's step 2 GB (BUILD_NOTES.md, session 21). bfloat16 has
+        float32's range.
+        """
+        if self.target != DT_HALF or not node.data_inputs:
+            return ""
+        producer = self._through_copies(node.data_inputs[0][0])
+        if producer is None or producer.op not in ("Add", "AddV2", "Maximum"):
+            return ""
+        eps, summed = None, False
+        for ref, _ in producer.data_inputs:
+            value = None if ref.is_arg else scalar_constant(self.body.nodes.get(ref.node))
+            if value is not None and value > 0:
+                eps = value
+            else:
+                source = self._through_copies(ref)
+                summed = summed or (source is not None and source.op == "Sum")
+        largest = _LARGEST[self.target]
+        if eps is None or not summed or eps ** -0.5 <= largest:
+            return ""
+        return (f"rsqrt(sum + {eps:g}) reaches {eps ** -0.5:.3g} for a zero row, beyond "
+                f"{self.target_name}'s {largest:g}: float32 up to the next allow op")
+
+    def _through_copies(self, ref: TensorRef):
+        """The node that computes `ref`'s value, through ops that only copy it."""
+        producer = None if ref.is_arg else self.body.nodes.get(ref.node)
+        for _ in range(8):
+            if producer is None or producer.op not in NO_COPY_OPS or not producer.data_inputs:
+                break
+            ref = producer.data_inputs[0][0]
+            producer = None if ref.is_arg else self.body.nodes.get(ref.node)
+        return producer
 
     def _bounded_exp(self, node) -> bool:
         """Is `node` (an Exp) the exponential of minus something never negative
@@ -785,13 +841,19 @@ class _BodyColoring:
             lambda s: lists[s] == "clear"))
         for root in (s for s, ls in enumerate(lists) if ls == "deny"):
             root_node = self.body.nodes[self.slot_node[root]]
+            if root in self._range_denied:
+                self.deny.setdefault(root, self._range_denied[root])
             self.deny.setdefault(root, (
                 f"deny: numerically risky in {self.target_name}", "", rk.KIND_DENY_LIST))
             cause = f"{root_node.op} {root_node.name!r}"
             reduced = self._statistic_input(root_node)
             if reduced is None:
-                for slot in _dfs([root], self.fanout, lambda s: (
-                        s not in self.deny and s in leads_to_deny_or_infer
+                # (a range-denied root holds every infer/clear op after it up to an
+                # allow op, clear ops that lead only to allow ops included: a ReLU's
+                # gradient multiplies what it reads by 0, and inf * 0 is NaN)
+                ranged = root in self._range_denied
+                for slot in _dfs([root], self.fanout, lambda s, ranged=ranged: (
+                        s not in self.deny and (ranged or s in leads_to_deny_or_infer)
                         and lists[s] in ("infer", "clear"))):
                     if slot != root:
                         self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
@@ -1966,6 +2028,7 @@ class _BodyColoring:
 # Integers a 16-bit type holds exactly (its mantissa's bits + 1): positions above
 # them round (float16: 2048; bfloat16: 256).
 _EXACT_INTEGERS = {DT_HALF: 2048, DT_BFLOAT16: 256}
+_LARGEST = {DT_HALF: 65504.0, DT_BFLOAT16: 3.3895e38}
 _REAL_TYPES = FLOAT_TYPES | {types_pb2.DT_DOUBLE}
 # Tensors that carry state or structure, not values: never positions.
 _OPAQUE_TYPES = frozenset({types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT})

@@ -1,0 +1,87 @@
+"""An rsqrt that can leave float16's range keeps its layer's arithmetic float32.
+
+``tf.math.l2_normalize(x)`` is ``x * rsqrt(max(sum(x * x), 1e-12))``: for a row of
+zeros (a ReLU's, a padded step's) the rsqrt is 1e6, past float16's 65504. Cast to
+float16 for a 16-bit ``x * ...`` it became inf, and 0 * inf is NaN where float32
+gives 0; its gradient, dy * 1e6, became inf where the ReLU's gradient multiplies
+it by 0. An epsilon of 2.4e-10 or more bounds it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.graphs import decision, rewrite, run_graph_def
+from tfamp.rewrite import reasons as rk
+
+EYE = tf.constant(np.eye(8, dtype=np.float32))
+X = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+X[1] = -np.abs(X[1])  # a row the ReLU makes zero
+# (a fixed weighting: the squared norm of a normalised row is constant, its gradient 0)
+C = tf.constant(np.random.default_rng(1).normal(size=(4, 8)).astype(np.float32))
+
+
+def _l2_normalize(h):
+    return tf.math.l2_normalize(h, axis=-1)
+
+
+def _normalise(eps):
+    def normalise(h):
+        mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+        return (h - mean) * tf.math.rsqrt(var + eps)
+    return normalise
+
+
+def _step(layer):
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.matmul(layer(tf.nn.relu(tf.matmul(x, EYE))), EYE)
+            loss = tf.reduce_sum(y * C)
+        return y, tape.gradient(loss, x)
+    return step
+
+
+def _run(graph_def):
+    return run_graph_def(graph_def, {"x": X}, ["Identity:0", "Identity_1:0"])
+
+
+def test_a_zero_row_stays_finite_in_float16():
+    graph_def, new_graph_def, report = rewrite(_step(_l2_normalize), tf.TensorSpec(X.shape),
+                                               dtype="float16", device_type="CPU")
+    rsqrt = decision(report, "Rsqrt")
+    assert not rsqrt.converted and rsqrt.kind == rk.KIND_DENY_LIST, rsqrt
+    assert "1e+06" in rsqrt.reason and "65504" in rsqrt.reason, rsqrt.reason
+    want, got = _run(graph_def), _run(new_graph_def)
+    for w, g in zip(want, got, strict=True):
+        assert np.all(np.isfinite(w))
+        assert np.all(np.isfinite(g)), g
+        np.testing.assert_allclose(g, w, rtol=0.02, atol=0.02 * np.abs(w).max())
+    assert report.converted.get("MatMul", 0) >= 2, report.converted  # the matmuls still are
+
+
+@pytest.mark.parametrize("eps", [1e-3, 1e-12])
+def test_a_variance_is_left_as_it_was(eps):
+    """A variance is 0 only on a row of equal values (BUILD_NOTES.md, session 21), and
+    Keras's LayerNorm epsilon (1e-3) bounds rsqrt(v + eps) by 31.6 anyway."""
+    _, _, report = rewrite(_step(_normalise(eps)), tf.TensorSpec(X.shape),
+                           dtype="float16", device_type="CPU")
+    assert "deny" not in decision(report, "Rsqrt").reason
+
+
+def test_an_epsilon_that_bounds_it_changes_nothing():
+    def normalise(h):
+        return h * tf.math.rsqrt(tf.reduce_sum(h * h, axis=-1, keepdims=True) + 1e-8)
+
+    _, _, report = rewrite(_step(normalise), tf.TensorSpec(X.shape),
+                           dtype="float16", device_type="CPU")
+    assert "deny" not in decision(report, "Rsqrt").reason
+
+
+def test_bfloat16_has_the_range():
+    _, new_graph_def, report = rewrite(_step(_l2_normalize), tf.TensorSpec(X.shape),
+                                       dtype="bfloat16", device_type="CPU")
+    assert "deny" not in decision(report, "Rsqrt").reason
+    assert all(np.all(np.isfinite(v)) for v in _run(new_graph_def))
