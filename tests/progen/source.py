@@ -249,6 +249,13 @@ class _Writer:
         variant = s.params["variant"]
         if variant == "bias_add":
             return [f"{o} = tf.nn.bias_add(tf.matmul({a}, W_{o}), b_{o})"]
+        if variant == "l2_head":  # a projection head: ReLU, l2-normalised, a matmul
+            # (its first row zeroed, as a ReLU's or a padded step's can be:
+            # l2_normalize's rsqrt is then 1 / sqrt(1e-12) = 1e6)
+            self.setup.append(f"V_{o} = var({k + 200}, ({d}, {d}), den={self._den(d)})")
+            keep = f"tf.cast(tf.range(tf.shape({a})[0]) > 0, tf.float32)[:, None]"
+            return [f"h_{o} = tf.nn.relu(tf.matmul({a}, W_{o}) + b_{o}) * {keep}",
+                    f"{o} = tf.matmul(tf.math.l2_normalize(h_{o}, axis=-1), V_{o})"]
         return [f"{o} = " + _ACTIVATIONS[variant].format(f"tf.matmul({a}, W_{o}) + b_{o}")]
 
     def _einsum(self, s: Stmt, a: str) -> list[str]:
