@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes
 
 from tfamp.config import AmpConfig
 from tfamp.oplists import (
@@ -477,16 +478,17 @@ class _BodyColoring:
             else:
                 source = self._through_copies(ref)
                 summed = summed or (source is not None and source.op == "Sum")
-        largest = _LARGEST[self.target]
+        largest = dtypes.as_dtype(self.target).max
         if eps is None or not summed or eps ** -0.5 <= largest:
             return ""
         return (f"rsqrt(sum + {eps:g}) reaches {eps ** -0.5:.3g} for a zero row, beyond "
                 f"{self.target_name}'s {largest:g}: float32 up to the next allow op")
 
-    def _through_copies(self, ref: TensorRef):
-        """The node that computes `ref`'s value, through ops that only copy it."""
+    def _through_copies(self, ref: TensorRef, depth: int = 8):
+        """The node that computes `ref`'s value, through ops that only copy it
+        (at most `depth` of them); None for an argument."""
         producer = None if ref.is_arg else self.body.nodes.get(ref.node)
-        for _ in range(8):
+        for _ in range(depth):
             if producer is None or producer.op not in NO_COPY_OPS or not producer.data_inputs:
                 break
             ref = producer.data_inputs[0][0]
@@ -1694,12 +1696,7 @@ class _BodyColoring:
         known = self._fusible.get(name)
         if known is not None:
             return known
-        node = self.body.nodes.get(name)
-        for _ in range(4):  # (a view of a view ...)
-            if node is None or node.op not in NO_COPY_OPS or not node.data_inputs:
-                break
-            ref = node.data_inputs[0][0]
-            node = None if ref.is_arg else self.body.nodes.get(ref.node)
+        node = self._through_copies(TensorRef(name, 0), depth=4)  # (a view of a view ...)
         kind = runtime_cost.PARAMETER if node is None else runtime_cost.op_kind(
             node.op, calls=bool(node.called_functions), sink=not node.outputs)
         self._fusible[name] = kind
@@ -2028,7 +2025,6 @@ class _BodyColoring:
 # Integers a 16-bit type holds exactly (its mantissa's bits + 1): positions above
 # them round (float16: 2048; bfloat16: 256).
 _EXACT_INTEGERS = {DT_HALF: 2048, DT_BFLOAT16: 256}
-_LARGEST = {DT_HALF: 65504.0, DT_BFLOAT16: 3.3895e38}
 _REAL_TYPES = FLOAT_TYPES | {types_pb2.DT_DOUBLE}
 # Tensors that carry state or structure, not values: never positions.
 _OPAQUE_TYPES = frozenset({types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT})
