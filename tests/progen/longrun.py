@@ -70,13 +70,12 @@ def check_seed(seed: int) -> Result:
     from tests.progen import grammar, invariants, source
 
     program = grammar.generate(seed)
-    module = source.load(source.render(program, f"generated program {seed}"))
-    outcome = invariants.check(module)
+    text = source.render(program, f"generated program {seed}")
+    outcome = invariants.check(source.load(text))
     retried = 0
     if is_transient(outcome.failures):
         retried = 1
-        outcome = invariants.check(source.load(source.render(program,
-                                                             f"generated program {seed}")))
+        outcome = invariants.check(source.load(text))  # (a fresh build of the program)
     return Result(seed, outcome.ok, outcome.seconds, [str(f) for f in outcome.failures],
                   [list(f.signature()) for f in outcome.failures], outcome.compared,
                   outcome.skipped, max(outcome.ratios, default=0.0), program.size(),
