@@ -51,8 +51,9 @@ def main() -> None:
         plain_us.append(per_call_us(plain, (x, w, b), args.calls, args.repeat))
         tfamp_us.append(per_call_us(rewritten, (x, w, b), args.calls, args.repeat))
     p, t = min(plain_us), min(tfamp_us)
-    print(f"tf.function     {p:8.1f} us per call (rounds: {', '.join(f'{v:.1f}' for v in plain_us)})")
-    print(f"tfamp.function  {t:8.1f} us per call (rounds: {', '.join(f'{v:.1f}' for v in tfamp_us)})")
+    for label, best, rounds in (("tf.function", p, plain_us), ("tfamp.function", t, tfamp_us)):
+        listed = ", ".join(f"{v:.1f}" for v in rounds)
+        print(f"{label:<15} {best:8.1f} us per call (rounds: {listed})")
     print(f"overhead        {t - p:8.1f} us per call ({t / p:.3f}x)")
 
 

@@ -248,3 +248,52 @@ def test_a_python_without_jax_is_refused_with_the_fix(tmp_path):
         toolchain.check_jax_python(sys.executable)  # the project's Python: no JAX there
     with pytest.raises(toolchain.ToolchainError, match="does not exist"):
         toolchain.check_jax_python(str(tmp_path / "python"))
+
+
+def _xspace(path, plane_name="/device:GPU:0"):
+    """Two steps of three kernels on one stream, 2 ms apart: (start us, duration us, name)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    space = xplane_pb2.XSpace()
+    plane = space.planes.add(name=plane_name)
+    for i, name in enumerate(["input_reduce_fusion_3", "loop_convert_fusion", "cudnn_conv"]):
+        plane.event_metadata[i + 1].id = i + 1
+        plane.event_metadata[i + 1].name = name
+    line = plane.lines.add(name="Stream #14(Compute)", timestamp_ns=1000)
+    for step_start in (0, 2500):  # us
+        for start, duration, metadata in ((0, 10, 1), (12, 5, 2), (20, 30, 3)):
+            line.events.add(metadata_id=metadata, offset_ps=(step_start + start) * 10**6,
+                            duration_ps=duration * 10**6)
+    with open(path, "wb") as f:
+        f.write(space.SerializeToString())
+
+
+def test_profile_reader_sums_kernels_and_splits_steps_at_host_gaps(tmp_path):
+    from benchmarks.h100_program import profile_on_gpu
+
+    _xspace(tmp_path / "t.xplane.pb")
+    times, launches, spans = profile_on_gpu.kernel_times(str(tmp_path / "t.xplane.pb"))
+    assert times == {"input_reduce_fusion_3": 20.0, "loop_convert_fusion": 10.0,
+                     "cudnn_conv": 60.0}
+    assert launches == 6
+    assert spans == [0.05, 0.05]  # ms: first kernel's start to last kernel's end
+
+
+def test_profile_reader_names_the_planes_it_found_without_a_gpu(tmp_path):
+    from benchmarks.h100_program import profile_on_gpu
+
+    _xspace(tmp_path / "t.xplane.pb", plane_name="/host:CPU")
+    with pytest.raises(ValueError, match=r"no /device:GPU plane .*/host:CPU"):
+        profile_on_gpu.kernel_times(str(tmp_path / "t.xplane.pb"))
+
+
+def test_profile_table_per_category(tmp_path, capsys):
+    from benchmarks.h100_program import profile_on_gpu
+
+    (tmp_path / "m_tfamp_fp16").mkdir()
+    _xspace(tmp_path / "m_tfamp_fp16" / "m_tfamp_fp16.xplane.pb")
+    assert profile_on_gpu.main(["read", str(tmp_path), "--steps", "2", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    # conv/gemm 0.03 ms, element-wise 0, convert 0.005, reduce 0.01 per step; span 0.05; 3 launches
+    assert "| m_tfamp_fp16 | 0.03 | 0.00 | 0.01 | 0.01 | 0.00 | 0.00 | 0.04 | 0.05 | 3 |" in out
+    assert "30.0  cudnn_conv" in out
