@@ -474,11 +474,11 @@ class _BodyColoring:
         for ref, _ in producer.data_inputs:
             value = None if ref.is_arg else scalar_constant(self.body.nodes.get(ref.node))
             if value is not None and value > 0:
-                eps = value
+                eps = float(value)
             else:
                 source = self._through_copies(ref)
                 summed = summed or (source is not None and source.op == "Sum")
-        largest = dtypes.as_dtype(self.target).max
+        largest = float(dtypes.as_dtype(self.target).max)
         if eps is None or not summed or eps ** -0.5 <= largest:
             return ""
         return (f"rsqrt(sum + {eps:g}) reaches {eps ** -0.5:.3g} for a zero row, beyond "
