@@ -223,6 +223,35 @@ def test_an_ill_conditioned_output_is_not_judged_a_well_conditioned_one_is():
     assert invariants._judge(c, c * (1 + u), c * (1 + 2 * u), u)[0] == ""
 
 
+def test_an_overflow_just_past_the_range_is_judged_against_every_sample_that_could_reach_it():
+    """17000847: a float16 weight gradient's elements of 6.56e4 to 6.8e4 in float32
+    overflowed, where the noisy run's signs had moved them to 6.3e4 (other
+    elements overflowed there). Past the range in an output some noisy run
+    overflows: not the rewrite's failure. An output no noisy run overflows (a
+    deny op's, exact in the noise) is still judged everywhere, past the range too."""
+    u = invariants.UNIT_ROUNDOFF["float16"]
+    largest = invariants.LARGEST["float16"]
+    c = np.array([1.0, 66000.0, 9e5, 1.0])
+    n = np.array([1.0, 63000.0, np.inf, 1.0])  # this sample: 66000 stays finite
+    away = np.array([1.0, 62000.0, np.inf, 1.0])  # (terms that cancel may shrink)
+    r = np.array([1.0, np.inf, np.inf, 1.0])
+    assert invariants._judge(c, n, r, u, 0.0, away, largest) is None  # not judged
+    # without the AWAY sample (its confirmation did not run), the first verdict stands
+    assert invariants._judge(c, n, r, u)[0] == "nonfinite"
+    # a finite element within the range that overflows is a failure whatever the samples
+    kind, *_ = invariants._judge(c, n, np.array([np.inf, np.inf, np.inf, 1.0]), u, 0.0,
+                                 away, largest)
+    assert kind == "nonfinite"
+    # an output that no sample overflows: past the range is judged too
+    exact = np.array([1.0, 66000.0, 1.0, 1.0])
+    kind, *_ = invariants._judge(exact, exact, np.array([1.0, np.inf, 1.0, 1.0]), u, 0.0,
+                                 exact, largest)
+    assert kind == "nonfinite"
+    # where the AWAY sample overflows an element the first sample kept finite
+    assert invariants._judge(c, n, r, u, 0.0, np.array([1.0, np.inf, np.inf, 1.0]),
+                             largest) is None
+
+
 def test_a_variable_update_is_judged_to_its_float32_resolution_and_no_finer():
     """5000408: an SGD step below half a float32 step of a gamma near 1 leaves it
     unchanged in float32 (and in the noisy run); the float16 gradient, a little

@@ -71,6 +71,9 @@ SKIP = 0.25
 # cancellation; bfloat16 rounding gives -2.7e-4; 1 of 8 samples flips it).
 TIES = -1
 CROSSED = -2
+# The sample whose every rounding grows its value (`away`): which elements any
+# sample could overflow. A non-finite 16-bit result is confirmed against it.
+AWAY = -3
 EXTRA_SALTS = (1, 2, 3, 4, 5, 6, 7, TIES, CROSSED)
 _SIXTEEN = {types_pb2.DT_HALF, types_pb2.DT_BFLOAT16}
 
@@ -196,6 +199,19 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
                 continue
         found = Outcome([])
         _compare(clean, noisy[config.dtype], results[key], before, config, found)
+        reach = None
+        if any(f.invariant == "nonfinite" for f in found.failures):
+            # An element a 16-bit result overflows where this sample stayed finite
+            # is confirmed against the sample that grows every value: past the
+            # range there, another sample's signs could have overflowed it too.
+            try:
+                reach = noisy_step.run(config.dtype, AWAY)
+            except Exception:  # (a sample that does not run: keep the first's verdict)
+                reach = None
+            if reach is not None:
+                found = Outcome([])
+                _compare(clean, noisy[config.dtype], results[key], before, config, found,
+                         reach)
         if any(f.invariant == "numerics" for f in found.failures):
             # A numerics failure is confirmed against more samples of the noise
             # (5000536: an Adam update of a gradient that the noise moves by 0.3
@@ -211,7 +227,7 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
                 worst = None
             if worst is not None:
                 found = Outcome([])
-                _compare(clean, worst, results[key], before, config, found)
+                _compare(clean, worst, results[key], before, config, found, reach)
         _merge(outcome, found)
     outcome.seconds = time.perf_counter() - start
     return outcome
@@ -317,7 +333,7 @@ def _restore(variables, values) -> None:
 class _NoisyStep:
     """A fresh build of the program traced under ``noise.rounding_noise`` (one
     build per noise sample, `salt`; TIES: the near-ties sample; CROSSED: the
-    near-zero sums crossed); run with the noise of one 16-bit type at a time,
+    near-zero sums crossed; AWAY: every rounding away from zero); run with the noise of one 16-bit type at a time,
     from the same start."""
 
     def __init__(self, module):
@@ -328,7 +344,7 @@ class _NoisyStep:
         if salt not in self.builds:
             step, state = self.module.build()
             with noise.rounding_noise(max(salt, 0), ties_only=salt == TIES,
-                                      crossed=salt == CROSSED):
+                                      crossed=salt == CROSSED, away=salt == AWAY):
                 concrete = step.get_concrete_function(*self.module.input_specs())
             captured = list(concrete.variables)
             self.builds[salt] = (concrete, concrete.graph.as_graph_def(),
@@ -374,20 +390,29 @@ def _merge(outcome: Outcome, found: Outcome) -> None:
                     getattr(outcome, field.name) + getattr(found, field.name))
 
 
-def _compare(clean, noisy, got, before, config: Config, outcome: Outcome) -> None:
+def _compare(clean, noisy, got, before, config: Config, outcome: Outcome,
+             reach=None) -> None:
+    """Judges each output and variable update of the 16-bit run `got` (``_judge``);
+    `reach`: the AWAY sample's run, or None."""
     (clean_out, clean_state), (noisy_out, noisy_state), (got_out, got_state) = (
         clean, noisy, got)
     u = UNIT_ROUNDOFF[config.dtype]
     if len(noisy_state) != len(clean_state):  # (the builds differ: compare outputs only)
         noisy_state = [None] * len(clean_state)
-    pairs = [(name, c, n, r, 0.0) for (name, c), (_, n), (_, r)
-             in zip(clean_out, noisy_out, got_out, strict=True)]
-    for index, (b, c, n, r) in enumerate(zip(before, clean_state, noisy_state, got_state,
-                                             strict=True)):
+    reach_out, reach_state = reach if reach is not None else ([], [])
+    if len(reach_out) != len(clean_out):
+        reach_out = [(None, None)] * len(clean_out)
+    if len(reach_state) != len(clean_state):
+        reach_state = [None] * len(clean_state)
+    pairs = [(name, c, n, r, 0.0, a) for (name, c), (_, n), (_, r), (_, a)
+             in zip(clean_out, noisy_out, got_out, reach_out, strict=True)]
+    for index, (b, c, n, r, a) in enumerate(zip(before, clean_state, noisy_state, got_state,
+                                                reach_state, strict=True)):
         if n is not None and n.shape == c.shape:
             pairs.append((f"variable {index} {c.shape} update", _delta(c, b), _delta(n, b),
-                          _delta(r, b), _resolution(c)))
-    for name, c, n, r, floor in pairs:
+                          _delta(r, b), _resolution(c),
+                          None if a is None or a.shape != c.shape else _delta(a, b)))
+    for name, c, n, r, floor, a in pairs:
         if r.dtype != c.dtype or r.shape != c.shape:
             outcome.failures.append(Failure("output_dtype", str(config),
                                             f"{name}: {c.dtype}{c.shape} became "
@@ -396,7 +421,7 @@ def _compare(clean, noisy, got, before, config: Config, outcome: Outcome) -> Non
         if n.shape != c.shape:  # (5000648: the noisy run's value has another shape, so
             outcome.skipped += 1  # it bounds nothing; r's shape was checked above)
             continue
-        verdict = _judge(c, n, r, u, floor)
+        verdict = _judge(c, n, r, u, floor, a, LARGEST[config.dtype])
         if verdict is None:
             outcome.skipped += 1
             if r.dtype.kind == "f" and not np.all(np.isfinite(r)):
@@ -429,10 +454,15 @@ def _delta(after, before):
     return after
 
 
-def _judge(c, n, r, u, floor: float = 0.0):
+def _judge(c, n, r, u, floor: float = 0.0, reach=None, largest: float = np.inf):
     """None (not compared), or (failure kind or "", |r - c| / bound, message,
     (|r - c|, |n - c|) / (u |c|) or None). `floor`: what the bound is at least
-    (``_resolution``)."""
+    (``_resolution``). `reach`: the AWAY sample's value, or None: an element not
+    finite there may be not finite in `r` too; so may one whose float32 value is
+    past `largest` (the 16-bit range) in an output that overflowed in a noisy run
+    (a sum's terms that cancel may shrink in the AWAY sample: 17000847's 6.6e4
+    became 6.3e4 there, 16-bit rounding gave inf). An output no noisy run
+    overflows (a deny op's, exact in the noise) is judged everywhere."""
     if c.dtype.kind not in "fc":
         if not np.array_equal(n, c):
             return None
@@ -450,11 +480,17 @@ def _judge(c, n, r, u, floor: float = 0.0):
     # cancellation in float32 and its rounding residual times 1.6e4 in 16 bits).
     if np.all(finite) and np.linalg.norm(n - c) > SKIP * scale:
         return None
-    if not np.all(np.isfinite(r[finite])):
-        return ("nonfinite", None, f"{np.count_nonzero(~np.isfinite(r[finite]))} of {c.size} "
-                f"values not finite (float32 and the noisy run: finite; max |c| "
+    judged = finite
+    if reach is not None and np.shape(reach) == c.shape:
+        reached = np.isfinite(np.asarray(reach, np.float64))
+        judged = finite & reached
+        if not (np.all(finite) and np.all(reached)):
+            judged &= np.abs(c) <= largest
+    if not np.all(np.isfinite(r[judged])):
+        return ("nonfinite", None, f"{np.count_nonzero(~np.isfinite(r[judged]))} of {c.size} "
+                f"values not finite (float32 and the noisy runs: finite; max |c| "
                 f"{np.abs(c).max():.3g})", None)
-    if not np.all(finite):
+    if not np.all(judged) or not np.all(np.isfinite(r)):
         return None
     noise_error = np.linalg.norm(n - c)
     error = np.linalg.norm(r - c)

@@ -172,7 +172,8 @@ def _root_terms(op_type: str, inputs, attrs, outputs) -> float:
 
 
 @contextlib.contextmanager
-def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False):
+def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False,
+                   away: bool = False):
     """Traces inside this add rounding noise to every float32 op (see the module doc).
 
     The noise's sizes are placeholders (MAGIC_SIZE, MAGIC_TINY) until
@@ -193,6 +194,12 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
     (0.11 of that rounding); upstream 16-bit rounding turned it positive, the
     ReLU let its gradient through (0.029 on the bias); 2 of 8 random samples
     cross it, none of the three that judged it did.
+    `away`: every rounding moves its value away from zero, by the whole bound
+    (no random signs): the most each value can grow, so every value that some
+    sample could push past the 16-bit range overflows in this one. A random
+    sample may leave a value just past the range finite (17000847: a weight
+    gradient of 6.56e4 to 6.8e4 in float32, which one sample's signs moved to
+    6.3e4), where the 16-bit run overflows.
     """
     counter = [0]
 
@@ -248,8 +255,8 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
             counter[0] += 1
             # A random sign, not a uniform draw: each value moves by the whole
             # bound (one draw near 0 would make a scalar's reference exact).
-            r = tf.sign(tf.random.stateless_uniform(tf.shape(tensor), seed=[counter[0], salt],
-                                                    minval=-1.0, maxval=1.0))
+            r = tf.sign(tensor) if away else tf.sign(tf.random.stateless_uniform(
+                tf.shape(tensor), seed=[counter[0], salt], minval=-1.0, maxval=1.0))
             size = tf.constant(MAGIC_SIZE, name=f"progen_noise__{op_type}__")
             limit = tf.constant(MAGIC_TINY, name=f"progen_noise__{op_type}__")
             # A sum's rounding is relative to its terms, not to its result: a
