@@ -73,6 +73,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("einsum", "dense", 1, ("weight", "rowdot")),
     Kind("keras_dense", "keras_layer", 1, ("relu", "tanh", "linear")),
     Kind("keras_rnn", "keras_layer", 1, ("lstm", "gru", "simple_rnn")),
+    Kind("keras_mha", "keras_layer", 1, ("self", "padded")),
     Kind("conv", "conv", 1, ("conv2d", "depthwise", "conv1d", "keras_conv2d",
                              "conv2d_relu_pool", "transpose", "separable", "avg_pool",
                              "resize")),
@@ -80,7 +81,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("bn_fused", "norm", 1, ("training", "inference")),
     Kind("keras_bn", "norm", 1, ("4d", "2d")),
     Kind("layernorm", "norm", 1, ("manual", "keras")),
-    Kind("attention", "attention", 1, ("plain", "causal", "einsum")),
+    Kind("attention", "attention", 1, ("plain", "causal", "einsum", "padded")),
     Kind("softmax", "attention", 1, ("softmax", "log_softmax")),
     Kind("bmm", "attention", 2),
     Kind("embedding", "embedding", 1, ("gather", "lookup", "one_hot", "keras")),
@@ -119,7 +120,7 @@ FEATURES = sorted({k.feature for k in KINDS.values()})
 # those read the step's inputs (exact in 16-bit), which only the top sees.
 _NEEDS_INTS = {("embedding", v) for v in KINDS["embedding"].variants} | {
     ("where", "labels"), ("int_ops", "segment_sum"), ("int_ops", "argmax_one_hot"),
-    ("cast", "int_floor")}
+    ("cast", "int_floor"), ("attention", "padded"), ("keras_mha", "padded")}
 _NOT_IN_XLA = {("random", "generator")}
 # A training-mode BatchNorm over the rows of a map_fn / scan body sees one
 # sample per feature: its output is its offset whatever the input, and its
@@ -316,7 +317,7 @@ def _params(rng: random.Random, kind: Kind, context: frozenset[str]) -> dict:
     if kind.name == "conv":
         return {"layout": rng.randint(0, 1), "k": rng.choice([1, 3])}
     if kind.name in ("attention", "bn_moments", "bn_fused", "keras_bn", "embedding",
-                     "keras_rnn"):
+                     "keras_rnn", "keras_mha"):
         return {"layout": rng.randint(0, 1)}
     if kind.name == "reduce":
         return {"combine": rng.choice(["sub", "mul", "div"])}

@@ -333,8 +333,8 @@ def _restore(variables, values) -> None:
 class _NoisyStep:
     """A fresh build of the program traced under ``noise.rounding_noise`` (one
     build per noise sample, `salt`; TIES: the near-ties sample; CROSSED: the
-    near-zero sums crossed; AWAY: every rounding away from zero); run with the noise of one 16-bit type at a time,
-    from the same start."""
+    near-zero sums crossed; AWAY: every rounding away from zero); run with the
+    noise of one 16-bit type at a time, from the same start."""
 
     def __init__(self, module):
         self.module = module

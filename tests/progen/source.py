@@ -74,7 +74,8 @@ def build():
         return v
 
     def layer(key, obj, input_shape):
-        obj.build(input_shape)
+        if input_shape is not None:
+            obj.build(input_shape)
         for index, weight in enumerate(obj.weights):
             if "kernel" in weight.name or "embeddings" in weight.name:
                 weight.assign(grid(key * 10 + index, tuple(weight.shape)))
@@ -83,6 +84,12 @@ def build():
         state.extend(tf_variable(w) for w in obj.weights)
         train.extend(tf_variable(w) for w in obj.trainable_weights)
         return obj
+
+    def called(key, obj, *example):
+        """A layer built by a first call (Keras's MultiHeadAttention builds from its
+        inputs), its kernels set as `layer`'s."""
+        obj(*example)
+        return layer(key, obj, None)
 
     def tf_variable(weight):
         return weight if isinstance(weight, tf.Variable) else weight.value
@@ -280,6 +287,22 @@ class _Writer:
                           f"return_sequences=True), (None, {t}, {e}))")
         return [f"{o} = tf.reshape(L_{o}(tf.reshape({a}, [-1, {t}, {e}])), [-1, {d}])"]
 
+    def _keras_mha(self, s: Stmt, a: str) -> list[str]:
+        d, o = self.d, s.out
+        t, e = sequence_layout(d, s.params["layout"])
+        self.setup.append(f"L_{o} = called({self.key()}, K.layers.MultiHeadAttention(2, "
+                          f"{max(e // 2, 1)}), tf.zeros([1, {t}, {e}]), tf.zeros([1, {t}, {e}]))")
+        lines = [f"x3_{o} = tf.reshape({a}, [-1, {t}, {e}])"]
+        mask = ""
+        if s.params["variant"] == "padded":
+            # keys marked padding by the ids; the first sample's keys all padding
+            lines += [f"valid_{o} = ids[:, :{t}] % 3 != 0",
+                      f"valid_{o} = tf.concat([tf.zeros_like(valid_{o}[:1]), valid_{o}[1:]], 0)",
+                      f"mask_{o} = tf.tile(valid_{o}[:, None, :], [1, {t}, 1])"]
+            mask = f", attention_mask=mask_{o}"
+        lines.append(f"{o} = tf.reshape(L_{o}(x3_{o}, x3_{o}{mask}), [-1, {d}])")
+        return lines
+
     def _conv(self, s: Stmt, a: str) -> list[str]:
         d, o = self.d, s.out
         h, w, c = image_layout(d, s.params["layout"])
@@ -394,6 +417,12 @@ class _Writer:
         if s.params["variant"] == "causal":
             lines += [f"mask_{o} = tf.linalg.band_part(tf.ones([{t}, {t}]), -1, 0)",
                       f"s_{o} = s_{o} + (1.0 - mask_{o}) * -1e9"]
+        if s.params["variant"] == "padded":
+            # keys marked padding by the ids; the first sample's keys all padding (a
+            # padded query's row: float32's softmax of equal -1e9s is uniform)
+            lines += [f"valid_{o} = tf.cast(ids[:, :{t}] % 3 != 0, tf.float32)",
+                      f"valid_{o} = tf.concat([tf.zeros_like(valid_{o}[:1]), valid_{o}[1:]], 0)",
+                      f"s_{o} = s_{o} + (1.0 - valid_{o}[:, None, :]) * -1e9"]
         lines.append(f"{o} = tf.reshape(tf.matmul(tf.nn.softmax(s_{o}), v_{o}), [-1, {d}])")
         return lines
 
