@@ -263,6 +263,21 @@ BROADCAST_OPS = frozenset({
 # is at most 1/sqrt(eps) (31.6 for Keras's eps of 1e-3).
 BOUNDING_OPS = frozenset({"Rsqrt"})
 
+# Ops through which a constant's magnitude reaches what reads them: they copy,
+# pick or combine values without bounding them. A constant past the 16-bit
+# range (a mask's sentinel: Keras's softmax picks -1e9 where the mask is
+# False, a hand-written attention adds (1 - mask) * -1e9) becomes inf in
+# 16-bit, and a softmax row that is all -inf (a padded query's) is NaN where
+# float32's is finite; so an op that reads such a value stays float32
+# (coloring._beyond_range, found by the program generator, 25100146). Only the
+# float inputs are followed (a Fill's dims, a Tile's multiples are not values),
+# and a Cast's input whatever its type (an integer constant past the range).
+SENTINEL_CARRIERS = frozenset({
+    "Identity", "Snapshot", "Cast", "Neg", "Mul", "Add", "AddV2", "Sub", "Maximum",
+    "Minimum", "Select", "SelectV2", "Fill", "Tile", "BroadcastTo", "Reshape", "ExpandDims",
+    "Squeeze", "Transpose", "ConcatV2", "Pack", "StridedSlice", "GatherV2",
+})
+
 # Ops whose result grows without bound as their input nears 0: in float16 one
 # stays a deny op unless a constant epsilon keeps its input away from 0 far
 # enough (coloring._rsqrt_overflow: rsqrt(x + 1e-12) reaches 1e6 for x = 0).

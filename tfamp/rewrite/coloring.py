@@ -61,6 +61,7 @@ from tfamp.oplists import (
     METADATA_OPS,
     NON_NEGATIVE_OPS,
     RANGE_DENIED_REDUCTIONS,
+    SENTINEL_CARRIERS,
     SIZE_KEEPING_COPIES,
     STATISTIC_REDUCTIONS,
 )
@@ -74,6 +75,7 @@ from tfamp.rewrite.graph import (
     Body,
     GraphView,
     TensorRef,
+    constant_magnitude,
     dtype_name,
     scalar_constant,
 )
@@ -387,6 +389,8 @@ class _BodyColoring:
         node_block_of, attr_block, blocked = self._node_block, self._attr_block, self.blocked
         attr_blocks = self._attr_blocks
         positions: dict[str, bool] = {}  # node -> computes from positions only?
+        carried: dict[str, float | None] = {}  # node -> a constant past the range it carries
+        largest = float(dtypes.as_dtype(self.target).max)
         no_block = ("", "")
         for name, node in self.body.nodes.items():
             list_name = list_of(node.op)
@@ -414,6 +418,13 @@ class _BodyColoring:
                     block = attr_blocks.get((node.op, attr, node.node_def.device))
                     if block is None:
                         block = attr_block(node, attr)
+                    beyond = None if block[0] else self._beyond_range(node, largest, carried)
+                    if beyond is not None:
+                        block = (
+                            f"stays float32: reads {beyond:.3g} (a constant, such as a "
+                            f"mask's sentinel), past {self.target_name}'s largest value "
+                            f"{largest:.5g}: in {self.target_name} it is inf, and a softmax "
+                            f"row of -inf (a padded query's) is NaN", rk.KIND_BEYOND_RANGE)
                     if not block[0] and list_name == "allow" and self._on_positions(
                             name, positions):
                         block = (
@@ -436,6 +447,41 @@ class _BodyColoring:
                     self.blocked.setdefault(slot, (
                         "kept float32: a graph output keeps its dtype", rk.KIND_GRAPH_OUTPUT))
                     self.hard_blocked[(name, port.type_attr)] = self.blocked[slot]
+
+    def _beyond_range(self, node, largest: float,
+                      carried: dict[str, float | None]) -> float | None:
+        """A constant past the 16-bit type's `largest` value that a float input of
+        `node` carries (through oplists.SENTINEL_CARRIERS: -1e9 picked by a
+        select, or times a 0/1 mask), else None. `carried`: the answers so far."""
+        nodes, producer_port = self.body.nodes, self.body.producer_port
+
+        def carries(name: str, depth: int) -> float | None:
+            if name in carried:
+                return carried[name]
+            producer = nodes.get(name)
+            found = None
+            if producer is not None and producer.op == "Const":
+                value = constant_magnitude(producer)
+                found = value if value is not None and value > largest else None
+            elif producer is not None and producer.op in SENTINEL_CARRIERS and depth > 0:
+                found = within(producer, depth - 1)
+            carried[name] = found
+            return found
+
+        def within(consumer, depth: int) -> float | None:
+            for ref, _ in consumer.data_inputs:
+                if ref.is_arg:
+                    continue
+                if consumer.op != "Cast" or consumer is node:
+                    port = producer_port(ref)
+                    if port is None or port.dtype not in _REAL_TYPES:
+                        continue  # (an index, a shape, a mask's bool)
+                found = carries(ref.node, depth)
+                if found is not None:
+                    return found
+            return None
+
+        return within(node, _SENTINEL_DEPTH)
 
     def _copies(self, node) -> bool:
         """Does a reduction keep its input's size (it reduces no axis, or only
@@ -2026,6 +2072,9 @@ class _BodyColoring:
 # them round (float16: 2048; bfloat16: 256).
 _EXACT_INTEGERS = {DT_HALF: 2048, DT_BFLOAT16: 256}
 _REAL_TYPES = FLOAT_TYPES | {types_pb2.DT_DOUBLE}
+# How many SENTINEL_CARRIERS a constant's value is followed through (a Keras
+# mask's: Const -> SelectV2; a hand-written one's: Const -> Mul -> AddV2).
+_SENTINEL_DEPTH = 6
 # Tensors that carry state or structure, not values: never positions.
 _OPAQUE_TYPES = frozenset({types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT})
 # Ops whose float output is not a function of their inputs' values alone.
