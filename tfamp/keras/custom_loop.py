@@ -113,10 +113,10 @@ def _in_user_tf_function() -> bool:
         return False  # saving traces call: not a training step
     graph = tf.compat.v1.get_default_graph()
     name = getattr(graph, "name", "") or ""
-    # Keras's symbolic calls (functional construction, output specs) trace in
-    # scratch graphs: not a step that runs.
+    # Keras's symbolic calls (functional construction, output specs, tf_keras's
+    # Model.build(input_shape)) trace in scratch graphs: not a step that runs.
     return getattr(graph, "_building_function", False) and not (
-        "scratch_graph" in name or name == "keras_graph")
+        "scratch_graph" in name or name in ("keras_graph", "build_graph"))
 
 
 def _in_control_flow_branch() -> bool:

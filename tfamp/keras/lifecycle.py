@@ -605,11 +605,13 @@ class ModelPrecision:
     def _step_guard(self):
         if tf.executing_eagerly():
             return None
-        if self.flavour.is_keras3 and not self.model.built:
+        if self.flavour.is_keras3 and not _fully_built(self.model):
             # Keras 3 (without a strategy) builds the model in the step's first
             # trace: building the optimizer here, before the model's variables
             # exist, breaks its update. That trace makes variables, so
             # tf.function traces the step again (the trace that runs), guarded.
+            # (A model whose build() ran without building its layers, a subclassed
+            # model with no build() of its own, is marked built but has none.)
             return None
         owner = self.built_scale_owner()
         skipped = getattr(owner, "skipped_steps", None) if owner is not None else None
@@ -834,3 +836,9 @@ def _fit_callback_class(base: type) -> type:
     return FitCallback
 
 
+def _fully_built(model) -> bool:
+    """Is `model` built, and every layer in it (Keras 3)?"""
+    if not model.built:
+        return False
+    flatten = getattr(model, "_flatten_layers", None)
+    return flatten is None or all(layer.built for layer in flatten())
