@@ -91,6 +91,12 @@ class _tracing_for_tfamp:  # noqa: N801  (a context manager; a class: every call
             _tracing_depth -= 1
 
 
+def _in_save_context() -> bool:
+    from tensorflow.python.saved_model import save_context
+
+    return save_context.in_save_context()
+
+
 def rewrite_concrete_function(
     concrete: Any, config: AmpConfig | None = None, *, check: bool = False,
 ) -> tuple[Any, RewriteReport]:
@@ -353,6 +359,7 @@ class RewrittenFunction(polymorphic_function.Function):
                  on_report: Callable[[RewriteReport], None] | None = None,
                  on_trace: Callable[[Any], None] | None = None,
                  before_new_trace_runs: Callable[[Any, Any, tuple, dict], None] | None = None,
+                 float32_when_saving: bool = False,
                  **tf_function_kwargs):
         if not callable(fn):
             raise TypeError(
@@ -380,6 +387,11 @@ class RewrittenFunction(polymorphic_function.Function):
         # start-scale probe: tfamp.runtime.startup); ids of those that ran
         self._before_new_trace_runs = before_new_trace_runs
         self._ran: set[int] = set()
+        # Under TFAMP_ENABLE every tf.function is one of these, those Keras traces to
+        # save a model too (SavedModel, and TFLite's converter, which saves one
+        # first): a script that saves its float32 model gets a float32 one, as
+        # without tfamp (tfamp export makes a 16-bit one, checked against float32).
+        self._float32_when_saving = float32_when_saving
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
         # One bound RewrittenFunction per instance, as tf.function keeps (not in
         # the instance's __dict__, where a tf.Module would save it as a function).
@@ -478,6 +490,8 @@ class RewrittenFunction(polymorphic_function.Function):
         return [self._rewritten_for(concrete) for concrete in originals]
 
     def _rewritten_for(self, concrete):
+        if self._float32_when_saving and _in_save_context():
+            return concrete
         entry = self._rewritten.get(id(concrete))
         if entry is None or entry[0] is not concrete:
             if only_calls_handled_functions(concrete.graph, self._config):
@@ -519,13 +533,15 @@ class RewrittenFunction(polymorphic_function.Function):
         return RewrittenFunction(self._tf_function, config, check=self._check,
                                  after_call=self._after_call, on_report=self._on_report,
                                  on_trace=self._on_trace,
-                                 before_new_trace_runs=self._before_new_trace_runs)
+                                 before_new_trace_runs=self._before_new_trace_runs,
+                                 float32_when_saving=self._float32_when_saving)
 
     def _rewrapped(self, tf_function) -> RewrittenFunction:
         return RewrittenFunction(tf_function, self._config, check=self._check,
                                  after_call=self._after_call, on_report=self._on_report,
                                  on_trace=self._on_trace,
-                                 before_new_trace_runs=self._before_new_trace_runs)
+                                 before_new_trace_runs=self._before_new_trace_runs,
+                                 float32_when_saving=self._float32_when_saving)
 
     def __call__(self, *args, **kwargs):
         # A first call traces, rewrites and (under XLA) compiles: said in one line

@@ -7,7 +7,9 @@ then patches, once:
 
 * ``tf.function``: every function the script traces is rewritten by tfamp
   (Keras fit/evaluate/predict and the user's own; tf.data builds its functions
-  without the public ``tf.function``, so pipelines are left alone);
+  without the public ``tf.function``, so pipelines are left alone), except while
+  a model is saved (``model.save``, ``tf.saved_model.save``, TFLite's converter):
+  the script's float32 model is what it saves;
 * ``Model.compile`` of tf_keras and of Keras 3 calls ``tfamp.enable`` (tfamp's
   loss-scale optimizer for each); a Keras 3 model compiled with Keras's own
   ``LossScaleOptimizer`` keeps it (its graphs are rewritten, its loss scaling
@@ -145,7 +147,8 @@ def _patch_tf_function(active: _Activation) -> None:
                 or active.steps_aside_for(getattr(func, "__self__", None))):
             return original(func, **kwargs)
         return RewrittenFunction(original(func, **kwargs), active.settings.config,
-                                 on_report=on_report, before_new_trace_runs=before_run)
+                                 on_report=on_report, before_new_trace_runs=before_run,
+                                 float32_when_saving=True)
 
     function._tfamp_original = original
     function._tfamp_on_report = on_report  # for functions tfamp.enable builds itself
