@@ -68,13 +68,19 @@ AUTO = "auto"
 # The probe sees one batch before any update; gradients grow in the first steps
 # of a from-scratch model, so keep two doublings of room (max * S < 2**14).
 START_HEADROOM_BITS = 2
-# Ops that write a resource variable: the probe restores what they wrote.
+# Ops that write a resource variable (their first input): the probe restores what
+# they wrote. A tf.random.Generator's state is one (tf_keras's random layers draw
+# from one: a probe that advanced it gave training other flips and crops than
+# float32's from the same seed, a helper found in session 22).
 _ASSIGN_OPS = frozenset({
     "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
     "ResourceScatterUpdate", "ResourceScatterAdd", "ResourceScatterSub",
     "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin",
     "ResourceScatterMax", "ResourceScatterNdUpdate", "ResourceScatterNdAdd",
     "ResourceScatterNdSub", "ResourceStridedSliceAssign",
+    "RngReadAndSkip", "RngSkip", "StatefulUniform", "StatefulUniformInt",
+    "StatefulUniformFullInt", "StatefulStandardNormalV2", "StatefulTruncatedNormal",
+    "StatefulRandomBinomial",
 })
 
 
@@ -472,7 +478,8 @@ def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None) -> tu
     of its graph the recorded backward values depend on (the forward, the loss,
     the backward; no update, no metric, no iterator) is run once on fit's first
     batch, each replica's copy on its rows, with the model's live variables.
-    Nothing is written, so nothing is restored. The recorded values carry the
+    Only a random generator's state is written (the forward's draws), and it is
+    restored. The recorded values carry the
     loss scale the step seeds with (its current value), which is divided out.
 
     Raises:
@@ -525,8 +532,17 @@ def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None) -> tu
         return _summaries(fetched[:len(backward)], fetched[len(backward):], scale)
 
     values = [value for _, value in sources]
-    maxes, weight_maxes, counts = (x.numpy() for x in _without_grappler(
-        plain_function(run, autograph=False))(*values))
+    written = {node.input[0].split(":")[0] for node in cut.node
+               if node.op in _ASSIGN_OPS and node.input}
+    saved = [(c, np.array(c.numpy(), copy=True))
+             for v in _captured_variables(concrete, written)
+             for c in replicas.local_components(v)]
+    try:
+        maxes, weight_maxes, counts = (x.numpy() for x in _without_grappler(
+            plain_function(run, autograph=False))(*values))
+    finally:
+        for component, value in saved:
+            component.assign(value)
     return [n for n, _ in backward], maxes, [n for n, _ in weights], weight_maxes, counts
 
 
@@ -570,24 +586,24 @@ def _batch_sources(concrete, graph_def, batch, strategy) -> list[tuple[str, np.n
 def assigned_variables(concrete) -> list:
     """The captured variables the traced step writes (outer graph; nested
     function bodies are not searched: see BUILD_NOTES)."""
-    graph = concrete.graph
-    written = set()
-    for op in graph.get_operations():
-        if op.type in _ASSIGN_OPS:
-            written.add(id(op.inputs[0]))
-    internal = {id(inner): external for external, inner in graph.captures}
+    return _captured_variables(concrete, {
+        op.inputs[0].op.name for op in concrete.graph.get_operations()
+        if op.type in _ASSIGN_OPS})
+
+
+def _captured_variables(concrete, names: set[str]) -> list:
+    """The variables whose handles `concrete` captures as the ops named `names`."""
     by_handle = {}
     for variable in concrete.variables:
         handle = getattr(variable, "handle", None)
         if handle is not None:
             by_handle[id(handle)] = variable
     found = []
-    for key in written:
-        external = internal.get(key)
-        variable = by_handle.get(id(external)) if external is not None else None
+    for external, internal in concrete.graph.captures:
+        variable = by_handle.get(id(external)) if internal.op.name in names else None
         if variable is not None:
             found.append(variable)
-    return found
+    return _unique(found)
 
 
 def _unique(variables) -> list:
