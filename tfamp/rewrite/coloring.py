@@ -389,7 +389,7 @@ class _BodyColoring:
         node_block_of, attr_block, blocked = self._node_block, self._attr_block, self.blocked
         attr_blocks = self._attr_blocks
         positions: dict[str, bool] = {}  # node -> computes from positions only?
-        carried: dict[str, float | None] = {}  # node -> a constant past the range it carries
+        carried: dict[str, float | None] = {}  # (_beyond_range's answers so far)
         largest = float(dtypes.as_dtype(self.target).max)
         no_block = ("", "")
         for name, node in self.body.nodes.items():
@@ -456,8 +456,9 @@ class _BodyColoring:
         nodes, producer_port = self.body.nodes, self.body.producer_port
 
         def carries(name: str, depth: int) -> float | None:
-            if name in carried:
-                return carried[name]
+            key = f"{name}@{depth}"  # (how far it looked is part of the answer)
+            if key in carried:
+                return carried[key]
             producer = nodes.get(name)
             found = None
             if producer is not None and producer.op == "Const":
@@ -465,14 +466,14 @@ class _BodyColoring:
                 found = value if value is not None and value > largest else None
             elif producer is not None and producer.op in SENTINEL_CARRIERS and depth > 0:
                 found = within(producer, depth - 1)
-            carried[name] = found
+            carried[key] = found
             return found
 
         def within(consumer, depth: int) -> float | None:
             for ref, _ in consumer.data_inputs:
                 if ref.is_arg:
                     continue
-                if consumer.op != "Cast" or consumer is node:
+                if consumer.op != "Cast":
                     port = producer_port(ref)
                     if port is None or port.dtype not in _REAL_TYPES:
                         continue  # (an index, a shape, a mask's bool)
