@@ -269,9 +269,9 @@ BOUNDING_OPS = frozenset({"Rsqrt"})
 # False, a hand-written attention adds (1 - mask) * -1e9) becomes inf in
 # 16-bit, and a softmax row that is all -inf (a padded query's) is NaN where
 # float32's is finite; so an op that reads such a value stays float32
-# (coloring._beyond_range, found by the program generator, 25100146). Only the
-# float inputs are followed (a Fill's dims, a Tile's multiples are not values),
-# and a Cast's input whatever its type (an integer constant past the range).
+# (coloring._sentinel_readers, found by the program generator, 25100146). Only the
+# float inputs are followed (a Fill's dims, a Tile's multiples are not values);
+# only float constants count (an integer one cast to float is not seen).
 SENTINEL_CARRIERS = frozenset({
     "Identity", "Snapshot", "Cast", "Neg", "Mul", "Add", "AddV2", "Sub", "Maximum",
     "Minimum", "Select", "SelectV2", "Fill", "Tile", "BroadcastTo", "Reshape", "ExpandDims",

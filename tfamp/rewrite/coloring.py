@@ -389,8 +389,7 @@ class _BodyColoring:
         node_block_of, attr_block, blocked = self._node_block, self._attr_block, self.blocked
         attr_blocks = self._attr_blocks
         positions: dict[str, bool] = {}  # node -> computes from positions only?
-        carried: dict[str, float | None] = {}  # (_beyond_range's answers so far)
-        largest = float(dtypes.as_dtype(self.target).max)
+        sentinel_readers = self._sentinel_readers(float(dtypes.as_dtype(self.target).max))
         no_block = ("", "")
         for name, node in self.body.nodes.items():
             list_name = list_of(node.op)
@@ -418,13 +417,14 @@ class _BodyColoring:
                     block = attr_blocks.get((node.op, attr, node.node_def.device))
                     if block is None:
                         block = attr_block(node, attr)
-                    beyond = None if block[0] else self._beyond_range(node, largest, carried)
+                    beyond = None if block[0] else sentinel_readers.get(name)
                     if beyond is not None:
                         block = (
                             f"stays float32: reads {beyond:.3g} (a constant, such as a "
                             f"mask's sentinel), past {self.target_name}'s largest value "
-                            f"{largest:.5g}: in {self.target_name} it is inf, and a softmax "
-                            f"row of -inf (a padded query's) is NaN", rk.KIND_BEYOND_RANGE)
+                            f"{float(dtypes.as_dtype(self.target).max):.5g}: in "
+                            f"{self.target_name} it is inf, and a softmax row of -inf (a "
+                            f"padded query's) is NaN", rk.KIND_BEYOND_RANGE)
                     if not block[0] and list_name == "allow" and self._on_positions(
                             name, positions):
                         block = (
@@ -448,41 +448,42 @@ class _BodyColoring:
                         "kept float32: a graph output keeps its dtype", rk.KIND_GRAPH_OUTPUT))
                     self.hard_blocked[(name, port.type_attr)] = self.blocked[slot]
 
-    def _beyond_range(self, node, largest: float,
-                      carried: dict[str, float | None]) -> float | None:
-        """A constant past the 16-bit type's `largest` value that a float input of
-        `node` carries (through oplists.SENTINEL_CARRIERS: -1e9 picked by a
-        select, or times a 0/1 mask), else None. `carried`: the answers so far."""
+    def _sentinel_readers(self, largest: float) -> dict[str, float]:
+        """Node -> a constant past the 16-bit type's `largest` value that one of its
+        float inputs carries: the constant's own readers, and through
+        oplists.SENTINEL_CARRIERS (-1e9 picked by a select, or times a 0/1 mask, then
+        added) up to _SENTINEL_DEPTH ops on. One walk forward from such constants;
+        a body without one (most) costs one look at its Consts."""
         nodes, producer_port = self.body.nodes, self.body.producer_port
-
-        def carries(name: str, depth: int) -> float | None:
-            key = f"{name}@{depth}"  # (how far it looked is part of the answer)
-            if key in carried:
-                return carried[key]
-            producer = nodes.get(name)
-            found = None
-            if producer is not None and producer.op == "Const":
-                value = constant_magnitude(producer)
-                found = value if value is not None and value > largest else None
-            elif producer is not None and producer.op in SENTINEL_CARRIERS and depth > 0:
-                found = within(producer, depth - 1)
-            carried[key] = found
-            return found
-
-        def within(consumer, depth: int) -> float | None:
-            for ref, _ in consumer.data_inputs:
-                if ref.is_arg:
-                    continue
-                if consumer.op != "Cast":
+        carrying: dict[str, float] = {}
+        for name, node in nodes.items():
+            if node.op == "Const":
+                value = constant_magnitude(node)
+                if value is not None and value > largest:
+                    carrying[name] = value
+        if not carrying:
+            return {}
+        consumers: dict[str, list] = {}
+        for name, node in nodes.items():
+            for ref, _ in node.data_inputs:
+                if not ref.is_arg:
+                    consumers.setdefault(ref.node, []).append((name, node, ref))
+        readers: dict[str, float] = {}
+        frontier = list(carrying)
+        for depth in range(_SENTINEL_DEPTH + 1):
+            reached = []
+            for source in frontier:
+                for name, node, ref in consumers.get(source, ()):
                     port = producer_port(ref)
                     if port is None or port.dtype not in _REAL_TYPES:
                         continue  # (an index, a shape, a mask's bool)
-                found = carries(ref.node, depth)
-                if found is not None:
-                    return found
-            return None
-
-        return within(node, _SENTINEL_DEPTH)
+                    readers.setdefault(name, carrying[source])
+                    if (node.op in SENTINEL_CARRIERS and name not in carrying
+                            and depth < _SENTINEL_DEPTH):
+                        carrying[name] = carrying[source]
+                        reached.append(name)
+            frontier = reached
+        return readers
 
     def _copies(self, node) -> bool:
         """Does a reduction keep its input's size (it reduces no axis, or only

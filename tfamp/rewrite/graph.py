@@ -634,22 +634,24 @@ _FLOAT_CONSTS = frozenset({types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE, types_pb2.DT
 
 
 def constant_magnitude(node: Node | None, most: int = 1 << 16) -> float | None:
-    """The largest finite |value| of a numeric Const of at most `most` elements
+    """The largest finite |value| of a float Const of at most `most` elements
     (None for another node, a bigger Const, or one with no finite value)."""
     if node is None or node.op != "Const":
         return None
     tensor = node.node_def.attr["value"].tensor
-    elements = 1
-    for dim in tensor.tensor_shape.dim:
-        elements *= max(dim.size, 0)
-    if elements > most or tensor.dtype not in _FLOAT_CONSTS | _INT_CONSTS:
+    if tensor.dtype not in _FLOAT_CONSTS:
         return None
-    value = tensor_util.MakeNdarray(tensor).reshape(-1).astype("float64")
-    finite = value[(value == value) & (abs(value) != float("inf"))]
-    return float(abs(finite).max()) if finite.size else None
-
-
-_INT_CONSTS = frozenset({types_pb2.DT_INT32, types_pb2.DT_INT64})
+    if tensor.dtype == types_pb2.DT_FLOAT and not tensor.tensor_content:
+        values = tensor.float_val  # (a scalar or a splat: the common case, no array)
+    else:
+        elements = 1
+        for dim in tensor.tensor_shape.dim:
+            elements *= max(dim.size, 0)
+        if elements > most:
+            return None
+        values = tensor_util.MakeNdarray(tensor).reshape(-1).astype("float64").tolist()
+    finite = [abs(v) for v in values if v == v and abs(v) != float("inf")]
+    return max(finite) if finite else None
 
 
 def scalar_constant(node: Node | None) -> float | None:
