@@ -264,3 +264,58 @@ def test_build_after_compile_then_fit(keras_name):
     optimizer = model.optimizer
     assert int(np.asarray(optimizer.skipped_steps)) == 0
     assert float(np.asarray(optimizer.loss_scale)) > 1.0  # (the step scaled its loss)
+
+
+def _two_part_model(k):
+    """TensorFlow's CVAE tutorial's shape: a model whose step calls its parts itself."""
+    class TwoPart(k.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder = k.Sequential([k.Input((8,)), k.layers.Dense(4)], name="encoder")
+            self.decoder = k.Sequential([k.Input((4,)), k.layers.Dense(8)], name="decoder")
+
+        def call(self, x):
+            return self.decoder(self.encoder(x))
+
+    k.utils.set_random_seed(0)
+    model = TwoPart()
+    model(np.zeros((1, 8), "float32"))
+    return model
+
+
+@pytest.mark.parametrize("keras_name", ["tf_keras", "keras"])
+def test_a_step_that_calls_only_the_models_parts_says_so_once(keras_name):
+    """After tfamp.enable(model), a custom step that calls model.encoder and
+    model.decoder (never model itself) ran float32 without a word (a helper found
+    it on TensorFlow's CVAE tutorial, session 22). Now one warning names the part
+    and the fixes; calling the model, and after disable, say nothing."""
+    k = pytest.importorskip(keras_name)
+    model = _two_part_model(k)
+    tfamp.enable(model, verbose=False)
+    x = tf.constant(np.random.default_rng(0).normal(size=(4, 8)).astype("float32"))
+
+    @tf.function
+    def parts_step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model.decoder(model.encoder(x)) - x))
+        return tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def whole_step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - x))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        whole_step(x)
+    assert not [w for w in caught if "a part of the enabled model" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parts_step(x)
+        parts_step(x + 1.0)
+    said = [str(w.message) for w in caught if "a part of the enabled model" in str(w.message)]
+    assert len(said) == 1, said
+    assert "'encoder'" in said[0] and "TFAMP_ENABLE=1" in said[0], said[0]
+    tfamp.disable(model)
+    assert "call" not in model.encoder.__dict__ and "call" not in model.decoder.__dict__

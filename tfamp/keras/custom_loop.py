@@ -144,7 +144,36 @@ def call_hook(model, loop: ModelLoop):
     return types.MethodType(call_function, model)
 
 
+def part_call_hook(part, parent_name: str, warned: list[bool]):
+    """The bound ``call`` tfamp.enable installs on each model nested in an enabled
+    one (a VAE's encoder and decoder): the class's ``call``, telling once when the
+    user's own step calls the part alone under a GradientTape, where it runs
+    float32 (only the enabled model's own call is rewritten there). Inside the
+    enabled model's call, fit and saving it says nothing. `warned`: shared by the
+    parts of one model (one line per model)."""
+    class_call = type(part).call
+
+    @functools.wraps(class_call)
+    def call_function(self, *args, **kwargs):
+        if (not warned[0] and not in_plain_calls() and record.could_possibly_record()
+                and _in_user_tf_function() and not _in_control_flow_branch()):
+            warned[0] = True
+            warnings.warn(part_message(self, parent_name), UserWarning,
+                          stacklevel=user_stacklevel())
+        return class_call(self, *args, **kwargs)
+
+    return types.MethodType(call_function, part)
+
+
 # -- telling the user -----------------------------------------------------------------
+
+def part_message(part, parent_name: str) -> str:
+    return (f"tfamp: {part.name!r}, a part of the enabled model {parent_name!r}, is called "
+            f"on its own in your training step, so it runs in float32 there: "
+            f"tfamp.enable rewrites the model's own call. Call {parent_name!r} itself, "
+            f"enable {part.name!r} too (tfamp.enable({part.name})), or rewrite the whole "
+            f"step: @tfamp.function on it, or run the script with TFAMP_ENABLE=1.")
+
 
 def eager_message(model) -> str:
     return (f"tfamp: model {model.name!r} is called eagerly under a GradientTape (a custom "

@@ -61,7 +61,7 @@ import tensorflow as tf
 
 from tfamp.config import AmpConfig
 from tfamp.keras import fallback, replicas, start_scale, step_metrics, step_scope, tape
-from tfamp.keras.custom_loop import ModelLoop, call_hook, unscaled_message
+from tfamp.keras.custom_loop import ModelLoop, call_hook, part_call_hook, unscaled_message
 from tfamp.keras.flavour import flavour_of
 from tfamp.keras.notices import warn
 from tfamp.keras.scale_state import ScaleState, current_scale, scale_values, step_log_values
@@ -149,6 +149,10 @@ class ModelPrecision:
         model = self.model
         for name in model.__dict__.pop("_tfamp_hooks", ()):
             model.__dict__.pop(name, None)
+        for part_ref in model.__dict__.pop("_tfamp_parts", ()):
+            part = part_ref()
+            if part is not None:
+                part.__dict__.pop("call", None)
         optimizer = getattr(model, "optimizer", None)
         if isinstance(optimizer, _optimizer_class(self.flavour)):
             inner = optimizer.inner_optimizer
@@ -210,6 +214,15 @@ class ModelPrecision:
         for name, hook in hooks.items():
             object.__setattr__(model, name, hook)
         object.__setattr__(model, "_tfamp_hooks", tuple(hooks))
+        # Its nested models (not enabled themselves) say so when a custom loop calls
+        # one alone: that part of the step would run float32 without a word.
+        warned = [False]
+        parts = [layer for layer in _nested_models(model, self.flavour.model_class)
+                 if getattr(layer, "_tfamp_state", None) is None
+                 and "call" not in layer.__dict__]
+        for part in parts:
+            object.__setattr__(part, "call", part_call_hook(part, model.name, warned))
+        object.__setattr__(model, "_tfamp_parts", tuple(weakref.ref(p) for p in parts))
 
     def _reset_functions(self) -> None:
         """Drops the step functions Keras cached, so the next call builds them anew."""
@@ -842,3 +855,15 @@ def _fully_built(model) -> bool:
         return False
     flatten = getattr(model, "_flatten_layers", None)
     return flatten is None or all(layer.built for layer in flatten())
+
+
+def _nested_models(model, model_class) -> list:
+    """The Keras models inside `model` (not itself), at any depth."""
+    flatten = getattr(model, "_flatten_layers", None)
+    if flatten is None:
+        return []
+    try:
+        layers = list(flatten(include_self=False, recursive=True))
+    except TypeError:  # (an older signature)
+        layers = [layer for layer in flatten() if layer is not model]
+    return [layer for layer in layers if isinstance(layer, model_class)]
