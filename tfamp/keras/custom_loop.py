@@ -171,8 +171,8 @@ def part_message(part, parent_name: str) -> str:
     return (f"tfamp: {part.name!r}, a part of the enabled model {parent_name!r}, is called "
             f"on its own in your training step, so it runs in float32 there: "
             f"tfamp.enable rewrites the model's own call. Call {parent_name!r} itself, "
-            f"enable {part.name!r} too (tfamp.enable({part.name})), or rewrite the whole "
-            f"step: @tfamp.function on it, or run the script with TFAMP_ENABLE=1.")
+            f"or rewrite the whole step: @tfamp.function on it, or run the script with "
+            f"TFAMP_ENABLE=1.")
 
 
 def eager_message(model) -> str:
