@@ -269,3 +269,23 @@ def test_a_step_taking_a_dataset_is_not_probed_by_the_hook():
         why = startup._no_probe_reason(no_collectives, (argument,), {})
         assert "iterator or a dataset" in why, (type(argument).__name__, why)
     assert startup._no_probe_reason(no_collectives, (tf.constant([1.0]),), {}) == ""
+
+
+def test_tfamps_own_commands_give_no_exit_notice_under_tfamp_enable(tmp_path):
+    """A shell that exported TFAMP_ENABLE=1 runs `tfamp inspect` / `tfamp export`: the
+    exit notice ("the script traced no tf.function") speaks of a script's training,
+    and was printed after tfamp's own commands (an export's saves are float32 traces
+    since session 22, so they are not rewritten either)."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(x):
+        return tf.nn.relu(tf.matmul(x, x))
+
+    graph_def = step.get_concrete_function(tf.TensorSpec([8, 8])).graph.as_graph_def()
+    path = tmp_path / "step.pb"
+    path.write_bytes(graph_def.SerializeToString())
+    result = run(["-m", "tfamp", "inspect", str(path)], tmp_path, TFAMP_ENABLE="1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "MatMul" in result.stdout
+    assert "TFAMP_ENABLE is on but" not in result.stderr, result.stderr[-2000:]

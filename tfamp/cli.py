@@ -230,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     from tfamp._quiet import import_tensorflow_quietly
 
     import_tensorflow_quietly()
+    if args.command != "run":
+        from tfamp.runtime import startup
+
+        startup.quiet_exit_notice()  # (a TFAMP_ENABLE the shell set is for scripts)
     from tfamp.inspect.graph_files import GraphFileError
     try:
         if args.command == "demo":

@@ -60,6 +60,7 @@ class _Activation:
     def __init__(self, settings: EnvSettings):
         self.settings = settings
         self.reports = []
+        self.quiet = False  # no exit notice (quiet_exit_notice)
         self.report_files = 0
         self.no_tape_scaling = threading.local()
         self.scale_state = None  # created on first use, outside any trace
@@ -667,7 +668,17 @@ def _first_time(notice: str) -> bool:
     return True
 
 
+def quiet_exit_notice() -> None:
+    """For tfamp's own commands (inspect, rewrite, diff, export, demo) run where the
+    shell set TFAMP_ENABLE: the exit notice speaks of a script's training steps,
+    not of them (an export saves float32 traces, which are not rewritten)."""
+    if _active is not None:
+        _active.quiet = True
+
+
 def _exit_notice(active: _Activation) -> None:
+    if active.quiet:
+        return
     if getattr(sys, "last_value", None) is not None:
         return  # the script died of an uncaught exception: its traceback is the news
     converted = sum(sum(r.converted.values()) for r in active.reports)
