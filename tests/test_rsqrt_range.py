@@ -85,3 +85,47 @@ def test_bfloat16_has_the_range():
                                        dtype="bfloat16", device_type="CPU")
     assert "deny" not in decision(report, "Rsqrt").reason
     assert all(np.all(np.isfinite(v)) for v in _run(new_graph_def))
+
+
+def _in_a_loop(loop):
+    """The l2 head applied row by row inside a loop: `map_fn` (a while loop over
+    TensorArrays) or a `while_loop` that writes each row to a TensorList."""
+    def layer(h):
+        if loop == "map_fn":
+            return tf.map_fn(lambda r: _l2_normalize(r[None, :])[0], h)
+        rows = tf.TensorArray(tf.float32, size=X.shape[0])
+        _, rows = tf.while_loop(
+            lambda i, rows: i < X.shape[0],
+            lambda i, rows: (i + 1, rows.write(i, _l2_normalize(h[i][None, :])[0])),
+            [tf.constant(0), rows])
+        return rows.stack()
+    return layer
+
+
+@pytest.mark.parametrize("loop", ["map_fn", "while_loop"])
+def test_the_hold_follows_the_rsqrt_into_the_gradient_loop(loop):
+    """The gradient loop pops the forward's rsqrt (1e6 on the zero row) from the loop's
+    accumulator in another body: what reads it there stays float32 too (it was cast to
+    float16, inf, and the input gradient NaN; generated programs 19000127, 19000702)."""
+    graph_def, new_graph_def, report = rewrite(_step(_in_a_loop(loop)), tf.TensorSpec(X.shape),
+                                               dtype="float16", device_type="CPU")
+    forward = [n for n in report.nodes if n.op == "Rsqrt"]
+    assert forward and not any(n.converted for n in forward), forward
+    held = [n for n in report.nodes
+            if n.function != forward[0].function and "carries the value of" in n.reason]
+    assert held and not any(n.converted for n in held), held
+    assert all("Rsqrt" in n.reason for n in held), [n.reason for n in held]
+    want, got = _run(graph_def), _run(new_graph_def)
+    for w, g in zip(want, got, strict=True):
+        assert np.all(np.isfinite(w))
+        assert np.all(np.isfinite(g)), g
+        np.testing.assert_allclose(g, w, rtol=0.02, atol=0.02 * np.abs(w).max())
+
+
+def test_a_loop_without_the_rsqrt_holds_nothing_across_it():
+    def layer(h):
+        return tf.map_fn(lambda r: tf.nn.relu(r) * 2.0, h)
+
+    _, _, report = rewrite(_step(layer), tf.TensorSpec(X.shape), dtype="float16",
+                           device_type="CPU")
+    assert not any("carries the value of" in n.reason for n in report.nodes)

@@ -110,12 +110,18 @@ class BodyOverrides:
       rets: result names that leave in the 16-bit type.
       forced: (node, type attribute, reason) slots that are 16-bit.
       blocked: (node, type attribute, reason) slots held at float32.
+      ranged: (node, type attribute, cause) boundary values that carry a value
+        another body holds float32 for its range (an l2 normalisation's
+        rsqrt, 1e6 on a zero row: ``coloring._rsqrt_overflow``), such as a
+        loop's accumulator popped in the gradient loop; their readers are held
+        float32 as in that body. An argument is ``(arg_slot_name(arg), "T", cause)``.
     """
 
     args: frozenset[str] = frozenset()
     rets: frozenset[str] = frozenset()
     forced: tuple[tuple[str, str, str], ...] = ()
     blocked: tuple[tuple[str, str, str], ...] = ()
+    ranged: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -555,18 +561,26 @@ class _Solver:
         self.cast_counts: dict = {}  # (body, overrides) -> Casts needed
         self.decisions: dict = {}
         self.denied: dict = {}  # (body, node, attr) -> why it must stay float32 (see solve)
+        # Members whose value a body holds float32 for its range (color_body's
+        # third result), and the groups that carry such a value: group -> cause.
+        self.ranged_members: dict[Member, str] = {}
+        self.ranged: dict[int, str] = {}
         self.by_body: dict[str, list[int]] = {}  # body -> groups with a member there
         for index, group in enumerate(analysis.groups):
             for body in dict.fromkeys(m[1] for m in group.members):
                 self.by_body.setdefault(body, []).append(index)
 
     def overrides(self, body: Body, plan: set[int]) -> BodyOverrides:
-        args, rets, forced, blocked = set(), set(), [], []
+        args, rets, forced, blocked, ranged = set(), set(), [], [], []
         target = dtype_name(self.target)
         for index in self.by_body.get(body.name, ()):
             group = self.a.groups[index]
             on = index in plan
+            cause = self.ranged.get(index)
             for member in group.members:
+                if cause is not None and member[1] == body.name and member[0] != "ret":
+                    ranged.append((arg_slot_name(member[2]), "T", cause)
+                                  if member[0] == "arg" else (member[2], member[3], cause))
                 if member[0] != "slot" and member[1] == body.name and on:
                     (args if member[0] == "arg" else rets).add(member[2])
                 elif member[0] == "slot" and member[1] == body.name:
@@ -578,10 +592,11 @@ class _Solver:
                         blocked.append((node, attr, f"TF1 loop frame kept float32 "
                                                     f"as a whole: {why}"))
         return BodyOverrides(frozenset(args), frozenset(rets), tuple(sorted(forced)),
-                             tuple(sorted(blocked)))
+                             tuple(sorted(blocked)), tuple(sorted(ranged)))
 
     def _colored(self, body: Body, plan: set[int]):
-        """(decisions, denied slots) for `body` under `plan`, cached."""
+        """(decisions, denied slots, range-held members) for `body` under `plan`,
+        cached."""
         key = (body.name, self.overrides(body, plan))
         if key not in self.cache:
             self.cache[key] = self.color_body(body, key[1])
@@ -595,7 +610,7 @@ class _Solver:
         """
         key = (body.name, self.overrides(body, plan))
         if key not in self.cast_counts:
-            decisions, _ = self._colored(body, plan)
+            decisions, _, _ = self._colored(body, plan)
             self.cast_counts[key] = _count_casts(body, decisions, key[1], self.target,
                                                  self.a.in_frame[body.name])
         return self.cast_counts[key]
@@ -618,13 +633,38 @@ class _Solver:
                 < self.weighted_casts(index, plan - {index}))
 
     def color_all(self, plan: set[int]) -> dict:
-        decisions, denied = {}, {}
+        decisions, denied, ranged = {}, {}, {}
         for body in self.a.view.bodies:
-            body_decisions, body_denied = self._colored(body, plan)
+            body_decisions, body_denied, body_ranged = self._colored(body, plan)
             decisions.update(body_decisions)
             denied.update({(body.name, *slot): why for slot, why in body_denied.items()})
+            ranged.update({(kind, body.name, *rest): cause
+                           for (kind, *rest), cause in body_ranged.items()})
         self.decisions = decisions
         self.denied = denied
+        self.ranged_members = ranged
+        return decisions
+
+    def spread_range_holds(self, plan: set[int]) -> dict:
+        """Holds a value that one body keeps float32 for its range wherever a
+        boundary group carries it: the group's members in other bodies hold
+        their readers float32 too (``BodyOverrides.ranged``), and what those
+        hold may reach further groups (a forward function's result, the call's
+        output, the gradient function's argument): re-coloured until no group
+        is added. A graph without such a value (most) is coloured once.
+        Returns the last colouring's decisions.
+        """
+        decisions = self.color_all(plan)
+        for _ in range(len(self.a.groups) + 1):
+            added = {}
+            for member, cause in self.ranged_members.items():
+                index = self.a.group_of.get(member)
+                if index is not None and index not in self.ranged:
+                    added.setdefault(index, cause)
+            if not added:
+                break
+            self.ranged.update(added)
+            decisions = self.color_all(plan)
         return decisions
 
     # -- cost of a group given the current colouring --------------------------------
@@ -900,7 +940,7 @@ def _merge_clones(solution: Solution, view: GraphView, target: int) -> Solution:
 
 
 def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
-          color_body: Callable[[Body, BodyOverrides], dict],
+          color_body: Callable[[Body, BodyOverrides], tuple],
           xla_compiled: frozenset[str] = frozenset()) -> Solution:
     """Chooses which boundary groups go 16-bit and colours every body.
 
@@ -911,7 +951,9 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
       color_body: colours one body under given overrides; returns its
         decisions keyed by (function, node) and the slots that must stay
         float32 whatever the boundaries ({(node, type attribute): reason}:
-        reached by deny propagation, or blocked for their own reasons).
+        reached by deny propagation, or blocked for their own reasons), and
+        the boundary members that carry a value it holds float32 for its
+        range ({("slot", node, type attribute) | ("ret", name): cause}).
       xla_compiled: the names of the bodies XLA compiles (``compiled``), whose
         ops need XLA kernels for their types too.
 
@@ -924,7 +966,7 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
     analysis = _Analysis(view, config, pinned, targets, xla_compiled)
     solver = _Solver(analysis, color_body)
     plan: set[int] = set()
-    decisions = solver.color_all(plan)
+    decisions = solver.spread_range_holds(plan)
     for group in analysis.groups:
         # Deny propagation reaches a group's slots (a TF1 frame downstream of
         # Exp, a loop fed by one), or a slot is blocked for its own reasons (no

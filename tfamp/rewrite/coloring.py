@@ -228,7 +228,7 @@ def color(view: GraphView, config: AmpConfig,
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
         hard = {slot: why for slot, (why, _) in body_coloring.hard_blocked.items()}
-        return decisions, {**denied, **hard}
+        return decisions, {**denied, **hard}, body_coloring.ranged_members()
 
     solution = boundaries.solve(view, config, pinned_outputs, color_body, xla_compiled)
     return Coloring(target=config.target_enum, decisions=solution.decisions,
@@ -360,6 +360,10 @@ class _BodyColoring:
             self._connect(skeleton.edges)
         self.allow: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.deny: dict[int, tuple[str, str, str]] = {}
+        # slot -> the op whose range holds it float32 (an Rsqrt past the 16-bit
+        # range, here or in another body): the range-denied roots and what they hold
+        self.range_held: dict[int, str] = {}
+        self._ranged_args: dict[str, str] = {}  # float32 argument -> the same, for its readers
         self._statistics: list[int] = []  # deny reductions with a small output
         self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
         self._bounded: set[int] = set()  # statistics within their input's range (means)
@@ -908,11 +912,14 @@ class _BodyColoring:
                     if slot != root:
                         self.deny[slot] = (f"deny: downstream of {cause}", root_node.name,
                                            rk.KIND_DOWNSTREAM_OF_DENY)
+                    if ranged:
+                        self.range_held[slot] = f"{cause} (in {self.body.name or 'the graph'!r})"
                 continue
             self._add_statistic(root, root_node, reduced, leads_to_deny_or_infer, (
                 f"deny: accumulates in float32; its output is a statistic of its "
                 f"{format_elements(reduced)}-element input, so only ops as small "
                 f"as it stay float32 after it", "", rk.KIND_DENY_LIST))
+        self._hold_ranged_boundaries()
         self._xla_statistics(leads_to_deny_or_infer)
         # A fused normalisation's batch mean and variance (its float32 "U"
         # outputs) are statistics of its input too.
@@ -922,6 +929,64 @@ class _BodyColoring:
             reduced = self.counts.get(root_node.data_inputs[0][0])
             if root is not None and reduced is not None:
                 self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer)
+
+    def _hold_ranged_boundaries(self) -> None:
+        """What reads a boundary value that another body holds float32 for its
+        range (BodyOverrides.ranged: an l2 normalisation's rsqrt, 1e6 on a
+        zero row, that a loop pushes to its accumulator and the gradient loop
+        pops, or a forward function returns to the gradient function) stays
+        float32 up to the next allow op, as it does in that body: the gradient
+        multiplies it by dy, and a ReLU's gradient that by 0 (inf * 0 is NaN).
+        """
+        if not self.overrides.ranged:
+            return
+        lists, nodes = self.slot_list, self.body.nodes
+        args = {boundaries.arg_slot_name(arg): arg for arg in self.body.arg_dtypes}
+        for node, attr, cause in self.overrides.ranged:
+            slot = self.slot_index.get((node, attr))
+            if slot is not None:
+                starts = [slot]
+            elif node in args:  # (a float32 argument has no slot: its readers')
+                starts = []
+                for consumer, index in self.body.consumers.get(
+                        TensorRef(args[node], 0, is_arg=True), ()):
+                    inputs = nodes[consumer].inputs
+                    reader = (self.slot_index.get((consumer, inputs[index].type_attr))
+                              if index < len(inputs) else None)
+                    if reader is not None and lists[reader] in ("infer", "clear"):
+                        starts.append(reader)
+                self._ranged_args[args[node]] = cause
+            else:
+                continue
+            for held in _dfs(starts, self.fanout, lambda s: (
+                    s not in self.deny and lists[s] in ("infer", "clear"))):
+                self.deny.setdefault(held, (
+                    f"deny: carries the value of {cause}, held float32 for its range",
+                    "", rk.KIND_DOWNSTREAM_OF_DENY))
+                self.range_held.setdefault(held, cause)
+
+    def ranged_members(self) -> dict[tuple, str]:
+        """The boundary members that carry a value held float32 for its range
+        (see boundaries._Solver.spread_range_holds): the held slots, the slots
+        that read them (a TensorList push, a call's argument), and the results
+        that return them; each -> the op that holds it."""
+        if not self.range_held and not self._ranged_args:
+            return {}
+        members: dict[tuple, str] = {}
+        slot_node, slot_attr = self.slot_node, self.slot_attr
+        for slot, cause in self.range_held.items():
+            for reached in (slot, *self.fanout[slot]):
+                members.setdefault(("slot", slot_node[reached], slot_attr[reached]), cause)
+        for ret, (ref, _, _) in self.body.rets.items():
+            if ref.is_arg:
+                cause = self._ranged_args.get(ref.node)
+            else:
+                port = self.body.producer_port(ref)
+                slot = self.slot_index.get((ref.node, port.type_attr)) if port else None
+                cause = None if slot is None else self.range_held.get(slot)
+            if cause is not None:
+                members[("ret", ret)] = cause
+        return members
 
     def _xla_statistics(self, leads_to_deny_or_infer: set[int]) -> None:
         """Under XLA, in bfloat16, a Mean or Sum that reduces a big tensor to a

@@ -1,6 +1,6 @@
-"""Shrunk by tests/progen from generated program 19000702 (9 statements -> 2).
+"""Shrunk by tests/progen from generated program 19000849 (5 statements -> 2).
 
-Failed: [nonfinite] float16/shapes/CPU: grads/0: 1024 of 1024 values not finite (float32 and the noisy runs: finite; max |c| 0.00238)
+Failed: [nonfinite] float16/shapes/CPU: grads/0: 112 of 256 values not finite (float32 and the noisy runs: finite; max |c| 0.0277)
 
 Run: python <this file>   (checks the invariants; exit status 1 on a failure)
 """
@@ -12,15 +12,16 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import list_ops
 
-import tf_keras as K
+import keras as K
 
-SEED = 19000702
-D = 32
+SEED = 19000849
+D = 16
 BATCH = 4
 ID_LENGTH = 8
 VOCAB = 8
 DYNAMIC_BATCH = False
-SPEC = '{"aux": "", "d": 32, "dynamic_batch": false, "flavour": "tf_keras", "int_output": false, "loss": "mse", "optimizer": "none", "outputs": [], "seed": 19000702, "stmts": [{"args": ["x0"], "body": [{"args": ["@in"], "kind": "dense", "out": "t7", "params": {"variant": "l2_head"}}], "kind": "tensorlist", "out": "t8", "params": {"trips": 3, "variant": "list_ops"}}], "tape": true}'
+DTYPES = ("float16",)  # where it failed (tests/test_generated.py reads this)
+SPEC = '{"aux": "", "d": 16, "dynamic_batch": false, "flavour": "keras3", "int_output": false, "loss": "mse", "optimizer": "none", "outputs": [], "seed": 19000849, "stmts": [{"args": ["x1"], "body": [{"args": ["@in"], "kind": "dense", "out": "t3", "params": {"variant": "l2_head"}}], "kind": "xla_fn", "out": "t4", "params": {"variant": ""}}], "tape": true}'
 
 
 def grid(key, shape, lim=4, den=16):
@@ -66,25 +67,27 @@ def build():
     def tf_variable(weight):
         return weight if isinstance(weight, tf.Variable) else weight.value
 
-    W_t7 = var(1, (32, 32), den=16)
-    b_t7 = var(101, (32,), lim=2)
-    V_t7 = var(201, (32, 32), den=16)
+    W_t3 = var(1, (16, 16), den=8)
+    b_t3 = var(101, (16,), lim=2)
+    V_t3 = var(201, (16, 16), den=8)
+
+    @tf.function(jit_compile=True)
+    def f_t4(h_t4):
+        h_t3 = tf.nn.relu(tf.matmul(h_t4, W_t3) + b_t3) * tf.cast(tf.range(tf.shape(h_t4)[0]) > 0, tf.float32)[:, None]
+        t3 = tf.matmul(tf.math.l2_normalize(h_t3, axis=-1), V_t3)
+        return t3
+
 
     @tf.function
     def step(x0, x1, ids, labels):
         with tf.GradientTape() as tape:
             tape.watch([x0, x1])
-            def body_t8(i, h_t8, acc):
-                h_t7 = tf.nn.relu(tf.matmul(h_t8, W_t7) + b_t7) * tf.cast(tf.range(tf.shape(h_t8)[0]) > 0, tf.float32)[:, None]
-                t7 = tf.matmul(tf.math.l2_normalize(h_t7, axis=-1), V_t7)
-                return i + 1, t7, list_ops.tensor_list_push_back(acc, t7)
-            _, _, acc_t8 = tf.while_loop(lambda i, *_: i < 3, body_t8, (tf.constant(0), x0, list_ops.empty_tensor_list(element_shape=tf.shape(x0), element_dtype=tf.float32, max_num_elements=3)), maximum_iterations=3)
-            t8 = tf.reduce_mean(list_ops.tensor_list_stack(acc_t8, tf.float32), axis=0)
-            loss = tf.reduce_mean(tf.square(t8))
+            t4 = f_t4(x1)
+            loss = tf.reduce_mean(tf.square(t4))
         grads = tape.gradient(loss, train + [x0, x1],
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         weight_grads, input_grads = grads[:len(train)], grads[len(train):]
-        return {"loss": loss, "grads": [tf.convert_to_tensor(g) for g in weight_grads], "input_grads": input_grads, "t8": t8}
+        return {"loss": loss, "grads": [tf.convert_to_tensor(g) for g in weight_grads], "input_grads": input_grads, "t4": t4}
     return step, state
 
 
