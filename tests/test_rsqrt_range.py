@@ -87,10 +87,14 @@ def test_bfloat16_has_the_range():
     assert all(np.all(np.isfinite(v)) for v in _run(new_graph_def))
 
 
-def _in_a_loop(loop):
-    """The l2 head applied row by row inside a loop: `map_fn` (a while loop over
-    TensorArrays) or a `while_loop` that writes each row to a TensorList."""
+def _in_a_body(loop):
+    """The l2 normalisation in another body: row by row inside a loop (`map_fn`, a
+    while loop over TensorArrays, or a `while_loop` that writes each row to a
+    TensorList), or in a function called from an XLA-compiled function."""
     def layer(h):
+        if loop == "nested_functions":
+            inner = tf.function(_l2_normalize, autograph=False)
+            return tf.function(lambda v: inner(v), jit_compile=True)(h)
         if loop == "map_fn":
             return tf.map_fn(lambda r: _l2_normalize(r[None, :])[0], h)
         rows = tf.TensorArray(tf.float32, size=X.shape[0])
@@ -102,12 +106,14 @@ def _in_a_loop(loop):
     return layer
 
 
-@pytest.mark.parametrize("loop", ["map_fn", "while_loop"])
-def test_the_hold_follows_the_rsqrt_into_the_gradient_loop(loop):
+@pytest.mark.parametrize("loop", ["map_fn", "while_loop", "nested_functions"])
+def test_the_hold_follows_the_rsqrt_into_the_gradient_body(loop):
     """The gradient loop pops the forward's rsqrt (1e6 on the zero row) from the loop's
-    accumulator in another body: what reads it there stays float32 too (it was cast to
-    float16, inf, and the input gradient NaN; generated programs 19000127, 19000702)."""
-    graph_def, new_graph_def, report = rewrite(_step(_in_a_loop(loop)), tf.TensorSpec(X.shape),
+    accumulator in another body, or the gradient function receives it from the forward
+    function through the calls around them: what reads it there stays float32 too (it
+    was cast to float16, inf, and the input gradient NaN; generated programs 19000127,
+    19000702, 19000849, 20000090)."""
+    graph_def, new_graph_def, report = rewrite(_step(_in_a_body(loop)), tf.TensorSpec(X.shape),
                                                dtype="float16", device_type="CPU")
     forward = [n for n in report.nodes if n.op == "Rsqrt"]
     assert forward and not any(n.converted for n in forward), forward

@@ -364,6 +364,7 @@ class _BodyColoring:
         # range, here or in another body): the range-denied roots and what they hold
         self.range_held: dict[int, str] = {}
         self._ranged_args: dict[str, str] = {}  # float32 argument -> the same, for its readers
+        self._range_readers: dict[int, str] = {}  # other slots reading such an argument
         self._statistics: list[int] = []  # deny reductions with a small output
         self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
         self._bounded: set[int] = set()  # statistics within their input's range (means)
@@ -953,8 +954,12 @@ class _BodyColoring:
                     inputs = nodes[consumer].inputs
                     reader = (self.slot_index.get((consumer, inputs[index].type_attr))
                               if index < len(inputs) else None)
-                    if reader is not None and lists[reader] in ("infer", "clear"):
+                    if reader is None:
+                        continue
+                    if lists[reader] in ("infer", "clear"):
                         starts.append(reader)
+                    else:  # (a call passing it on: its group carries it too)
+                        self._range_readers.setdefault(reader, cause)
                 self._ranged_args[args[node]] = cause
             else:
                 continue
@@ -972,8 +977,10 @@ class _BodyColoring:
         that return them; each -> the op that holds it."""
         if not self.range_held and not self._ranged_args:
             return {}
-        members: dict[tuple, str] = {}
         slot_node, slot_attr = self.slot_node, self.slot_attr
+        members: dict[tuple, str] = {
+            ("slot", slot_node[slot], slot_attr[slot]): cause
+            for slot, cause in self._range_readers.items()}
         for slot, cause in self.range_held.items():
             for reached in (slot, *self.fanout[slot]):
                 members.setdefault(("slot", slot_node[reached], slot_attr[reached]), cause)
