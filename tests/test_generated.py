@@ -252,6 +252,57 @@ def test_an_overflow_just_past_the_range_is_judged_against_every_sample_that_cou
                              largest) is None
 
 
+# Attention over keys with a padding mask written by hand, the first sample's keys all
+# padding: its scores are -1e9 + s, a constant past float16's range.
+_PADDED_ATTENTION = textwrap.dedent('''
+    import numpy as np
+    import tensorflow as tf
+
+    def build():
+        w = tf.Variable(np.eye(8, dtype=np.float32) / 4.0)
+
+        @tf.function
+        def step(x, valid):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                q = tf.matmul(x, w)
+                s = tf.matmul(q, x, transpose_b=True)
+                s = s + (1.0 - valid[:, None, :]) * -1e9
+                attention = tf.nn.softmax(s, axis=-1)
+                out = tf.matmul(attention, x)
+                loss = tf.reduce_mean(tf.square(out))
+            grad, input_grad = tape.gradient(loss, [w, x])
+            return {"attention": attention, "out": out, "grad": grad, "input_grad": input_grad}
+
+        return step, [w]
+
+    def make_inputs():
+        x = ((np.arange(2 * 4 * 8).reshape(2, 4, 8) % 7) - 3) / 4.0
+        valid = np.ones((2, 4), np.float32)
+        valid[0] = 0.0
+        valid[1, 3] = 0.0
+        return [tf.constant(x, tf.float32), tf.constant(valid)]
+
+    input_specs = make_inputs
+''')
+
+
+def test_a_masks_sentinel_does_not_overflow_the_noisy_run_and_is_judged(monkeypatch):
+    """The noise model overflowed `(1 - valid) * -1e9` past float16's range, so a padded
+    attention's outputs were never judged in float16 (session 22's blind spot). Now they
+    are, and a rewrite that casts the sentinel to float16 (the sentinel rule switched
+    off: -inf scores, a NaN softmax row) is caught."""
+    module = source.load(_PADDED_ATTENTION)
+    outputs, _ = invariants._NoisyStep(module).run("float16")
+    assert all(np.all(np.isfinite(value)) for _, value in outputs), outputs
+    outcome = invariants.check(module, _FLOAT16)
+    assert outcome.ok, _failures(outcome)
+    from tfamp.rewrite import coloring
+    monkeypatch.setattr(coloring._BodyColoring, "_sentinel_readers", lambda self, largest: {})
+    outcome = invariants.check(module, _FLOAT16)
+    assert "nonfinite" in {f.invariant for f in outcome.failures}, _failures(outcome)
+
+
 def test_a_variable_update_is_judged_to_its_float32_resolution_and_no_finer():
     """5000408: an SGD step below half a float32 step of a gamma near 1 leaves it
     unchanged in float32 (and in the noisy run); the float16 gradient, a little

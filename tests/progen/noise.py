@@ -12,7 +12,9 @@ a reduction), where m is the sum of the terms' magnitudes (the op run again
 on |inputs|: a sum whose terms cancel may change sign) and
 ``u_op = u * sqrt(k)``: a 16-bit kernel may accumulate in 16 bits on the CPU.
 Ops that only move values (reshape, transpose, gather, relu, max) add
-nothing. The noise is a forward perturbation (``stop_gradient``): gradient
+nothing, and nor does an element-wise result that is a small integer (at most
+256: exact in both 16-bit types, so a 16-bit op that rounds to nearest gives it
+too, such as a mask's ``1 - m``). The noise is a forward perturbation (``stop_gradient``): gradient
 ops are noised in their own right (the tape builds them while tracing).
 
 Range, too: a noised result beyond the 16-bit type's largest finite value
@@ -24,6 +26,11 @@ rewrite's (programs 2000569 and 2001003 of the long mode, session 13: a
 value cubed in a loop). The price: an infer or clear op the rewrite keeps
 float32 (next to float32 neighbours) may hold such a value, and what reads it
 is then not judged either. Deny ops are never noised, so never overflow here.
+Nor is an op that reads a constant past float16's range (a mask's -1e9),
+directly or through the ops that carry it (``tfamp.oplists.SENTINEL_CARRIERS``):
+the rewrite keeps those float32 (its sentinel rule), so they stay exact here.
+Noised, -1e9 overflowed (and its rounding, 5e5, swamped the scores), and every
+output of a padded attention went unjudged in float16.
 A Cast into float32 from bfloat16 or float64 overflows the same way (no
 rounding): its value was never range-checked by a float32 op, and the rewrite
 may cast it straight to the 16-bit type (12000260).
@@ -50,6 +57,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import op_callbacks, tensor_util
+
+from tfamp.oplists import SENTINEL_CARRIERS
 
 # Ops whose output is exactly one of their inputs' values (or made of them),
 # control flow and calls (replacing their outputs is unsupported), and ops
@@ -171,6 +180,31 @@ def _root_terms(op_type: str, inputs, attrs, outputs) -> float:
     return math.sqrt(_terms(op_type, inputs, outputs, attr_map))
 
 
+# float16's largest finite value: a constant past it is a sentinel (see the module doc).
+_FLOAT16_MAX = 65504.0
+
+
+def _sentinel_constant(tensor) -> bool:
+    """Is `tensor` a float constant with a finite element past float16's range?"""
+    if tensor.dtype not in (tf.float32, tf.float64) or tensor.op.type != "Const":
+        return False
+    value = tensor_util.constant_value(tensor)
+    if value is None:
+        return False
+    finite = np.abs(value[np.isfinite(value)])
+    return bool(finite.size) and float(finite.max()) > _FLOAT16_MAX
+
+
+# Integers up to this magnitude are exact in float16 and bfloat16 (8 significant bits).
+_EXACT_INTEGERS = 256.0
+
+
+def _small_integer(tensor):
+    """Where `tensor` holds an integer that both 16-bit types hold exactly."""
+    return tf.logical_and(tf.equal(tensor, tf.round(tensor)),
+                          tf.abs(tensor) <= _EXACT_INTEGERS)
+
+
 @contextlib.contextmanager
 def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False,
                    away: bool = False):
@@ -202,8 +236,22 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
     6.3e4), where the 16-bit run overflows.
     """
     counter = [0]
+    carriers: set = set()  # refs of tensors that carry a sentinel constant
 
     def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        # Reads a sentinel (a constant past float16's range, or a value that
+        # carries one)? Then its result does not overflow here: the rewrite
+        # keeps such ops float32. What the carrying ops make carries it on.
+        sentinel = graph is not None and any(
+            t.dtype.is_floating and (t.ref() in carriers or _sentinel_constant(t))
+            for t in inputs)
+        if sentinel:
+            if op_type in SENTINEL_CARRIERS:
+                carriers.update(t.ref() for t in outputs)
+            return None
+        return _callback(op_type, inputs, attrs, outputs, graph)
+
+    def _callback(op_type, inputs, attrs, outputs, graph):
         if ties_only:
             if (graph is None or op_type not in _ORDERINGS or len(inputs) != 2
                     or any(t.dtype != tf.float32 for t in inputs)):
@@ -266,6 +314,10 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
             # float16's absolute error: up to the value itself (a flush to
             # zero), never past it: rounding keeps a value's sign, and a zero.
             error = (scale * (size * terms) + tf.clip_by_value(tensor, -limit, limit)) * r
+            if op_type not in _SUMMING_OPS:
+                # A small integer is on both 16-bit grids: an element-wise result
+                # float32 rounds to one, 16-bit rounding gives too (a mask's 1 - m).
+                error = tf.where(_small_integer(tensor), tf.zeros_like(error), error)
             noisy = tensor + error
             error += tf.where(tf.abs(noisy) > largest, tf.sign(noisy) * np.float32(np.inf),
                               tf.zeros_like(noisy))
