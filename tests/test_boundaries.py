@@ -14,6 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.framework import full_type_pb2, graph_pb2
 
 import tfamp
 from tests.graphs import rewrite, run_graph_def, trace
@@ -299,6 +300,29 @@ def test_tensor_array_in_a_loop_and_its_gradient(dtype):
     want_loss, want_grad = tf.function(step)(x)
     np.testing.assert_allclose(loss, want_loss, rtol=3e-2)
     np.testing.assert_allclose(grad, want_grad, rtol=5e-2, atol=5e-2 * np.abs(want_grad).max())
+    # The lists' full types (TensorFlow's experimental_type) say the new element type
+    # too: a While lowered to frames merges lists said to hold float32 and dtype,
+    # and TensorFlow's type inference logged "Type inference failed" per function.
+    typed = [n for _, n in _calls(new_graph_def, ("TensorListPushBack", "EmptyTensorList"))
+             if n.HasField("experimental_type") and dtype_name(n.attr["element_dtype"].type)
+             == dtype]
+    assert typed
+    for node_def in typed:
+        assert str(node_def.experimental_type).count("TFT_FLOAT") == 0, node_def
+    spoiled = graph_pb2.GraphDef()
+    spoiled.CopyFrom(new_graph_def)
+    node_def = next(n for _, n in _calls(spoiled, ("TensorListPushBack", "EmptyTensorList"))
+                    if n.HasField("experimental_type")
+                    and dtype_name(n.attr["element_dtype"].type) == dtype)
+    # (as tfamp left it before: element_dtype retyped, the full type still float32)
+    stack = [node_def.experimental_type]
+    while stack:
+        full = stack.pop()
+        if full.type_id in (full_type_pb2.TFT_HALF, full_type_pb2.TFT_BFLOAT16):
+            full.type_id = full_type_pb2.TFT_FLOAT
+        stack.extend(full.args)
+    problems = tfamp.check_graph_def(spoiled, import_check=False)
+    assert any("experimental_type" in p for p in problems), problems
 
 
 # -- TF1 loops (control flow v1) ---------------------------------------------------------

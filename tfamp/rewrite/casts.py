@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import full_type_pb2, graph_pb2, types_pb2
 
 from tfamp.rewrite.coloring import Coloring
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, TensorRef, dtype_name
@@ -20,6 +20,49 @@ _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 # Every Cast tfamp inserts is named "<source>/tfamp_cast_<port>_to_<f16|bf16|f32>",
 # with "_<n>" appended when that name is taken.
 _TFAMP_CAST_NAME = re.compile(r"/tfamp_cast_\d+_to_(?:f16|bf16|f32)(?:_\d+)?$")
+
+
+# A TensorList's element type as TensorFlow's full type records it (NodeDef.experimental_type).
+_FULL_TYPE = {types_pb2.DT_FLOAT: full_type_pb2.TFT_FLOAT,
+              types_pb2.DT_HALF: full_type_pb2.TFT_HALF,
+              types_pb2.DT_BFLOAT16: full_type_pb2.TFT_BFLOAT16}
+
+
+def _tensor_types(full) -> list:
+    """The element types (FullTypeDefs) of every TFT_TENSOR inside `full`."""
+    found, stack = [], [full]
+    while stack:
+        full = stack.pop()
+        if full.type_id == full_type_pb2.TFT_TENSOR:
+            found.extend(full.args)
+        else:
+            stack.extend(full.args)
+    return found
+
+
+def full_type_mismatch(node_def) -> bool:
+    """Does a TensorList op's full type name an element type other than its
+    ``element_dtype`` (one of the float types tfamp retypes)?"""
+    if not node_def.HasField("experimental_type") or "element_dtype" not in node_def.attr:
+        return False
+    wanted = _FULL_TYPE.get(node_def.attr["element_dtype"].type)
+    return wanted is not None and any(
+        arg.type_id in _FULL_TYPE.values() and arg.type_id != wanted
+        for arg in _tensor_types(node_def.experimental_type))
+
+
+def _retype_full_type(node_def, target: int) -> None:
+    """A retyped TensorList op's full type (``experimental_type``: its list's
+    TFT_ARRAY[TFT_TENSOR[element type]]) says the new element type too.
+
+    TensorFlow checks full types when it instantiates a function: a While
+    lowered to frames merges the loop's list with the one it pushes to, and a
+    list still said to hold float32 there fails that check ("Type inference
+    failed. This indicates an invalid graph", a warning per function)."""
+    if node_def.HasField("experimental_type"):
+        for arg in _tensor_types(node_def.experimental_type):
+            if arg.type_id == _FULL_TYPE[types_pb2.DT_FLOAT]:
+                arg.type_id = _FULL_TYPE[target]
 
 
 def is_tfamp_cast(node_name: str) -> bool:
@@ -207,6 +250,8 @@ class _BodyEditor:
                 node_def.attr[base].list.type[int(index)] = self.target
             else:
                 node_def.attr[attr].type = self.target
+                if attr == "element_dtype":
+                    _retype_full_type(node_def, self.target)
 
     def _cast(self, ref: TensorRef, text: str, dtype: int, consumer: str) -> str:
         """The input string a consumer uses to read `ref` as `dtype`."""

@@ -15,7 +15,7 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import function_def_to_graph
 
-from tfamp.rewrite.casts import is_tfamp_cast
+from tfamp.rewrite.casts import full_type_mismatch, is_tfamp_cast
 from tfamp.rewrite.graph import FLOAT_TYPES, Body, GraphView, build_view, dtype_name
 
 
@@ -60,11 +60,12 @@ def check_graph_def(graph_def: graph_pb2.GraphDef, *, import_check: bool = True)
 def find_problems(view: GraphView, *, round_trips: bool = True) -> list[Problem]:
     """The structural problems of a graph, without TensorFlow's importer.
 
-    Checks every edge's dtype against its consumer, every function result
-    against its signature, every call's declared types against the function it
-    calls, that TF1 loops keep the shape TensorFlow requires (a cycle only
-    through a NextIteration -> Merge edge), and, with `round_trips`, that no
-    Cast tfamp inserted undoes another Cast (x -> float16 -> back to x).
+    Checks every edge's dtype against its consumer, every TensorList op's full
+    type against its element type, every function result against its
+    signature, every call's declared types against the function it calls,
+    that TF1 loops keep the shape TensorFlow requires (a cycle only through a
+    NextIteration -> Merge edge), and, with `round_trips`, that no Cast tfamp
+    inserted undoes another Cast (x -> float16 -> back to x).
 
     Args:
       view: the graph's GraphView.
@@ -80,6 +81,7 @@ def find_problems(view: GraphView, *, round_trips: bool = True) -> list[Problem]
     for body in view.bodies:
         touched = _touched(body)
         problems.extend(_edge_problems(body, touched))
+        problems.extend(_full_type_problems(body, touched))
         if round_trips:
             problems.extend(_round_trip_problems(body, touched))
         problems.extend(_call_problems(
@@ -179,6 +181,18 @@ _CALL_TYPES = {
     "PartitionedCall": {"f": [("Tin", "in"), ("Tout", "out")]},
     "StatefulPartitionedCall": {"f": [("Tin", "in"), ("Tout", "out")]},
 }
+
+
+def _full_type_problems(body: Body, touched: set[str] | None = None) -> list[Problem]:
+    """A TensorList op whose full type disagrees with its element type: TensorFlow's
+    type inference rejects the function at run time (a warning, "Type inference
+    failed. This indicates an invalid graph that escaped type checking")."""
+    return [Problem(f"{_where(body)}: {node.op} {name!r} has element_dtype "
+                    f"{dtype_name(node.node_def.attr['element_dtype'].type)} but its "
+                    f"experimental_type names another element type", _involved(body, [name]))
+            for name, node in body.nodes.items()
+            if (touched is None or name in touched) and "element_dtype" in node.node_def.attr
+            and full_type_mismatch(node.node_def)]
 
 
 def _call_problems(body: Body, signatures, bodies: dict[str, Body],
