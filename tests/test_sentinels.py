@@ -121,3 +121,46 @@ def test_keras_multi_head_attention_with_a_padded_sample(keras_name):
     for w, g in zip(concrete(x, mask), rewritten(x, mask), strict=True):
         assert np.all(np.isfinite(g.numpy())), g
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=5e-2, atol=5e-2)
+
+
+def _bias_outside(where):
+    """The additive mask computed once, outside the body that reads it: a `while_loop`
+    over two attention steps, or a function (inside an XLA-compiled one)."""
+    def step(q, mask):
+        with tf.GradientTape() as tape:
+            tape.watch(q)
+            bias = (1.0 - mask) * -1e9
+
+            def attend(h):
+                scores = tf.matmul(h, h, transpose_b=True) + bias
+                return tf.matmul(tf.nn.softmax(scores), h)
+
+            if where == "while_loop":
+                _, y = tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, attend(h)),
+                                     [tf.constant(0), q])
+            else:
+                inner = tf.function(attend, autograph=False)
+                y = tf.function(lambda h: inner(h), jit_compile=True)(q)
+            loss = tf.reduce_sum(y * C)
+        return y, tape.gradient(loss, q)
+    return step
+
+
+@pytest.mark.parametrize("where", ["while_loop", "nested_functions"])
+def test_a_sentinel_from_another_body_is_held_there_too(where):
+    """The bias crosses into the body as an argument, not a constant: what reads it
+    there stays float32 (it was cast to float16, -inf, and the first sample's rows
+    NaN), as the select or add and its softmax do in the constant's own body."""
+    graph_def, new_graph_def, report = rewrite(_bias_outside(where), *SPECS,
+                                               dtype="float16", device_type="GPU")
+    held = [n for n in report.nodes
+            if n.function and n.op == "Softmax" and n.kind == rk.KIND_BEYOND_RANGE]
+    assert held and not any(n.converted for n in held), held
+    assert all("1e+09" in n.reason and "65504" in n.reason for n in held), held
+    want, got = _run(graph_def), _run(new_graph_def)
+    for w, g in zip(want, got, strict=True):
+        assert np.all(np.isfinite(w))
+        assert np.all(np.isfinite(g)), g
+        np.testing.assert_allclose(g, w, rtol=3e-2, atol=3e-2 * np.abs(w).max())
+    _, _, report = rewrite(_bias_outside(where), *SPECS, dtype="bfloat16", device_type="GPU")
+    assert all(n.kind != rk.KIND_BEYOND_RANGE for n in report.nodes)

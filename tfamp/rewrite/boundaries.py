@@ -100,6 +100,13 @@ _VARIANT_PASSTHROUGH = frozenset({"Identity", "IdentityN", "StopGradient", "Snap
 
 Member = tuple  # ("arg", fn, name) | ("ret", fn, name) | ("slot", body, node, attr)
 
+# Kinds of value a body keeps float32 for its range that a group may carry into
+# another body (BodyOverrides.ranged): an rsqrt past the 16-bit range, whose
+# readers are held up to the next allow op (coloring._hold_ranged_boundaries),
+# and a constant past it, whose readers stay float32 (coloring._boundary_sentinels).
+RANGE_HOLD = "range"
+SENTINEL = "sentinel"
+
 
 @dataclasses.dataclass(frozen=True)
 class BodyOverrides:
@@ -110,18 +117,20 @@ class BodyOverrides:
       rets: result names that leave in the 16-bit type.
       forced: (node, type attribute, reason) slots that are 16-bit.
       blocked: (node, type attribute, reason) slots held at float32.
-      ranged: (node, type attribute, cause) boundary values that carry a value
-        another body holds float32 for its range (an l2 normalisation's
-        rsqrt, 1e6 on a zero row: ``coloring._rsqrt_overflow``), such as a
-        loop's accumulator popped in the gradient loop; their readers are held
-        float32 as in that body. An argument is ``(arg_slot_name(arg), "T", cause)``.
+      ranged: (node, type attribute, kind, cause) boundary values that carry a
+        value another body keeps float32 for its range, such as a loop's
+        accumulator popped in the gradient loop: kind RANGE_HOLD, an l2
+        normalisation's rsqrt (1e6 on a zero row: ``coloring._rsqrt_overflow``),
+        its readers held float32 as in that body; kind SENTINEL, a constant
+        past the range (a mask's -1e9; the cause starts with its magnitude), its
+        readers float32. An argument is ``(arg_slot_name(arg), "T", kind, cause)``.
     """
 
     args: frozenset[str] = frozenset()
     rets: frozenset[str] = frozenset()
     forced: tuple[tuple[str, str, str], ...] = ()
     blocked: tuple[tuple[str, str, str], ...] = ()
-    ranged: tuple[tuple[str, str, str], ...] = ()
+    ranged: tuple[tuple[str, str, str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,10 +570,12 @@ class _Solver:
         self.cast_counts: dict = {}  # (body, overrides) -> Casts needed
         self.decisions: dict = {}
         self.denied: dict = {}  # (body, node, attr) -> why it must stay float32 (see solve)
-        # Members whose value a body holds float32 for its range (color_body's
-        # third result), and the groups that carry such a value: group -> cause.
-        self.ranged_members: dict[Member, str] = {}
-        self.ranged: dict[int, str] = {}
+        # Members whose value a body keeps float32 for its range (color_body's
+        # third result) -> (kind, cause), and the groups that carry such a
+        # value: (group, kind) -> cause.
+        self.ranged_members: dict[Member, tuple[str, str]] = {}
+        self.ranged: dict[tuple[int, str], str] = {}
+        self.ranged_kinds: dict[int, list[tuple[str, str]]] = {}  # group -> [(kind, cause)]
         self.by_body: dict[str, list[int]] = {}  # body -> groups with a member there
         for index, group in enumerate(analysis.groups):
             for body in dict.fromkeys(m[1] for m in group.members):
@@ -576,11 +587,12 @@ class _Solver:
         for index in self.by_body.get(body.name, ()):
             group = self.a.groups[index]
             on = index in plan
-            cause = self.ranged.get(index)
+            carried = self.ranged_kinds.get(index, ())
             for member in group.members:
-                if cause is not None and member[1] == body.name and member[0] != "ret":
-                    ranged.append((arg_slot_name(member[2]), "T", cause)
-                                  if member[0] == "arg" else (member[2], member[3], cause))
+                if carried and member[1] == body.name and member[0] != "ret":
+                    node, attr = ((arg_slot_name(member[2]), "T") if member[0] == "arg"
+                                  else member[2:])
+                    ranged.extend((node, attr, kind, cause) for kind, cause in carried)
                 if member[0] != "slot" and member[1] == body.name and on:
                     (args if member[0] == "arg" else rets).add(member[2])
                 elif member[0] == "slot" and member[1] == body.name:
@@ -655,15 +667,17 @@ class _Solver:
         Returns the last colouring's decisions.
         """
         decisions = self.color_all(plan)
-        for _ in range(len(self.a.groups) + 1):
+        for _ in range(2 * len(self.a.groups) + 1):
             added = {}
-            for member, cause in self.ranged_members.items():
+            for member, (kind, cause) in self.ranged_members.items():
                 index = self.a.group_of.get(member)
-                if index is not None and index not in self.ranged:
-                    added.setdefault(index, cause)
+                if index is not None and (index, kind) not in self.ranged:
+                    added.setdefault((index, kind), cause)
             if not added:
                 break
             self.ranged.update(added)
+            for (index, kind), cause in added.items():
+                self.ranged_kinds.setdefault(index, []).append((kind, cause))
             decisions = self.color_all(plan)
         return decisions
 
@@ -952,8 +966,8 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
         decisions keyed by (function, node) and the slots that must stay
         float32 whatever the boundaries ({(node, type attribute): reason}:
         reached by deny propagation, or blocked for their own reasons), and
-        the boundary members that carry a value it holds float32 for its
-        range ({("slot", node, type attribute) | ("ret", name): cause}).
+        the boundary members that carry a value it keeps float32 for its
+        range ({("slot", node, type attribute) | ("ret", name): (kind, cause)}).
       xla_compiled: the names of the bodies XLA compiles (``compiled``), whose
         ops need XLA kernels for their types too.
 

@@ -228,7 +228,8 @@ def color(view: GraphView, config: AmpConfig,
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
         hard = {slot: why for slot, (why, _) in body_coloring.hard_blocked.items()}
-        return decisions, {**denied, **hard}, body_coloring.ranged_members()
+        return (decisions, {**denied, **hard, **body_coloring.boundary_blocked},
+                body_coloring.ranged_members())
 
     solution = boundaries.solve(view, config, pinned_outputs, color_body, xla_compiled)
     return Coloring(target=config.target_enum, decisions=solution.decisions,
@@ -266,6 +267,8 @@ class _Skeleton:
     edges: list[tuple[tuple[str, str], tuple[str, str]]] | None = None
     # slot -> its deny decision where the op's range makes it a deny op (_rsqrt_overflow)
     range_denied: dict[int, tuple[str, str, str]] | None = None
+    # tensor -> the constant past the 16-bit range it carries (_sentinel_readers)
+    sentinel_carrying: dict | None = None
 
 
 class _BodyColoring:
@@ -332,7 +335,8 @@ class _BodyColoring:
             skeleton = _Skeleton(
                 body, list(self.slot_node), list(self.slot_attr), list(self.slot_list),
                 dict(self.slot_index), dict(self.blocked), self.node_blocks,
-                self.hard_blocked, range_denied=self._range_denied)
+                self.hard_blocked, range_denied=self._range_denied,
+                sentinel_carrying=self._sentinel_carrying)
             if skeletons is not None:
                 skeletons[body.name] = skeleton
             fresh = True
@@ -346,7 +350,12 @@ class _BodyColoring:
             self.node_blocks = skeleton.node_blocks
             self.hard_blocked = skeleton.hard_blocked
             self._range_denied = skeleton.range_denied or {}
+            self._sentinel_carrying = skeleton.sentinel_carrying or {}
         base_slots = len(self.slot_node)
+        # tensors carrying a sentinel from another body (_boundary_sentinels), and
+        # the slots it blocks here: (node, type attribute) -> why
+        self._boundary_carrying: dict[TensorRef, float] = {}
+        self.boundary_blocked: dict[tuple[str, str], str] = {}
         self._make_boundary_slots()
         self.fanin: list[list[int]] = [[] for _ in self.slot_node]
         self.fanout: list[list[int]] = [[] for _ in self.slot_node]
@@ -458,37 +467,53 @@ class _BodyColoring:
         float inputs carries: the constant's own readers, and through
         oplists.SENTINEL_CARRIERS (-1e9 picked by a select, or times a 0/1 mask, then
         added) up to _SENTINEL_DEPTH ops on. One walk forward from such constants;
-        a body without one (most) costs one look at its Consts."""
-        nodes, producer_port = self.body.nodes, self.body.producer_port
-        carrying: dict[str, float] = {}
-        for name, node in nodes.items():
+        a body without one (most) costs one look at its Consts. The tensors that
+        carry one are kept (`_sentinel_carrying`): a boundary they cross carries it
+        into another body (_boundary_sentinels)."""
+        seeds = {}
+        for name, node in self.body.nodes.items():
             if node.op == "Const":
                 value = constant_magnitude(node)
                 if value is not None and value > largest:
-                    carrying[name] = value
-        if not carrying:
+                    seeds[TensorRef(name, 0)] = value
+        self._sentinel_carrying: dict[TensorRef, float] = {}
+        if not seeds:
             return {}
-        consumers: dict[str, list] = {}
-        for name, node in nodes.items():
-            for ref, _ in node.data_inputs:
-                if not ref.is_arg:
-                    consumers.setdefault(ref.node, []).append((name, node, ref))
+        readers, self._sentinel_carrying = self._walk_sentinels(seeds)
+        return readers
+
+    def _walk_sentinels(self, seeds: dict[TensorRef, float]
+                        ) -> tuple[dict[str, float], dict[TensorRef, float]]:
+        """(node -> the value it reads, tensor -> the value it carries), walking
+        forward from `seeds` (tensors that hold a value past the 16-bit range)
+        through oplists.SENTINEL_CARRIERS, up to _SENTINEL_DEPTH ops on."""
+        nodes, consumers, producer_port = (
+            self.body.nodes, self.body.consumers, self.body.producer_port)
+        arg_dtypes = self.body.arg_dtypes
+        carrying = dict(seeds)
         readers: dict[str, float] = {}
-        frontier = list(carrying)
+        frontier = list(seeds)
         for depth in range(_SENTINEL_DEPTH + 1):
             reached = []
             for source in frontier:
-                for name, node, ref in consumers.get(source, ()):
-                    port = producer_port(ref)
-                    if port is None or port.dtype not in _REAL_TYPES:
-                        continue  # (an index, a shape, a mask's bool)
+                if source.is_arg:
+                    dtype = arg_dtypes.get(source.node)
+                else:
+                    port = producer_port(source)
+                    dtype = None if port is None else port.dtype
+                if dtype not in _REAL_TYPES:
+                    continue  # (an index, a shape, a mask's bool)
+                for name, _ in consumers.get(source, ()):
+                    node = nodes[name]
                     readers.setdefault(name, carrying[source])
-                    if (node.op in SENTINEL_CARRIERS and name not in carrying
-                            and depth < _SENTINEL_DEPTH):
-                        carrying[name] = carrying[source]
-                        reached.append(name)
+                    if node.op in SENTINEL_CARRIERS and depth < _SENTINEL_DEPTH:
+                        for index in range(len(node.outputs)):
+                            out = TensorRef(name, index)
+                            if out not in carrying:
+                                carrying[out] = carrying[source]
+                                reached.append(out)
             frontier = reached
-        return readers
+        return readers, carrying
 
     def _copies(self, node) -> bool:
         """Does a reduction keep its input's size (it reduces no axis, or only
@@ -602,6 +627,46 @@ class _BodyColoring:
             slot = self._add_slot(boundaries.ret_slot_name(ret), "T", "boundary")
             self.forced[slot] = (f"result {ret!r} leaves {self.target_name}", "",
                                  rk.KIND_BOUNDARY)
+        if any(kind == boundaries.SENTINEL for _, _, kind, _ in ov.ranged):
+            self._boundary_sentinels()
+
+    def _boundary_sentinels(self) -> None:
+        """What reads a tensor that carries a constant past the 16-bit range from
+        another body (BodyOverrides.ranged, kind SENTINEL: an additive mask,
+        ``(1 - mask) * -1e9``, computed outside a loop or function and read
+        inside) stays float32, as the constant's readers do in its own body
+        (_sentinel_readers): in 16-bit it is -inf, and a fully masked softmax
+        row NaN."""
+        nodes, args = self.body.nodes, {
+            boundaries.arg_slot_name(arg): arg for arg in self.body.arg_dtypes}
+        seeds: dict[TensorRef, float] = {}
+        causes: dict[float, str] = {}
+        for node, attr, kind, cause in self.overrides.ranged:
+            if kind != boundaries.SENTINEL:
+                continue
+            value = float(cause.split(" ", 1)[0])
+            causes.setdefault(value, cause)
+            if node in args:
+                seeds[TensorRef(args[node], 0, is_arg=True)] = value
+            elif node in nodes:
+                for index, port in enumerate(nodes[node].outputs):
+                    if port.type_attr == attr:
+                        seeds[TensorRef(node, index)] = value
+        if not seeds:
+            return
+        readers, self._boundary_carrying = self._walk_sentinels(seeds)
+        largest = float(dtypes.as_dtype(self.target).max)
+        for name, value in readers.items():
+            for attr in nodes[name].float_type_attrs:
+                slot = self.slot_index.get((name, attr))
+                if slot is None or slot in self.blocked or slot in self.forced:
+                    continue
+                why = (f"stays float32: reads {causes[value]}, such as a mask's sentinel, "
+                       f"past {self.target_name}'s largest value {largest:.5g}: in "
+                       f"{self.target_name} it is inf, and a softmax row of -inf (a padded "
+                       f"query's) is NaN")
+                self.blocked[slot] = (why, rk.KIND_BEYOND_RANGE)
+                self.boundary_blocked[(name, attr)] = why
 
     def _node_block(self, name: str, node, call_block: tuple[str, str]) -> tuple[str, str]:
         """(why no slot of `node` can be 16-bit, reason kind), or ("", "").
@@ -943,7 +1008,9 @@ class _BodyColoring:
             return
         lists, nodes = self.slot_list, self.body.nodes
         args = {boundaries.arg_slot_name(arg): arg for arg in self.body.arg_dtypes}
-        for node, attr, cause in self.overrides.ranged:
+        for node, attr, kind, cause in self.overrides.ranged:
+            if kind != boundaries.RANGE_HOLD:
+                continue
             slot = self.slot_index.get((node, attr))
             if slot is not None:
                 starts = [slot]
@@ -970,29 +1037,52 @@ class _BodyColoring:
                     "", rk.KIND_DOWNSTREAM_OF_DENY))
                 self.range_held.setdefault(held, cause)
 
-    def ranged_members(self) -> dict[tuple, str]:
-        """The boundary members that carry a value held float32 for its range
-        (see boundaries._Solver.spread_range_holds): the held slots, the slots
-        that read them (a TensorList push, a call's argument), and the results
-        that return them; each -> the op that holds it."""
+    def ranged_members(self) -> dict[tuple, tuple[str, str]]:
+        """The boundary members that carry a value this body keeps float32 for its
+        range (see boundaries._Solver.spread_range_holds), each -> (kind, cause):
+
+        * boundaries.RANGE_HOLD: the slots an rsqrt past the range holds, the
+          slots that read them (a TensorList push, a call's argument), and the
+          results that return them; the cause names the rsqrt;
+        * boundaries.SENTINEL: the slots that read a tensor carrying a constant
+          past the range (a mask's -1e9: a loop's or a call's argument), and the
+          results that return one; the cause names the value.
+        """
+        members: dict[tuple, tuple[str, str]] = {}
+        slot_node, slot_attr, slot_index = self.slot_node, self.slot_attr, self.slot_index
+        carrying = {**self._sentinel_carrying, **self._boundary_carrying}
+        if carrying:
+            nodes = self.body.nodes
+            for ref, value in carrying.items():
+                cause = f"{value:.3g} (a constant from {self.body.name or 'the graph'!r})"
+                for consumer, index in self.body.consumers.get(ref, ()):
+                    inputs = nodes[consumer].inputs
+                    if index < len(inputs) and (consumer, inputs[index].type_attr) in slot_index:
+                        members.setdefault(("slot", consumer, inputs[index].type_attr),
+                                           (boundaries.SENTINEL, cause))
+            for ret, (ref, _, _) in self.body.rets.items():
+                if ref in carrying:
+                    members.setdefault(("ret", ret), (boundaries.SENTINEL, (
+                        f"{carrying[ref]:.3g} (a constant from "
+                        f"{self.body.name or 'the graph'!r})")))
         if not self.range_held and not self._ranged_args:
-            return {}
-        slot_node, slot_attr = self.slot_node, self.slot_attr
-        members: dict[tuple, str] = {
-            ("slot", slot_node[slot], slot_attr[slot]): cause
-            for slot, cause in self._range_readers.items()}
+            return members
+        hold = boundaries.RANGE_HOLD
+        for slot, cause in self._range_readers.items():
+            members[("slot", slot_node[slot], slot_attr[slot])] = (hold, cause)
         for slot, cause in self.range_held.items():
             for reached in (slot, *self.fanout[slot]):
-                members.setdefault(("slot", slot_node[reached], slot_attr[reached]), cause)
+                members.setdefault(("slot", slot_node[reached], slot_attr[reached]),
+                                   (hold, cause))
         for ret, (ref, _, _) in self.body.rets.items():
             if ref.is_arg:
                 cause = self._ranged_args.get(ref.node)
             else:
                 port = self.body.producer_port(ref)
-                slot = self.slot_index.get((ref.node, port.type_attr)) if port else None
+                slot = slot_index.get((ref.node, port.type_attr)) if port else None
                 cause = None if slot is None else self.range_held.get(slot)
             if cause is not None:
-                members[("ret", ret)] = cause
+                members.setdefault(("ret", ret), (hold, cause))
         return members
 
     def _xla_statistics(self, leads_to_deny_or_infer: set[int]) -> None:
