@@ -164,3 +164,45 @@ def test_a_sentinel_from_another_body_is_held_there_too(where):
         np.testing.assert_allclose(g, w, rtol=3e-2, atol=3e-2 * np.abs(w).max())
     _, _, report = rewrite(_bias_outside(where), *SPECS, dtype="bfloat16", device_type="GPU")
     assert all(n.kind != rk.KIND_BEYOND_RANGE for n in report.nodes)
+
+
+def test_a_precomputed_bias_captured_by_the_function_is_a_sentinel_too():
+    """An attention bias made once, eagerly, outside the tf.function: TensorFlow
+    captures a tensor of more than 128 elements as a placeholder, not a constant, so
+    only its value says it holds -1e9. The runner reads the captured values
+    (``runner.captured_magnitudes``); the rewrite takes them as ``input_magnitudes``."""
+    q = np.random.default_rng(1).normal(size=(8, 32, 8)).astype(np.float32)
+    valid = np.ones((8, 32), np.float32)
+    valid[0] = 0.0  # the first sample's keys all padding
+    bias = (1.0 - tf.constant(valid)[:, None, :]) * -1e9  # 256 elements: a placeholder
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.matmul(tf.nn.softmax(tf.matmul(x, x, transpose_b=True) + bias), x)
+            loss = tf.reduce_sum(y * y)
+        return y, tape.gradient(loss, x)
+
+    concrete = tf.function(step).get_concrete_function(tf.TensorSpec(q.shape))
+    assert not any(n.op == "Const" and n.attr["value"].tensor.tensor_shape.dim
+                   for n in concrete.graph.as_graph_def().node
+                   if n.attr["dtype"].type == tf.float32.as_datatype_enum)
+    rewritten, report = tfamp.rewrite_concrete_function(concrete,
+                                                        tfamp.AmpConfig(dtype="float16"))
+    softmax = decision(report, "Softmax")
+    assert not softmax.converted and softmax.kind == rk.KIND_BEYOND_RANGE, softmax
+    want, got = concrete(tf.constant(q)), rewritten(tf.constant(q))
+    for w, g in zip(want, got, strict=True):
+        assert np.all(np.isfinite(w.numpy()))
+        assert np.all(np.isfinite(g.numpy())), g
+    # the pure rewrite alone cannot know the value: told, it holds the same
+    graph_def = concrete.graph.as_graph_def()
+    outputs = [t.name for t in concrete.graph.outputs]
+    _, blind = tfamp.rewrite_graph_def(graph_def, tfamp.AmpConfig(dtype="float16"),
+                                       outputs=outputs)
+    assert decision(blind, "Softmax").kind != rk.KIND_BEYOND_RANGE
+    placeholder = next(internal.op.name for external, internal in concrete.graph.captures
+                       if external.dtype == tf.float32)
+    _, told = tfamp.rewrite_graph_def(graph_def, tfamp.AmpConfig(dtype="float16"),
+                                      outputs=outputs, input_magnitudes={placeholder: 1e9})
+    assert decision(told, "Softmax").kind == rk.KIND_BEYOND_RANGE

@@ -182,7 +182,8 @@ def color(view: GraphView, config: AmpConfig,
           outputs: Iterable[str] = (),
           keep: Mapping[tuple[str, str], str] | None = None,
           shapes: TensorShapes | None = None,
-          runtime: str | None = None) -> Coloring:
+          runtime: str | None = None,
+          input_magnitudes: Mapping[str, float] | None = None) -> Coloring:
     """Decides, for every node of `view`, whether it computes in 16-bit.
 
     Args:
@@ -199,6 +200,9 @@ def color(view: GraphView, config: AmpConfig,
         (``runtime_cost``: a launch on the executor; nothing next to an
         element-wise op under XLA); None resolves ``config.runtime`` ("auto"
         is the executor here: the caller knows whether XLA compiles).
+      input_magnitudes: top-graph Placeholder -> the largest magnitude of what
+        it is fed, where known (``pipeline.rewrite_graph_def``): one past the
+        16-bit range is a sentinel, as a constant's is.
 
     Returns:
       A Coloring with one Decision per node.
@@ -223,7 +227,8 @@ def color(view: GraphView, config: AmpConfig,
             counts = shapes.counts(body.name if shapes.shapes.get(body.name) else original)
         body_coloring = _BodyColoring(body, config, body_pins, body_keep, counts,
                                       overrides, skeletons, runtime,
-                                      original in xla_compiled)
+                                      original in xla_compiled,
+                                      {} if body.is_function else input_magnitudes)
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
@@ -278,8 +283,11 @@ class _BodyColoring:
                  keep: Mapping[str, str] | None = None, counts: dict | None = None,
                  overrides: boundaries.BodyOverrides | None = None,
                  skeletons: dict[str, _Skeleton] | None = None,
-                 runtime: str = "executor", xla_compiled: bool = False):
+                 runtime: str = "executor", xla_compiled: bool = False,
+                 input_magnitudes: Mapping[str, float] | None = None):
         self.body = body
+        # Placeholder -> the largest magnitude it is fed, where known (a capture)
+        self.input_magnitudes = input_magnitudes or {}
         self.runtime = runtime
         # Whether XLA compiles the body: its ops need XLA kernels for their types.
         self.xla_compiled = xla_compiled
@@ -474,8 +482,12 @@ class _BodyColoring:
         for name, node in self.body.nodes.items():
             if node.op == "Const":
                 value = constant_magnitude(node)
-                if value is not None and value > largest:
-                    seeds[TensorRef(name, 0)] = value
+            elif node.op == "Placeholder":  # (a captured constant, where known)
+                value = self.input_magnitudes.get(name)
+            else:
+                continue
+            if value is not None and value > largest:
+                seeds[TensorRef(name, 0)] = value
         self._sentinel_carrying: dict[TensorRef, float] = {}
         if not seeds:
             return {}

@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import gc
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from tensorflow.core.framework import graph_pb2
 
@@ -43,6 +43,7 @@ def rewrite_graph_def(
     outputs: Iterable[str] | None = None,
     function_name: str = "",
     jit_compile: bool | None = None,
+    input_magnitudes: Mapping[str, float] | None = None,
 ) -> tuple[graph_pb2.GraphDef, RewriteReport]:
     """Rewrites a graph and its function library to mixed precision.
 
@@ -58,6 +59,12 @@ def rewrite_graph_def(
       jit_compile: whether XLA compiles the graph (a tf.function's
         ``jit_compile``), if the caller knows; with ``config.runtime="auto"``
         it decides what a Cast costs (``runtime_cost``). None: the executor.
+      input_magnitudes: top-graph Placeholder name -> the largest finite
+        magnitude of the value it is fed, where the caller knows it (a
+        tf.function's captured constants: TensorFlow captures an eager tensor
+        of more than 128 elements as a placeholder, not a Const). Such a value
+        past the 16-bit range (a precomputed attention bias of -1e9) is held
+        as a constant's would be (``coloring._sentinel_readers``).
 
     Tensor shapes are read from ``_output_shapes`` attributes (write them with
     ``graph.as_graph_def(add_shapes=True)``); where nodes lack them, TensorFlow's
@@ -99,13 +106,14 @@ def rewrite_graph_def(
     gc.disable()
     try:
         return _rewrite(graph_def, config, outputs, function_name,
-                        runtime_cost.resolve_runtime(config.runtime, jit_compile))
+                        runtime_cost.resolve_runtime(config.runtime, jit_compile),
+                        dict(input_magnitudes or {}))
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _rewrite(graph_def, config, outputs, function_name, runtime):
+def _rewrite(graph_def, config, outputs, function_name, runtime, input_magnitudes):
     view = build_view(graph_def)
     _refuse_repeated_names(graph_def, view)
     if outputs is None:
@@ -137,7 +145,7 @@ def _rewrite(graph_def, config, outputs, function_name, runtime):
     keep: dict[tuple[str, str], str] = {}
     known: set[str] | None = None  # the input's own problems, found lazily
     for round_ in range(_MAX_REPAIR_ROUNDS + 1):
-        coloring = color(view, config, outputs, keep, shapes, runtime)
+        coloring = color(view, config, outputs, keep, shapes, runtime, input_magnitudes)
         new_graph_def, casts, written = insert_casts(graph_def, view, coloring)
         # The result is read again from the NodeDefs the Cast insertion wrote,
         # trusting nothing the colouring believes: ports and edges come from

@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.function.polymorphism import function_type as function_type_lib
@@ -40,7 +41,7 @@ from tensorflow.python.eager.polymorphic_function import (
 )
 from tensorflow.python.eager.polymorphic_function import concrete_function as concrete_lib
 from tensorflow.python.framework import func_graph as func_graph_lib
-from tensorflow.python.framework import importer
+from tensorflow.python.framework import importer, ops
 from tensorflow.python.util import nest
 
 from tfamp.config import AmpConfig
@@ -118,12 +119,36 @@ def rewrite_concrete_function(
     jit = attrs.get("_XlaMustCompile")  # an AttrValue; what a Cast costs depends on it
     new_graph_def, report = rewrite_graph_def(
         graph_def, config, outputs=outputs, function_name=_display_name(old.name),
-        jit_compile=bool(getattr(jit, "b", jit)))
+        jit_compile=bool(getattr(jit, "b", jit)),
+        input_magnitudes=captured_magnitudes(old))
     if check:
         assert_valid_graph_def(new_graph_def)
     rewritten = _rebuild(new_graph_def, concrete, {})  # (new_graph_def is ours to consume)
     log.info("%s", report.summary_line())
     return rewritten, report
+
+
+def captured_magnitudes(graph) -> dict[str, float]:
+    """Captured placeholder -> the largest finite magnitude of the eager float
+    tensor it captures (see ``rewrite_graph_def``'s `input_magnitudes`).
+
+    TensorFlow captures an eager tensor of more than 128 elements as a
+    placeholder (smaller ones become constants): a precomputed attention bias
+    (a mask times -1e9, made once outside the function) reaches the graph as
+    one, and only its value says it is past the 16-bit range. Variables
+    (resource handles) and symbolic captures are left out."""
+    found = {}
+    for external, internal in graph.captures:
+        if not (isinstance(external, ops.EagerTensor) and external.dtype.is_floating):
+            continue
+        try:
+            value = np.abs(np.asarray(external.numpy(), np.float64))
+        except (TypeError, ValueError, tf.errors.OpError):
+            continue
+        finite = value[np.isfinite(value)]
+        if finite.size:
+            found[internal.op.name] = float(finite.max())
+    return found
 
 
 def concrete_from_graph_def(graph_def: graph_pb2.GraphDef, concrete: Any, *,
