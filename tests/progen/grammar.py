@@ -81,7 +81,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("bn_fused", "norm", 1, ("training", "inference")),
     Kind("keras_bn", "norm", 1, ("4d", "2d")),
     Kind("layernorm", "norm", 1, ("manual", "keras")),
-    Kind("attention", "attention", 1, ("plain", "causal", "einsum", "padded")),
+    Kind("attention", "attention", 1, ("plain", "causal", "einsum", "padded", "bias")),
     Kind("softmax", "attention", 1, ("softmax", "log_softmax")),
     Kind("bmm", "attention", 2),
     Kind("embedding", "embedding", 1, ("gather", "lookup", "one_hot", "keras")),
@@ -128,7 +128,9 @@ _NOT_IN_XLA = {("random", "generator")}
 # residual times 1/sqrt(epsilon) (shrunk from the long mode's 2000574, session
 # 14: bfloat16 moved such a gradient by 165%, beyond any rounding bound). It
 # normalises nothing; a real model does not train that way.
-_NOT_IN_ROW = {("keras_bn", "2d")} | {("keras_rnn", v) for v in ("lstm", "gru", "simple_rnn")}
+# An attention bias made for the whole batch (attention/bias) has the batch's rows.
+_NOT_IN_ROW = {("keras_bn", "2d"), ("attention", "bias")} | {
+    ("keras_rnn", v) for v in ("lstm", "gru", "simple_rnn")}
 
 OPTIMIZERS = ("none", "manual_sgd", "sgd", "momentum", "adam")
 FLAVOURS = ("tf_keras", "keras3")

@@ -417,6 +417,15 @@ class _Writer:
         if s.params["variant"] == "causal":
             lines += [f"mask_{o} = tf.linalg.band_part(tf.ones([{t}, {t}]), -1, 0)",
                       f"s_{o} = s_{o} + (1.0 - mask_{o}) * -1e9"]
+        if s.params["variant"] == "bias":
+            # a bias made once, outside the step (a constant it captures, which a
+            # body reads as an argument): keys padded at random, the first
+            # sample's all padding
+            self.setup.append(
+                f"B_{o} = tf.constant((1.0 - np.concatenate([np.zeros((1, {t})), "
+                f"ints({k + 3}, (BATCH - 1, {t}), 3) != 0], 0)[:, None, :]) * -1e9, "
+                f"tf.float32)")
+            lines.append(f"s_{o} = s_{o} + B_{o}")
         if s.params["variant"] == "padded":
             # keys marked padding by the ids; the first sample's keys all padding (a
             # padded query's row: float32's softmax of equal -1e9s is uniform)
