@@ -92,6 +92,8 @@ def _in_a_body(loop):
     while loop over TensorArrays, or a `while_loop` that writes each row to a
     TensorList), or in a function called from an XLA-compiled function."""
     def layer(h):
+        if loop == "cond":
+            return tf.cond(tf.reduce_sum(h) > -1e9, lambda: _l2_normalize(h), lambda: h * 2.0)
         if loop == "nested_functions":
             inner = tf.function(_l2_normalize, autograph=False)
             return tf.function(lambda v: inner(v), jit_compile=True)(h)
@@ -106,7 +108,7 @@ def _in_a_body(loop):
     return layer
 
 
-@pytest.mark.parametrize("loop", ["map_fn", "while_loop", "nested_functions"])
+@pytest.mark.parametrize("loop", ["map_fn", "while_loop", "nested_functions", "cond"])
 def test_the_hold_follows_the_rsqrt_into_the_gradient_body(loop):
     """The gradient loop pops the forward's rsqrt (1e6 on the zero row) from the loop's
     accumulator in another body, or the gradient function receives it from the forward

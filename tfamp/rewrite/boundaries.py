@@ -262,6 +262,9 @@ class _Analysis:
         self.weight = self._weights()
         self.in_frame = {body.name: _tf1_frame_nodes(body) for body in view.bodies}
         self.groups: list[Group] = []
+        # (body, OptionalFromValue) -> the (body, OptionalGetValue)s that unwrap
+        # what it wraps, across calls (a cond's branch and its gradient branch)
+        self.optional_links: dict[tuple[str, str], list[tuple[str, str]]] = {}
         self._call_groups()
         self._list_groups()
         self._tf1_groups()
@@ -415,8 +418,10 @@ class _Analysis:
         return self._slot_block(body, body.nodes[node_name], attr)
 
     def _list_groups(self) -> None:
-        """TensorLists: follow variant values; every op on one list agrees."""
-        if not any(op.startswith(("TensorList", "EmptyTensorList"))
+        """TensorLists: follow variant values; every op on one list agrees. And
+        optionals, for range holds only (``optional_links``)."""
+        self._optional_ends: dict = {}  # variant value -> [(body, Optional op)]
+        if not any(op.startswith(("TensorList", "EmptyTensorList", "Optional"))
                    for body in self.view.bodies for op in body.ops):
             return
         uf = _UnionFind()
@@ -439,6 +444,14 @@ class _Analysis:
                 self._variant_node(body, node, uf, value, blocked_values, element_slots)
         for body, node, by_attr in self.calls:
             self._variant_call(body, node, by_attr, uf, value)
+        ends: dict = {}
+        for key, found in self._optional_ends.items():
+            ends.setdefault(uf.find(key), []).extend(found)
+        for found in ends.values():
+            gets = [(b, n.name) for b, n in found if n.op == "OptionalGetValue"]
+            for b, n in found:
+                if n.op == "OptionalFromValue" and gets:
+                    self.optional_links[(b, n.name)] = gets
         for members in uf.classes():
             slots = [m for key in members for m in element_slots.get(key, ())]
             if not slots:
@@ -488,6 +501,14 @@ class _Analysis:
             return
         if node.op in _CALL_OPS:
             return  # joined in _variant_call
+        if node.op in ("OptionalFromValue", "OptionalGetValue"):
+            # (followed for range holds only: cond_v2 hands a branch's
+            # intermediates to its gradient branch wrapped in optionals)
+            key = (value(body, TensorRef(node.name, 0)) if node.op == "OptionalFromValue"
+                   else value(body, node.data_inputs[0][0]) if node.data_inputs else None)
+            if key is not None:
+                uf.find(key)
+                self._optional_ends.setdefault(key, []).append((body.name, node))
         why = f"a variant reaches {node.op} {node.name!r}"
         for ref in in_refs:
             blocked_values[value(body, ref)] = why
@@ -576,6 +597,8 @@ class _Solver:
         self.ranged_members: dict[Member, tuple[str, str]] = {}
         self.ranged: dict[tuple[int, str], str] = {}
         self.ranged_kinds: dict[int, list[tuple[str, str]]] = {}  # group -> [(kind, cause)]
+        # body -> [(node, type attribute, kind, cause)]: optionals' contents (optional_links)
+        self.ranged_unwrapped: dict[str, set[tuple[str, str, str, str]]] = {}
         self.by_body: dict[str, list[int]] = {}  # body -> groups with a member there
         for index, group in enumerate(analysis.groups):
             for body in dict.fromkeys(m[1] for m in group.members):
@@ -603,8 +626,9 @@ class _Solver:
                         why = group.block or f"{target} would not need fewer Casts"
                         blocked.append((node, attr, f"TF1 loop frame kept float32 "
                                                     f"as a whole: {why}"))
+        ranged.extend(self.ranged_unwrapped.get(body.name, ()))
         return BodyOverrides(frozenset(args), frozenset(rets), tuple(sorted(forced)),
-                             tuple(sorted(blocked)), tuple(sorted(ranged)))
+                             tuple(sorted(blocked)), tuple(sorted(set(ranged))))
 
     def _colored(self, body: Body, plan: set[int]):
         """(decisions, denied slots, range-held members) for `body` under `plan`,
@@ -662,18 +686,26 @@ class _Solver:
         boundary group carries it: the group's members in other bodies hold
         their readers float32 too (``BodyOverrides.ranged``), and what those
         hold may reach further groups (a forward function's result, the call's
-        output, the gradient function's argument): re-coloured until no group
-        is added. A graph without such a value (most) is coloured once.
+        output, the gradient function's argument; an optional that cond_v2
+        hands to the gradient branch, ``optional_links``): re-coloured until
+        nothing is added. A graph without such a value (most) is coloured once.
         Returns the last colouring's decisions.
         """
         decisions = self.color_all(plan)
-        for _ in range(2 * len(self.a.groups) + 1):
-            added = {}
+        while True:  # (each round adds a group or an optional's contents: finitely many)
+            added, unwrapped = {}, False
             for member, (kind, cause) in self.ranged_members.items():
                 index = self.a.group_of.get(member)
                 if index is not None and (index, kind) not in self.ranged:
                     added.setdefault((index, kind), cause)
-            if not added:
+                component = _list_index(member[3]) if member[0] == "slot" else None
+                for body, node in self.a.optional_links.get(member[1:3], ()):
+                    entry = (node, f"output_types[{component}]", kind, cause)
+                    if component is not None and entry not in self.ranged_unwrapped.get(
+                            body, ()):
+                        self.ranged_unwrapped.setdefault(body, set()).add(entry)
+                        unwrapped = True
+            if not added and not unwrapped:
                 break
             self.ranged.update(added)
             for (index, kind), cause in added.items():
