@@ -206,3 +206,13 @@ def test_a_precomputed_bias_captured_by_the_function_is_a_sentinel_too():
     _, told = tfamp.rewrite_graph_def(graph_def, tfamp.AmpConfig(dtype="float16"),
                                       outputs=outputs, input_magnitudes={placeholder: 1e9})
     assert decision(told, "Softmax").kind == rk.KIND_BEYOND_RANGE
+
+
+@pytest.mark.parametrize("given, said", [([1e9], "a mapping"), ({"bias": "big"}, "a number")])
+def test_input_magnitudes_that_are_not_numbers_by_name_are_refused(given, said):
+    graph_def = tf.function(lambda x: x * 2.0).get_concrete_function(
+        tf.TensorSpec([2])).graph.as_graph_def()
+    before = graph_def.SerializeToString()
+    with pytest.raises(TypeError, match=said):
+        tfamp.rewrite_graph_def(graph_def, input_magnitudes=given)
+    assert graph_def.SerializeToString() == before

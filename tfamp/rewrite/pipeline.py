@@ -98,6 +98,7 @@ def rewrite_graph_def(
             f"rewrite_graph_def expects a tf.compat.v1.GraphDef, received "
             f"{type(graph_def).__name__}; for a tf.function use "
             f"fn.get_concrete_function(...).graph.as_graph_def().")
+    input_magnitudes = _checked_magnitudes(input_magnitudes)
     config = config or AmpConfig()
     # The pass allocates many small objects and frees none until it returns; a
     # cyclic-GC sweep of the whole process in between costs more than the pass
@@ -107,10 +108,29 @@ def rewrite_graph_def(
     try:
         return _rewrite(graph_def, config, outputs, function_name,
                         runtime_cost.resolve_runtime(config.runtime, jit_compile),
-                        dict(input_magnitudes or {}))
+                        input_magnitudes)
     finally:
         if gc_was_enabled:
             gc.enable()
+
+
+def _checked_magnitudes(given) -> dict[str, float]:
+    """`input_magnitudes` as {placeholder name: float}, or a clear error."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping):
+        raise TypeError(f"input_magnitudes expects a mapping of placeholder names to "
+                        f"numbers, received {type(given).__name__}; pass e.g. "
+                        f"{{'bias': 1e9}}, or None")
+    checked = {}
+    for name, value in given.items():
+        try:
+            checked[str(name)] = abs(float(value))
+        except (TypeError, ValueError):
+            raise TypeError(f"input_magnitudes[{name!r}] expects a number (the largest "
+                            f"magnitude that placeholder is fed), received "
+                            f"{type(value).__name__} {value!r}") from None
+    return checked
 
 
 def _rewrite(graph_def, config, outputs, function_name, runtime, input_magnitudes):
