@@ -337,6 +337,8 @@ class _BodyColoring:
         self._attr_blocks: dict[tuple[str, str, str], tuple[str, str]] = {}
         # (id of input port list, id of output port list) -> "resource", "ref" or ""
         self._variable_ports: dict[tuple[int, int], str] = {}
+        # tensor -> the constant past the 16-bit range it carries (_sentinel_readers)
+        self._sentinel_carrying: dict[TensorRef, float] = {}
         skeleton = skeletons.get(body.name) if skeletons is not None else None
         if skeleton is None or skeleton.body is not body:
             self._make_slots(pinned)
@@ -488,7 +490,6 @@ class _BodyColoring:
                 continue
             if value is not None and value > largest:
                 seeds[TensorRef(name, 0)] = value
-        self._sentinel_carrying: dict[TensorRef, float] = {}
         if not seeds:
             return {}
         readers, self._sentinel_carrying = self._walk_sentinels(seeds)
