@@ -48,12 +48,26 @@ def _run(graph_def):
     return run_graph_def(graph_def, {"x": X}, ["Identity:0", "Identity_1:0"])
 
 
-def test_a_zero_row_stays_finite_in_float16():
-    graph_def, new_graph_def, report = rewrite(_step(_l2_normalize), tf.TensorSpec(X.shape),
+def _keras3_normalize(eps):
+    """Keras 3's form (keras.ops.normalize, UnitNormalization): x * min(rsqrt(sum), 1/eps),
+    with no epsilon inside: the rsqrt of a zero row is inf in float32 too."""
+    def normalise(h):
+        inv = tf.math.rsqrt(tf.reduce_sum(tf.square(h), axis=-1, keepdims=True))
+        return h * tf.minimum(inv, 1.0 / eps)
+    return normalise
+
+
+@pytest.mark.parametrize("layer, reaches", [
+    (_l2_normalize, "1e+06"), (_keras3_normalize(1e-12), "1e+12"),
+    (_keras3_normalize(1e-7), "1e+07")], ids=["l2_normalize", "unit_norm", "ops_normalize"])
+def test_a_zero_row_stays_finite_in_float16(layer, reaches):
+    graph_def, new_graph_def, report = rewrite(_step(layer), tf.TensorSpec(X.shape),
                                                dtype="float16", device_type="CPU")
     rsqrt = decision(report, "Rsqrt")
     assert not rsqrt.converted and rsqrt.kind == rk.KIND_DENY_LIST, rsqrt
-    assert "1e+06" in rsqrt.reason and "65504" in rsqrt.reason, rsqrt.reason
+    assert reaches in rsqrt.reason and "65504" in rsqrt.reason, rsqrt.reason
+    # the ReLU's gradient multiplies dy * 1e12 by 0: it reads float32
+    assert not decision(report, "ReluGrad").converted
     want, got = _run(graph_def), _run(new_graph_def)
     for w, g in zip(want, got, strict=True):
         assert np.all(np.isfinite(w))
@@ -67,6 +81,16 @@ def test_a_variance_is_left_as_it_was(eps):
     """A variance is 0 only on a row of equal values (BUILD_NOTES.md, session 21), and
     Keras's LayerNorm epsilon (1e-3) bounds rsqrt(v + eps) by 31.6 anyway."""
     _, _, report = rewrite(_step(_normalise(eps)), tf.TensorSpec(X.shape),
+                           dtype="float16", device_type="CPU")
+    assert "deny" not in decision(report, "Rsqrt").reason
+
+
+def test_a_clamp_that_bounds_it_changes_nothing():
+    def normalise(h):
+        inv = tf.math.rsqrt(tf.reduce_sum(tf.square(h), axis=-1, keepdims=True))
+        return h * tf.minimum(inv, 1e3)
+
+    _, _, report = rewrite(_step(normalise), tf.TensorSpec(X.shape),
                            dtype="float16", device_type="CPU")
     assert "deny" not in decision(report, "Rsqrt").reason
 

@@ -559,6 +559,8 @@ class _BodyColoring:
         if self.target != DT_HALF or not node.data_inputs:
             return ""
         producer = self._through_copies(node.data_inputs[0][0])
+        if producer is not None and producer.op == "Sum":
+            return self._clamped_rsqrt(node)
         if producer is None or producer.op not in ("Add", "AddV2", "Maximum"):
             return ""
         eps, summed = None, False
@@ -573,6 +575,37 @@ class _BodyColoring:
         if eps is None or not summed or eps ** -0.5 <= largest:
             return ""
         return (f"rsqrt(sum + {eps:g}) reaches {eps ** -0.5:.3g} for a zero row, beyond "
+                f"{self.target_name}'s {largest:g}: float32 up to the next allow op")
+
+    def _clamped_rsqrt(self, node) -> str:
+        """Why an Rsqrt of a bare Sum whose result is clamped by ``Minimum`` with a
+        constant past the 16-bit range can leave it, or "".
+
+        Keras 3 normalises as ``x * minimum(rsqrt(sum(x * x)), 1 / eps)``
+        (``keras.ops.normalize``, eps 1e-7; ``UnitNormalization``, eps 1e-12): on a
+        row of zeros the rsqrt is inf in float32 too, the Minimum makes it 1e7 or
+        1e12, and the gradient is dy times that. The same hold as l2_normalize's.
+        """
+        largest = float(dtypes.as_dtype(self.target).max)
+        nodes = self.body.nodes
+        frontier, clamp = [TensorRef(node.name, 0)], None
+        for _ in range(8):  # (through copies: Identity, a Reshape)
+            reached = []
+            for ref in frontier:
+                for name, _ in self.body.consumers.get(ref, ()):
+                    consumer = nodes[name]
+                    if consumer.op == "Minimum":
+                        for other, _ in consumer.data_inputs:
+                            value = None if other.is_arg else scalar_constant(
+                                nodes.get(other.node))
+                            if value is not None and value > largest:
+                                clamp = value if clamp is None else max(clamp, value)
+                    elif consumer.op in NO_COPY_OPS:
+                        reached.append(TensorRef(name, 0))
+            frontier = reached
+        if clamp is None:
+            return ""
+        return (f"minimum(rsqrt(sum), {clamp:g}) reaches {clamp:.3g} for a zero row, beyond "
                 f"{self.target_name}'s {largest:g}: float32 up to the next allow op")
 
     def _through_copies(self, ref: TensorRef, depth: int = 8):
