@@ -69,7 +69,8 @@ class Kind:
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("dense", "dense", 1, ("relu", "tanh", "sigmoid", "gelu", "elu", "softplus",
-                               "leaky_relu", "silu", "linear", "bias_add", "l2_head")),
+                               "leaky_relu", "silu", "linear", "bias_add", "l2_head",
+                               "unit_head")),
     Kind("einsum", "dense", 1, ("weight", "rowdot")),
     Kind("keras_dense", "keras_layer", 1, ("relu", "tanh", "linear")),
     Kind("keras_rnn", "keras_layer", 1, ("lstm", "gru", "simple_rnn")),

@@ -263,6 +263,15 @@ class _Writer:
             keep = f"tf.cast(tf.range(tf.shape({a})[0]) > 0, tf.float32)[:, None]"
             return [f"h_{o} = tf.nn.relu(tf.matmul({a}, W_{o}) + b_{o}) * {keep}",
                     f"{o} = tf.matmul(tf.math.l2_normalize(h_{o}, axis=-1), V_{o})"]
+        if variant == "unit_head":  # the same, normalised as Keras 3 does
+            # (x * minimum(rsqrt(sum(x * x)), 1 / 1e-12): the rsqrt of the zero row
+            # is inf in float32 too, clamped to 1e12)
+            self.setup.append(f"V_{o} = var({k + 200}, ({d}, {d}), den={self._den(d)})")
+            keep = f"tf.cast(tf.range(tf.shape({a})[0]) > 0, tf.float32)[:, None]"
+            inv = (f"tf.minimum(tf.math.rsqrt(tf.reduce_sum(tf.square(h_{o}), -1, "
+                   f"keepdims=True)), 1e12)")
+            return [f"h_{o} = tf.nn.relu(tf.matmul({a}, W_{o}) + b_{o}) * {keep}",
+                    f"{o} = tf.matmul(h_{o} * {inv}, V_{o})"]
         return [f"{o} = " + _ACTIVATIONS[variant].format(f"tf.matmul({a}, W_{o}) + b_{o}")]
 
     def _einsum(self, s: Stmt, a: str) -> list[str]:

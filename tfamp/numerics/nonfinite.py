@@ -21,9 +21,14 @@ forward pass). A step traced under a tf.distribute strategy names its other
 replicas' ops ``replica_<n>/...``: the layer scope leaves that prefix out, so
 a ``keep_fp32`` pattern covers every replica.
 
+An inf the float32 step makes on purpose and tames later (Keras 3 normalises
+with ``minimum(rsqrt(sum(x * x)), 1e12)``: the rsqrt of a zero row is inf) is
+no origin: where the first inf/nan found computed in float32, the float32 step
+runs once more with a finiteness flag for every output, and if its results are
+finite, every value it has non-finite is looked past.
+
 Limits: ops inside library functions (loop bodies, nested calls) are checked
-only through the call op's outputs; an intentional inf (e.g. a -inf mask that
-is not a constant) is reported like any other.
+only through the call op's outputs.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ class NonFiniteOp:
     Attributes:
       node: node name in the (rewritten) graph; op: its op type.
       output: the output index that was not finite; value: "inf", "nan" or both.
-      phase: "forward" or "backward" (gradient ops).
+      phase: "forward" or "backward" (gradient ops; an inserted Cast: the op it feeds).
       layer: the name scope of the forward op (without "gradient_tape/").
       dtype: the dtype of that output in the rewritten graph.
       ran_16bit: True if the op computed in float16/bfloat16.
@@ -152,18 +157,21 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
         old.as_graph_def(), config, outputs=[t.name for t in old.outputs],
         function_name=old.name)
     body = build_view(rewritten).bodies[0]
-    instrumented, checked = _instrument(rewritten, body)
     flat_args = [a for a in tf.nest.flatten(args) if a is not None]
-    try:
-        run_imported(concrete, instrumented, [t.name for t in old.outputs], flat_args)
+    first = _first_nonfinite(concrete, rewritten, body, flat_args, frozenset())
+    if first is None:
         return None
-    except tf.errors.InvalidArgumentError as err:
-        found = _MESSAGE.search(err.message or "")
-        if found is None:
-            raise
-        node, port = checked[int(found.group(1))]
-        value = ("nan and inf" if "NaN" in err.message and "Inf" in err.message
-                 else "nan" if "NaN" in err.message else "inf")
+    node, port, value = first
+    if body.nodes[node].outputs[port].dtype not in _SIXTEEN_BIT:
+        # A float32 op: an inf the float32 step makes too and then tames (Keras 3's
+        # minimum(rsqrt(sum), 1e12) of a zero row) is no origin, where the float32
+        # step's results are finite: look past every such value.
+        intended = _float32_nonfinite(concrete, flat_args)
+        if intended and (node, port) in intended:
+            first = _first_nonfinite(concrete, rewritten, body, flat_args, intended)
+            if first is None:
+                return None
+            node, port, value = first
     node_def = body.nodes[node].node_def
     input_names = [i if ":" in i else f"{i}:0" for i in node_def.input
                    if not i.startswith("^")]
@@ -182,7 +190,7 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     op = body.nodes[feeds[0]].op if inserted and feeds else body.nodes[node].op
     return NonFiniteOp(
         node=node, op=body.nodes[node].op, output=port, value=value,
-        phase="backward" if is_gradient(node) else "forward", layer=layer,
+        phase="backward" if is_gradient(scope_source) else "forward", layer=layer,
         dtype=dtype_name(dtype), ran_16bit=dtype in _SIXTEEN_BIT, inserted_cast=inserted,
         feeds=feeds, inputs=inputs, loss_scale=float(loss_scale),
         **_fixes(layer, op, config))
@@ -191,23 +199,67 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
 # ------------------------------------------------------------------ helpers
 
 
-def _instrument(graph_def: graph_pb2.GraphDef, body) -> tuple[graph_pb2.GraphDef,
-                                                               list[tuple[str, int]]]:
-    """A copy with CheckNumericsV2 after every float output, consumers rewired."""
-    new = graph_pb2.GraphDef()
-    new.CopyFrom(graph_def)
-    checked: list[tuple[str, int]] = []
-    check_of: dict[tuple[str, int], str] = {}
+def _first_nonfinite(concrete, graph_def: graph_pb2.GraphDef, body, flat_args: list,
+                     skip: frozenset[tuple[str, int]]) -> tuple[str, int, str] | None:
+    """(node, output, "inf" / "nan" / "nan and inf") of the first float output of
+    `graph_def`'s top graph, in execution order, that is not finite (outputs in
+    `skip` are not checked), or None."""
+    instrumented, checked = _instrument(graph_def, body, skip)
+    try:
+        run_imported(concrete, instrumented, [t.name for t in concrete.graph.outputs],
+                     flat_args)
+        return None
+    except tf.errors.InvalidArgumentError as err:
+        found = _MESSAGE.search(err.message or "")
+        if found is None:
+            raise
+        node, port = checked[int(found.group(1))]
+        return node, port, ("nan and inf" if "NaN" in err.message and "Inf" in err.message
+                            else "nan" if "NaN" in err.message else "inf")
+
+
+def _float32_nonfinite(concrete, flat_args: list) -> frozenset[tuple[str, int]]:
+    """The top graph's float outputs that are inf/nan in the float32 step itself
+    while every float result of the step is finite: values the step makes on
+    purpose and tames later (rsqrt(0) = inf, clamped by a minimum). Empty where a
+    result is not finite: then the step overflows in float32, and its first
+    inf/nan is the origin to report."""
+    graph_def = concrete.graph.as_graph_def()
+    body = build_view(graph_def).bodies[0]
+    tensors = _float_outputs(body, frozenset())
+    results = [t.name for t in concrete.graph.outputs if t.dtype.is_floating]
+    fetches = [f"{name}:{port}" for name, port in tensors] + results
+    if not tensors:
+        return frozenset()
+    (finite,) = run_imported(concrete, graph_def, fetches, flat_args, post=lambda values: [
+        tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values])])
+    if not finite[len(tensors):].all():
+        return frozenset()
+    return frozenset(t for t, ok in zip(tensors, finite[:len(tensors)], strict=True)
+                     if not ok)
+
+
+def _float_outputs(body, skip: frozenset[tuple[str, int]]) -> list[tuple[str, int]]:
+    """(node, output) of every float output of the top graph, in execution order."""
+    outputs = []
     for name in body.topological_order():
         node = body.nodes[name]
         if node.op in _SKIPPED_OPS:
             continue
-        for port, out in enumerate(node.outputs):
-            if out.dtype not in FLOAT_TYPES:
-                continue
-            index = len(checked)
-            checked.append((name, port))
-            check_of[(name, port)] = f"{_CHECK_PREFIX}/{index}"
+        outputs += [(name, port) for port, out in enumerate(node.outputs)
+                    if out.dtype in FLOAT_TYPES and (name, port) not in skip]
+    return outputs
+
+
+def _instrument(graph_def: graph_pb2.GraphDef, body,
+                skip: frozenset[tuple[str, int]] = frozenset()
+                ) -> tuple[graph_pb2.GraphDef, list[tuple[str, int]]]:
+    """A copy with CheckNumericsV2 after every float output (but those in `skip`),
+    consumers rewired."""
+    new = graph_pb2.GraphDef()
+    new.CopyFrom(graph_def)
+    checked = _float_outputs(body, skip)
+    check_of = {key: f"{_CHECK_PREFIX}/{index}" for index, key in enumerate(checked)}
     for node_def in new.node:
         for i, text in enumerate(node_def.input):
             if text.startswith("^"):
