@@ -108,6 +108,17 @@ def test_decide_says_a_float32_overflow_is_not_fixed_by_moving():
     assert "will not retry" in message and "Expected finite values in float32" in message
 
 
+def test_no_batch_here_is_not_blamed_on_another_worker():
+    """A single process whose fit data cannot be re-read once said "on another replica or
+    worker's batch" (a helper's Keras 3 run, session 23)."""
+    model = pipeline_model(tf_keras)
+    here = fallback.stopped_message(model, fallback.FallbackDecision(fallback.NO_BATCH))
+    assert "cannot be re-read" in here and "another" not in here, here
+    there = fallback.stopped_message(
+        model, fallback.FallbackDecision(fallback.NO_BATCH, elsewhere=True))
+    assert "on another replica or worker's batch" in there, there
+
+
 def test_region_grows_to_the_next_layer_when_its_input_cast_overflows_and_is_capped(
         monkeypatch, caplog):
     # Exp forced to float16 overflows; with it float32, exp(12) overflows the Cast in

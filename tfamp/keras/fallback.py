@@ -260,7 +260,7 @@ def stopped_message(model, decision: FallbackDecision) -> str:
     """The one line when tfamp will not move anything (and will not try again)."""
     found = decision.last
     where = f"{found.op} '{found.node}' (layer/scope '{found.layer}')" if found else "?"
-    if found is None and decision.kind in _STOP_KINDS:
+    if decision.elsewhere:
         return (f"tfamp: no float32 fallback on model {model.name!r}: on another replica "
                 f"or worker's batch, {decision.kind} (its line says more); tfamp will not "
                 f"retry, on any worker.")

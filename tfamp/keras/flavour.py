@@ -115,6 +115,15 @@ class KerasFlavour:
             return data_adapter_utils.unpack_x_y_sample_weight(batch)
         return self.keras.utils.unpack_x_y_sample_weight(batch)
 
+    def pack_batch(self, x, y=None, sample_weight=None):
+        """The batch ``unpack_batch`` took apart, as ``train_step`` receives it."""
+        return self.keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+
+    def own_train_step(self, cls):
+        """`cls`'s ``train_step`` where the model class defines its own, else None."""
+        step = getattr(cls, "train_step", None)
+        return None if step is None or step is self.keras.Model.train_step else step
+
     def array_dataset(self, x, y, sample_weight, batch_size: int):
         """The dataset Keras's own array adapter builds from arrays (same elements)."""
         if self.is_keras3:

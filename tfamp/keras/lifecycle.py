@@ -653,8 +653,8 @@ class ModelPrecision:
         state = self.fallback
         if state.stopped or self.record_variable() is None:
             return False
-        if not self.flavour.has_loss(self.model):
-            return False  # a step without a compiled loss (a GAN's): the locator cannot run it
+        if not (self.flavour.has_loss(self.model) or self.flavour.own_train_step(self.cls)):
+            return False  # no compiled loss and Keras's own step: nothing differentiated
         scale, skipped = (v.numpy() for v in scale_values(owner))
         at_floor = float(scale) <= float(owner.min_scale)
         if not state.should_look(int(skipped), at_floor, self._forward_overflowed):

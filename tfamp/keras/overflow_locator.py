@@ -1,7 +1,9 @@
 """The first inf/nan op of a Keras model's training step on one batch (tf_keras and Keras 3).
 
 ``keras_step_locator`` traces the model's loss and gradients once (a plain
-float32 function: forward, ``compute_loss``, ``tape.gradient``, no update) and
+float32 function: forward, ``compute_loss``, ``tape.gradient``, no update; or
+the model's own ``train_step`` in the start-scale probe's mode, which
+differentiates every loss unscaled and applies nothing) and
 answers ``locate(config)`` for any AmpConfig by rewriting that graph as tfamp
 would and running it with a check after every op
 (``tfamp.numerics.nonfinite.locate_nonfinite``). The model's non-trainable and
@@ -17,7 +19,10 @@ import tensorflow as tf
 
 from tfamp.config import AmpConfig
 from tfamp.keras import replicas, scale_update
+from tfamp.keras.flavour import flavour_of
 from tfamp.keras.range_probe import state_variables
+from tfamp.keras.start_scale import NoLossDifferentiated, Recorder, assigned_variables
+from tfamp.keras.step_scope import probe_mode
 from tfamp.numerics import nonfinite
 from tfamp.numerics.nonfinite import NonFiniteOp
 from tfamp.runtime.plain import plain_calls, plain_function
@@ -60,14 +65,26 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
     context, each replica on its share of the batch (the graph then holds every
     local replica's copy, and the first inf/nan of any of them is found).
 
+    A model class with a ``train_step`` of its own (SimCLR's contrastive step, a
+    GAN's) is located in that step (``own_step_gradients``), at loss scale 1,
+    whether or not it was compiled with a loss: ``compute_loss`` need not be
+    what it differentiates.
+
     Example:
       >>> with keras_step_locator(model, x, y) as locate:
       ...     first, second = locate(AmpConfig()), locate(AmpConfig(keep_fp32=["head/"]))
     """
     variables = model.trainable_variables
+    flavour = flavour_of(model)
+    state = getattr(model, "_tfamp_state", None)
+    own_step = flavour.own_train_step(state.cls if state is not None else type(model))
+    if own_step is not None:
+        loss_scale = 1.0  # (probe mode differentiates every loss unscaled)
 
     def loss_and_grads(x, y, sample_weight, scale):
         x, y, sample_weight = replicas.replica_rows((x, y, sample_weight))
+        if own_step is not None:
+            return own_step_gradients(model, own_step, flavour.pack_batch(x, y, sample_weight))
         # The whole step is rewritten below: the model's call must not be on its own.
         with tf.GradientTape() as tape, plain_calls():
             y_pred = model(x, training=True)
@@ -97,6 +114,10 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
     try:
         concrete = plain_function(every_replica).get_concrete_function(
             x, y, sample_weight, scale)
+        if own_step is not None:  # (its own metrics, a random generator's state, ...)
+            known = {id(v) for v in state_variables(model)}
+            saved += [(c, c.numpy()) for v in assigned_variables(concrete)
+                      if id(v) not in known for c in replicas.local_components(v)]
 
         def locate(config: AmpConfig) -> NonFiniteOp | None:
             try:
@@ -110,6 +131,22 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
         restore()
 
 
+def own_step_gradients(model, train_step, batch):
+    """(0, the weight gradients) of a model's own ``train_step`` on `batch`, traced in
+    probe mode (``step_scope.probe_mode``): every tape's float loss differentiated
+    unscaled, every optimizer update skipped. A step of two optimizers (a GAN's, a
+    contrastive and a probe one) gives both updates' gradients."""
+    recorder = Recorder()
+    with probe_mode(recorder), plain_calls():
+        train_step(model, batch)
+    _, weights = recorder.in_graph(tf.compat.v1.get_default_graph())
+    if not weights:
+        raise NoLossDifferentiated(
+            f"model {model.name!r}'s train_step differentiated no float loss with a "
+            f"GradientTape: nothing to locate")
+    return tf.zeros([]), [g for _, g in weights]
+
+
 def diagnose_keras_model(model) -> str | None:
     """For the stuck-at-floor warning: localise on the first batch ``fit`` was given.
 
@@ -117,7 +154,6 @@ def diagnose_keras_model(model) -> str | None:
     and the optimizer's current loss scale. Returns a sentence, or None when no
     batch is known.
     """
-    from tfamp.keras.flavour import flavour_of
     from tfamp.keras.range_probe import current_loss_scale, unpack_batch
 
     source = getattr(model, "_tfamp_fit_batch", None)

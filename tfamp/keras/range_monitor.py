@@ -245,6 +245,12 @@ def fit_batch_source(args: Sequence, kwargs: dict):
             return None
         return from_dataset
     batches = batches_from_fit_args(args, kwargs, 1)
+    y = args[1] if len(args) > 1 else kwargs.get("y")
+    if not batches and y is None and x is not None and all(
+            isinstance(a, (np.ndarray, tf.Tensor)) for a in tf.nest.flatten(x)):
+        # fit(x) alone (a contrastive or autoencoding step of the model's own)
+        batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or 32
+        batches = [tf.nest.map_structure(lambda a: a[:int(batch_size)], x)]
     if not batches:
         return lambda: None
     batch = tf.nest.map_structure(
