@@ -149,6 +149,17 @@ def original_function_name(name: str) -> str:
     return _COPY_SUFFIX.sub("", name)
 
 
+def sentinel_cause(value: float, body_name: str) -> str:
+    """The cause of a SENTINEL member: the constant's magnitude first, which
+    ``sentinel_value`` reads back in the body that receives it."""
+    return f"{value:.3g} (a constant from {body_name or 'the graph'!r})"
+
+
+def sentinel_value(cause: str) -> float:
+    """The magnitude a ``sentinel_cause`` names."""
+    return float(cause.split(" ", 1)[0])
+
+
 def arg_slot_name(arg: str) -> str:
     """The name of the pseudo-slot that stands for a 16-bit argument."""
     return f"<arg {arg}>"

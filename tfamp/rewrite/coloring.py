@@ -683,14 +683,13 @@ class _BodyColoring:
         inside) stays float32, as the constant's readers do in its own body
         (_sentinel_readers): in 16-bit it is -inf, and a fully masked softmax
         row NaN."""
-        nodes, args = self.body.nodes, {
-            boundaries.arg_slot_name(arg): arg for arg in self.body.arg_dtypes}
+        nodes, args = self.body.nodes, self._args_by_slot_name()
         seeds: dict[TensorRef, float] = {}
         causes: dict[float, str] = {}
         for node, attr, kind, cause in self.overrides.ranged:
             if kind != boundaries.SENTINEL:
                 continue
-            value = float(cause.split(" ", 1)[0])
+            value = boundaries.sentinel_value(cause)
             causes.setdefault(value, cause)
             if node in args:
                 seeds[TensorRef(args[node], 0, is_arg=True)] = value
@@ -713,6 +712,11 @@ class _BodyColoring:
                        f"query's) is NaN")
                 self.blocked[slot] = (why, rk.KIND_BEYOND_RANGE)
                 self.boundary_blocked[(name, attr)] = why
+
+    def _args_by_slot_name(self) -> dict[str, str]:
+        """Pseudo-slot name (boundaries.arg_slot_name, as BodyOverrides names
+        arguments) -> the body's argument."""
+        return {boundaries.arg_slot_name(arg): arg for arg in self.body.arg_dtypes}
 
     def _node_block(self, name: str, node, call_block: tuple[str, str]) -> tuple[str, str]:
         """(why no slot of `node` can be 16-bit, reason kind), or ("", "").
@@ -1053,7 +1057,7 @@ class _BodyColoring:
         if not self.overrides.ranged:
             return
         lists, nodes = self.slot_list, self.body.nodes
-        args = {boundaries.arg_slot_name(arg): arg for arg in self.body.arg_dtypes}
+        args = self._args_by_slot_name()
         for node, attr, kind, cause in self.overrides.ranged:
             if kind != boundaries.RANGE_HOLD:
                 continue
@@ -1100,7 +1104,7 @@ class _BodyColoring:
         if carrying:
             nodes = self.body.nodes
             for ref, value in carrying.items():
-                cause = f"{value:.3g} (a constant from {self.body.name or 'the graph'!r})"
+                cause = boundaries.sentinel_cause(value, self.body.name)
                 for consumer, index in self.body.consumers.get(ref, ()):
                     inputs = nodes[consumer].inputs
                     if index < len(inputs) and (consumer, inputs[index].type_attr) in slot_index:
@@ -1108,9 +1112,9 @@ class _BodyColoring:
                                            (boundaries.SENTINEL, cause))
             for ret, (ref, _, _) in self.body.rets.items():
                 if ref in carrying:
-                    members.setdefault(("ret", ret), (boundaries.SENTINEL, (
-                        f"{carrying[ref]:.3g} (a constant from "
-                        f"{self.body.name or 'the graph'!r})")))
+                    members.setdefault(("ret", ret), (boundaries.SENTINEL,
+                                                      boundaries.sentinel_cause(
+                                                          carrying[ref], self.body.name)))
         if not self.range_held and not self._ranged_args:
             return members
         hold = boundaries.RANGE_HOLD
