@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
+import tf_keras
 
 import tfamp
 from tfamp.config import AmpConfig
@@ -61,46 +63,49 @@ def test_the_fallback_moves_the_projection_and_training_goes_on():
         history["loss"], want)
 
 
-class ContrastiveModel(keras.Model):
-    """SimCLR's shape (keras.io semisupervised_simclr): a train_step of its own, an
-    optimizer of its own (``contrastive_optimizer``), no compiled loss, fit(x) alone;
-    its projection head's l2-normalised output is zero on a zero input row."""
+def contrastive_model(k):
+    """SimCLR's shape (keras.io semisupervised_simclr), in Keras module `k`: a
+    train_step of its own, an optimizer of its own (``contrastive_optimizer``), no
+    compiled loss, fit(x) alone; its projection head's l2-normalised output is zero
+    on a zero input row."""
 
-    def __init__(self):
-        super().__init__()
-        self.encoder = keras.Sequential([keras.Input((8,)),
-                                         keras.layers.Dense(16, activation="relu")])
-        self.head = keras.Sequential([keras.Input((16,)),
-                                      keras.layers.Dense(16, activation="relu"),
-                                      keras.layers.Dense(16)], name="head")
-        self.tracker = keras.metrics.Mean(name="c_loss")
+    class ContrastiveModel(k.Model):
+        def __init__(self):
+            super().__init__()
+            self.encoder = k.Sequential([k.Input((8,)), k.layers.Dense(16, activation="relu")])
+            self.head = k.Sequential([k.Input((16,)), k.layers.Dense(16, activation="relu"),
+                                      k.layers.Dense(16)], name="head")
+            self.tracker = k.metrics.Mean(name="c_loss")
 
-    def compile(self, contrastive_optimizer, **kwargs):
-        super().compile(**kwargs)
-        self.contrastive_optimizer = contrastive_optimizer
+        def compile(self, contrastive_optimizer, **kwargs):
+            super().compile(**kwargs)
+            self.contrastive_optimizer = contrastive_optimizer
 
-    @property
-    def metrics(self):
-        return [self.tracker]
+        @property
+        def metrics(self):
+            return [self.tracker]
 
-    def train_step(self, data):
-        with tf.GradientTape() as tape:
-            z1 = tf.math.l2_normalize(self.head(self.encoder(data)), axis=1)
-            z2 = tf.math.l2_normalize(self.head(self.encoder(data * 0.9)), axis=1)
-            logits = tf.matmul(z1, z2, transpose_b=True) / 0.1
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-                tf.range(tf.shape(data)[0]), logits, from_logits=True))
-        weights = self.encoder.trainable_weights + self.head.trainable_weights
-        self.contrastive_optimizer.apply_gradients(
-            zip(tape.gradient(loss, weights), weights, strict=True))
-        self.tracker.update_state(loss)
-        return {"c_loss": self.tracker.result()}
+        def train_step(self, data):
+            with tf.GradientTape() as tape:
+                z1 = tf.math.l2_normalize(self.head(self.encoder(data)), axis=1)
+                z2 = tf.math.l2_normalize(self.head(self.encoder(data * 0.9)), axis=1)
+                logits = tf.matmul(z1, z2, transpose_b=True) / 0.1
+                loss = tf.reduce_mean(k.losses.sparse_categorical_crossentropy(
+                    tf.range(tf.shape(data)[0]), logits, from_logits=True))
+            weights = self.encoder.trainable_weights + self.head.trainable_weights
+            self.contrastive_optimizer.apply_gradients(
+                zip(tape.gradient(loss, weights), weights, strict=True))
+            self.tracker.update_state(loss)
+            return {"c_loss": self.tracker.result()}
 
-
-def _contrastive_fit(enable: bool):
-    keras.utils.set_random_seed(0)
+    k.utils.set_random_seed(0)
     model = ContrastiveModel()
-    model.compile(contrastive_optimizer=keras.optimizers.Adam())
+    model.compile(contrastive_optimizer=k.optimizers.Adam())
+    return model
+
+
+def _contrastive_fit(k, enable: bool):
+    model = contrastive_model(k)
     if enable:
         model = tfamp.enable(model, verbose=False)
     x = np.random.default_rng(0).normal(size=(128, 8)).astype("float32")
@@ -108,12 +113,13 @@ def _contrastive_fit(enable: bool):
     return model, model.fit(x, batch_size=32, epochs=4, verbose=0).history
 
 
-def test_a_train_step_of_its_own_falls_back_too():
+@pytest.mark.parametrize("k", [keras, tf_keras], ids=["keras3", "tf_keras"])
+def test_a_train_step_of_its_own_falls_back_too(k):
     """It was skipped at every step (the gradient dy * 1e6 of the zero row overflows
     the head's float16 weight-gradient MatMul), and the fallback could not look: no
     compiled loss, and fit(x) kept no batch."""
-    _, want = _contrastive_fit(enable=False)
-    model, history = _contrastive_fit(enable=True)
+    _, want = _contrastive_fit(k, enable=False)
+    model, history = _contrastive_fit(k, enable=True)
     moved = model._tfamp_state.fallback.moved
     assert moved and all("sequential" in p or "head" in p for p in moved), moved
     assert history["skipped_steps"][-1] <= 3, history
