@@ -92,6 +92,31 @@ def test_decide_moves_the_overflowing_layer_after_checking_it_is_finite_in_float
     assert all((a == b).all() for a, b in zip(before, model.get_weights(), strict=True))
 
 
+@pytest.mark.parametrize("flavour", sorted(KERASES))
+def test_decide_runs_a_train_step_of_its_own(flavour):
+    """A model class with its own train_step is located in that step (probe mode),
+    compiled loss or not; here it wraps Keras's, so the answer is Keras's step's."""
+    k = KERASES[flavour]
+    plain = pipeline_model(k)
+
+    class Wrapped(k.Model):
+        steps = 0
+
+        def train_step(self, data):
+            type(self).steps += 1
+            return super().train_step(data)
+
+    model = Wrapped(plain.inputs, plain.outputs, name="pipe")
+    model.compile(optimizer=k.optimizers.Adam(3e-3), loss="mse")
+    x, y = pipeline_data()
+    tfamp.enable(model, verbose=False)
+    before = [w.copy() for w in model.get_weights()]
+    decision = fallback.decide(model, model._tfamp_state.config, (x[:BATCH], y[:BATCH], None))
+    assert Wrapped.steps >= 1  # traced through the model's own step
+    assert decision.kind == fallback.MOVED and "frozen" in decision.patterns[0], decision
+    assert all((a == b).all() for a, b in zip(before, model.get_weights(), strict=True))
+
+
 def test_decide_says_a_float32_overflow_is_not_fixed_by_moving():
     model = pipeline_model(tf_keras, frozen_std=1e10)
     x, y = pipeline_data(scale=1e30)

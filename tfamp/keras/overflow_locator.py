@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfamp.config import AmpConfig
 from tfamp.keras import replicas, scale_update
+from tfamp.keras import tape as tape_hooks
 from tfamp.keras.flavour import flavour_of
 from tfamp.keras.range_probe import state_variables
 from tfamp.keras.start_scale import NoLossDifferentiated, Recorder, assigned_variables
@@ -78,12 +79,10 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
     flavour = flavour_of(model)
     state = getattr(model, "_tfamp_state", None)
     own_step = flavour.own_train_step(state.cls if state is not None else type(model))
-    if own_step is not None:
-        loss_scale = 1.0  # (probe mode differentiates every loss unscaled)
 
-    def loss_and_grads(x, y, sample_weight, scale):
+    def loss_and_grads(x, y, sample_weight, scale, *, own):
         x, y, sample_weight = replicas.replica_rows((x, y, sample_weight))
-        if own_step is not None:
+        if own:
             return own_step_gradients(model, own_step, flavour.pack_batch(x, y, sample_weight))
         # The whole step is rewritten below: the model's call must not be on its own.
         with tf.GradientTape() as tape, plain_calls():
@@ -96,10 +95,14 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
         grads = tape.gradient(scaled, variables)
         return loss, [g for g in grads if g is not None]
 
-    def every_replica(x, y, sample_weight, scale):
-        return replicas.run_per_replica(strategy, loss_and_grads, x, y, sample_weight, scale)
+    def trace(own: bool):
+        def every_replica(x, y, sample_weight, scale):
+            return replicas.run_per_replica(
+                strategy, lambda *args: loss_and_grads(*args, own=own),
+                x, y, sample_weight, scale)
+        return plain_function(every_replica).get_concrete_function(
+            x, y, sample_weight, scale)
 
-    scale = tf.constant(float(loss_scale), tf.float32)
     saved = [(c, c.numpy()) for v in state_variables(model)
              for c in replicas.local_components(v)]
     metrics_before = {id(m) for m in model.metrics}
@@ -112,17 +115,27 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
                 metric.reset_state()
 
     try:
-        concrete = plain_function(every_replica).get_concrete_function(
-            x, y, sample_weight, scale)
-        if own_step is not None:  # (its own metrics, a random generator's state, ...)
-            known = {id(v) for v in state_variables(model)}
-            saved += [(c, c.numpy()) for v in assigned_variables(concrete)
-                      if id(v) not in known for c in replicas.local_components(v)]
+        concrete = None
+        if own_step is not None:
+            scale = tf.constant(1.0, tf.float32)  # (probe mode: every loss unscaled)
+            try:
+                concrete = trace(own=True)
+                loss_scale = 1.0
+            except NoLossDifferentiated:  # (gradients taken some other way)
+                if not flavour.has_loss(model):
+                    raise
+            if concrete is not None:  # (its own metrics, a random generator's state, ...)
+                known = {id(v) for v in state_variables(model)}
+                saved += [(c, c.numpy()) for v in assigned_variables(concrete)
+                          if id(v) not in known for c in replicas.local_components(v)]
+        if concrete is None:
+            scale = tf.constant(float(loss_scale), tf.float32)
+            concrete = trace(own=False)
 
         def locate(config: AmpConfig) -> NonFiniteOp | None:
             try:
                 return nonfinite.locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
-                                        loss_scale=loss_scale)
+                                                  loss_scale=loss_scale)
             finally:
                 restore()
 
@@ -136,6 +149,7 @@ def own_step_gradients(model, train_step, batch):
     probe mode (``step_scope.probe_mode``): every tape's float loss differentiated
     unscaled, every optimizer update skipped. A step of two optimizers (a GAN's, a
     contrastive and a probe one) gives both updates' gradients."""
+    tape_hooks.install()  # (the probe's tape and optimizer hooks; once per process)
     recorder = Recorder()
     with probe_mode(recorder), plain_calls():
         train_step(model, batch)
