@@ -193,8 +193,8 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     assert history.history["skipped_steps"][-1] <= 3
     [line] = _messages(caplog, "float32 fallback")
     pattern = model._tfamp_state.fallback.moved[0]
-    assert "frozen" in pattern and f"now keeping {pattern!r} float32" in line
-    assert f"TFAMP_KEEP_FP32={pattern!r}" in line and "AmpConfig(keep_fp32=" in line
+    assert "frozen" in pattern and f"now keeping '{pattern}' float32" in line
+    assert f"TFAMP_KEEP_FP32='{pattern}'" in line and "AmpConfig(keep_fp32=" in line
     assert model._tfamp_state.config.keep_fp32 == (pattern,)
     assert fallback.decode(model._tfamp_state.record_variable().numpy()) == (
         pattern,)

@@ -120,6 +120,7 @@ class ModelPrecision:
         self.step_owner = None  # the scale owner the train step applied, once traced
         self.nonfinite_skips = None  # step_metrics.counter_variable, before a train fn
         self.epoch_skipped_at = None  # skipped steps at the training epoch's start
+        self.epoch_calls = 0  # train function calls this epoch
         self.warned_unscaled = False
         self._own_state = None  # a ScaleState when the model has no tfamp optimizer
         self._seen_nonfinite = None  # the agreed nonfinite counts at the last look
@@ -582,6 +583,7 @@ class ModelPrecision:
     def on_epoch_begin(self) -> None:
         scale = self.read_scale()
         self.epoch_skipped_at = scale[1] if scale is not None else 0
+        self.epoch_calls = 0
 
     # -- around each step ---------------------------------------------------------------
 
@@ -638,6 +640,7 @@ class ModelPrecision:
         """Moves an op that overflows float16 to float32, else warns (naming the op)
         when the scale is stuck at its floor."""
         del outputs
+        self.epoch_calls += 1
         owner = self.step_owner
         if owner is None:
             return
@@ -762,7 +765,13 @@ class ModelPrecision:
         result = dict(result)
         result["loss_scale"], result["skipped_steps"] = scale
         mark, self.epoch_skipped_at = self.epoch_skipped_at, None  # training's read only
-        if mark is not None and scale[1] > mark:
+        # Every step of the epoch skipped (at least its calls' fewest steps: a last
+        # call may take fewer than steps_per_execution): a metric left empty then was
+        # put back at every step. With a step applied, an empty metric is one the
+        # step never updates (Keras 3's loss tracker beside a train_step of its
+        # own that returns its loss as a tensor): Keras's value stands.
+        fewest = (max(self.epoch_calls, 1) - 1) * self.flavour.steps_per_execution(model) + 1
+        if mark is not None and scale[1] - mark >= fewest:
             result = step_metrics.epoch_results(model, result)
         return result
 

@@ -235,7 +235,8 @@ def fit_batch_source(args: Sequence, kwargs: dict):
     """A callable returning one batch of ``fit``'s data later (None if unusable).
 
     Arrays: a copy of the first batch is kept now (not the caller's arrays). A
-    tf.data Dataset is only read when the callable is called.
+    tf.data Dataset, or a keras.utils.Sequence / PyDataset (its batch 0), is only
+    read when the callable is called.
     """
     x = args[0] if args else kwargs.get("x")
     if isinstance(x, tf.data.Dataset):
@@ -244,6 +245,11 @@ def fit_batch_source(args: Sequence, kwargs: dict):
                 return batch
             return None
         return from_dataset
+    if hasattr(x, "__getitem__") and hasattr(x, "on_epoch_end") and hasattr(x, "__len__"):
+        # a keras.utils.Sequence / PyDataset (either Keras): its batches by index
+        def from_sequence():
+            return x[0] if len(x) else None
+        return from_sequence
     batches = batches_from_fit_args(args, kwargs, 1)
     y = args[1] if len(args) > 1 else kwargs.get("y")
     if not batches and y is None and x is not None and all(

@@ -171,7 +171,7 @@ def _any_nonfinite(logs) -> tf.Tensor:
 def epoch_results(model, results: dict) -> dict:
     """`results` with NaN for every metric that received nothing this epoch.
 
-    Called at the end of an epoch in which steps were skipped: a metric whose
+    Called at the end of an epoch in which every step was skipped: a metric whose
     variables are all still zero (Keras resets them at the epoch's start) was
     put back at every step, and its empty mean (0) would say the run trained
     to a loss of 0.

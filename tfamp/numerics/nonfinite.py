@@ -322,10 +322,16 @@ def _layer_scope(name: str) -> str:
     return name.rsplit("/", 1)[0] if "/" in name else ""
 
 
+def shell_quoted(value: str) -> str:
+    """`value` in single quotes, as a shell reads it back unchanged (a keep_fp32
+    regex's backslashes included, which Python's repr would double)."""
+    return "'" + value.replace("'", "'\"'\"'") + "'"
+
+
 def _fixes(layer: str, op: str, config: AmpConfig) -> dict[str, str]:
     pattern = f"{re.escape(layer)}/" if layer else f"^{re.escape(op)}$"
     keep = [*config.keep_fp32, pattern]
-    fix_env = f"TFAMP_KEEP_FP32={','.join(keep)!r}"
+    fix_env = f"TFAMP_KEEP_FP32={shell_quoted(','.join(keep))}"
     fix_api = f"AmpConfig(keep_fp32={keep!r})"
     if op in config.allow_add:
         rest = [o for o in config.allow_add if o != op]
