@@ -134,6 +134,22 @@ def test_layer_scopes(name, scope):
     assert nonfinite._layer_scope(name) == scope
 
 
+FORWARD = {"m_1/gap_1/Mean", "m_1/dense_1/MatMul", "m_1/dense_1/MatMul/ReadVariableOp",
+           "dense/BiasAdd"}
+
+
+@pytest.mark.parametrize("name, scope", [
+    ("gradient_tape/m_1/dense_1/MatMul/MatMul_1", "m_1/dense_1"),
+    # TensorFlow's Mean gradient sits in the layer's scope, not under "Mean/": it
+    # once gave the parent ("m_1": the whole model moved to float32)
+    ("gradient_tape/m_1/gap_1/Tile", "m_1/gap_1"),
+    ("gradient_tape/replica_1/m_1/gap_1/truediv", "m_1/gap_1"),
+    ("gradients/dense/BiasAdd_grad/BiasAddGrad", "dense"),
+])
+def test_layer_scopes_from_the_graph(name, scope):
+    assert nonfinite._layer_scope(name, FORWARD) == scope
+
+
 def test_instrumented_graph_checks_every_float_output_in_order():
     @tf.function
     def f(x):

@@ -186,7 +186,7 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     feeds = tuple(sorted({consumer for consumer, _ in body.consumers.get(
         _ref(node, port), ())}, key=lambda n: (is_gradient(n), n))) if inserted else ()
     scope_source = feeds[0] if inserted and feeds else node
-    layer = _layer_scope(scope_source)
+    layer = _layer_scope(scope_source, {_REPLICA_PREFIX.sub("", n) for n in body.nodes})
     op = body.nodes[feeds[0]].op if inserted and feeds else body.nodes[node].op
     return NonFiniteOp(
         node=node, op=body.nodes[node].op, output=port, value=value,
@@ -308,17 +308,26 @@ def _ref(node: str, port: int) -> TensorRef:
 _REPLICA_PREFIX = re.compile(r"^replica_\d+/")
 
 
-def _layer_scope(name: str) -> str:
+def _layer_scope(name: str, forward_ops=None) -> str:
     """The name scope of the forward op: gradient ops are named
-    "gradient_tape/<forward op>/<gradient op>", so they lose one more part; a
-    replica's copy ("replica_1/...", "gradient_tape/replica_1/...") is named for
-    every replica."""
+    "gradient_tape/<forward op>/<gradient op>" ("gradients/<op>_grad/..." in TF1),
+    so they lose one more part; a replica's copy ("replica_1/...",
+    "gradient_tape/replica_1/...") is named for every replica.
+
+    `forward_ops`: the graph's op names (replica prefixes left out), where known.
+    Some gradients sit in the forward op's scope itself, not under its name
+    (TensorFlow's Mean gradient: ".../global_average_pooling2d_1/Tile" for
+    ".../global_average_pooling2d_1/Mean"): where the part before the gradient
+    op's own name is no op, it is that scope.
+    """
     name = _REPLICA_PREFIX.sub("", name)
     if is_gradient(name):
         for prefix in GRADIENT_PREFIXES:
             name = name.removeprefix(prefix)
         name = _REPLICA_PREFIX.sub("", name)  # "gradient_tape/replica_1/..."
         name = name.rsplit("/", 1)[0] if "/" in name else name
+        if forward_ops is not None and name.removesuffix("_grad") not in forward_ops:
+            return name
     return name.rsplit("/", 1)[0] if "/" in name else ""
 
 
