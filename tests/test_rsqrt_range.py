@@ -118,6 +118,10 @@ def _in_a_body(loop):
     def layer(h):
         if loop == "cond":
             return tf.cond(tf.reduce_sum(h) > -1e9, lambda: _l2_normalize(h), lambda: h * 2.0)
+        if loop == "nested_cond":  # (the inner branch's optionals wrapped in the outer's)
+            return tf.cond(tf.reduce_sum(h) > -1e9, lambda: tf.cond(
+                tf.reduce_max(h) > -1e9, lambda: _l2_normalize(h), lambda: h * 2.0),
+                lambda: h * 3.0)
         if loop == "nested_functions":
             inner = tf.function(_l2_normalize, autograph=False)
             return tf.function(lambda v: inner(v), jit_compile=True)(h)
@@ -132,7 +136,8 @@ def _in_a_body(loop):
     return layer
 
 
-@pytest.mark.parametrize("loop", ["map_fn", "while_loop", "nested_functions", "cond"])
+@pytest.mark.parametrize("loop", ["map_fn", "while_loop", "nested_functions", "cond",
+                                  "nested_cond"])
 def test_the_hold_follows_the_rsqrt_into_the_gradient_body(loop):
     """The gradient loop pops the forward's rsqrt (1e6 on the zero row) from the loop's
     accumulator in another body, or the gradient function receives it from the forward

@@ -23,7 +23,9 @@ bfloat16 has float32's range). An output computed from a value float16
 cannot hold is then not finite in the noisy run either, and is not judged: a
 gradient of 1e7 is the loss scale's and the fallback's business, not the
 rewrite's (programs 2000569 and 2001003 of the long mode, session 13: a
-value cubed in a loop). The price: an infer or clear op the rewrite keeps
+value cubed in a loop). Every output of an allow op that reads such a value
+overflows too (the rewrite casts a deny op's float32 result to the 16-bit type
+for it). The price: an infer or clear op the rewrite keeps
 float32 (next to float32 neighbours) may hold such a value, and what reads it
 is then not judged either. Deny ops are never noised, so never overflow here.
 Nor is an op that reads a constant past float16's range (a mask's -1e9),
@@ -88,6 +90,8 @@ _EXACT_OPS = frozenset({
 MAGIC_SIZE = np.float32(1.2345678e-4)
 MAGIC_TINY = np.float32(8.7654321e-9)
 MAGIC_LARGEST = np.float32(1.2345678e30)
+# The same for what an allow op reads (with_noise_size: other ops' readers stay exact)
+MAGIC_READ = np.float32(2.3456789e30)
 # Types whose values no float32 op of the trace range-checked (see the Casts in
 # ``rounding_noise``).
 _UNRANGED = (tf.bfloat16, tf.float64)
@@ -295,6 +299,17 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
         terms = _root_terms(op_type, inputs, attrs, outputs)
         # Past the 16-bit type's range an output overflows (see the module doc).
         largest = tf.constant(MAGIC_LARGEST, name=f"progen_noise__{op_type}__")
+        # So does every output of an allow op that reads a finite value past it
+        # (a deny op's float32 result the rewrite casts to 16 bits for it: 29000855,
+        # a Pow of 1e5 read by a float16 MatMul in a loop). Not an infer or clear
+        # op's: the rewrite's range rules may hold those float32 (an l2
+        # normalisation's rsqrt of 1e6 and what reads it). An inf is inf in 16
+        # bits too (a mask's -inf).
+        wide = [t for t in inputs if t.dtype == tf.float32]
+        read_limit = tf.constant(MAGIC_READ, name=f"progen_noise__{op_type}__")
+        read_past = (tf.reduce_any([tf.reduce_any(tf.logical_and(
+            tf.abs(t) > read_limit, tf.math.is_finite(t))) for t in wide])
+            if wide and graph is not None else None)
         replaced = []
         for tensor in outputs:
             if tensor.dtype != tf.float32:
@@ -319,7 +334,10 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
                 # float32 rounds to one, 16-bit rounding gives too (a mask's 1 - m).
                 error = tf.where(_small_integer(tensor), tf.zeros_like(error), error)
             noisy = tensor + error
-            error += tf.where(tf.abs(noisy) > largest, tf.sign(noisy) * np.float32(np.inf),
+            past = tf.abs(noisy) > largest
+            if read_past is not None:
+                past = tf.logical_or(past, read_past)
+            error += tf.where(past, tf.where(noisy < 0, -np.float32(np.inf), np.float32(np.inf)),
                               tf.zeros_like(noisy))
             # A forward perturbation only: the gradient ops have their own.
             # (Without the stop, a loop's gradient would keep every factor.)
@@ -369,6 +387,11 @@ def with_noise_size(graph_def, unit_roundoff: float, tiny: float,
             if node.op != "Const" or named is None:
                 continue
             value = tensor_util.MakeNdarray(node.attr["value"].tensor)
+            if value.tobytes() == MAGIC_READ.tobytes():
+                new = np.float32(largest if lists.list_of(named.group(1)) == "allow"
+                                 else np.inf)
+                node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(new))
+                continue
             new = values.get(value.tobytes())
             if new is None:
                 continue

@@ -455,6 +455,7 @@ class _Analysis:
                 self._variant_node(body, node, uf, value, blocked_values, element_slots)
         for body, node, by_attr in self.calls:
             self._variant_call(body, node, by_attr, uf, value)
+        self._join_wrapped_variants(uf, value)
         ends: dict = {}
         for key, found in self._optional_ends.items():
             ends.setdefault(uf.find(key), []).extend(found)
@@ -479,6 +480,38 @@ class _Analysis:
                     break
                 block = self._member_block(member)
             self.groups.append(Group("list", slots, block))
+
+    def _join_wrapped_variants(self, uf, value) -> None:
+        """An optional whose contents are a variant (a nested cond: the outer branch
+        wraps the inner If's optionals in its own for the outer gradient branch,
+        which unwraps them and hands them to the inner gradient If): what goes in
+        at an OptionalFromValue and comes out of its OptionalGetValue is one value.
+        Joined until nothing changes (one round per level of nesting)."""
+        while True:
+            ends: dict = {}
+            for key, found in self._optional_ends.items():
+                ends.setdefault(uf.find(key), []).extend(found)
+            joined = False
+            for found in ends.values():
+                for from_body, from_node in found:
+                    if from_node.op != "OptionalFromValue":
+                        continue
+                    for index, (ref, _) in enumerate(from_node.data_inputs):
+                        if (index >= len(from_node.inputs)
+                                or from_node.inputs[index].dtype != DT_VARIANT):
+                            continue
+                        source = value(self.bodies[from_body], ref)
+                        for get_body, get_node in found:
+                            if (get_node.op != "OptionalGetValue"
+                                    or index >= len(get_node.outputs)
+                                    or get_node.outputs[index].dtype != DT_VARIANT):
+                                continue
+                            out = value(self.bodies[get_body], TensorRef(get_node.name, index))
+                            if uf.find(source) != uf.find(out):
+                                uf.union(source, out)
+                                joined = True
+            if not joined:
+                return
 
     def _variant_node(self, body, node, uf, value, blocked_values, element_slots) -> None:
         out_refs = [TensorRef(node.name, i) for i, p in enumerate(node.outputs)
