@@ -179,8 +179,24 @@ def test_every_call_of_the_overflowing_layer_moves():
     assert history["loss"] == [0.0, 0.0], history
 
 
+def test_the_stuck_warnings_fix_names_every_call_too():
+    """The stuck-at-floor warning's "Fix:" (``diagnose_keras_model``) named the one
+    call's scope ('embedding_1/proj_1/'), which leaves the other call float16."""
+    rng = np.random.default_rng(0)
+    anchors, positives = (rng.normal(size=(32, 8)).astype("float32") for _ in range(2))
+    anchors[::4] = 0
+    keras.utils.set_random_seed(0)
+    model = SiameseModel()
+    model.compile(keras.optimizers.Adam(1e-2))
+    model.embedding(anchors)  # (built, as fit's first step leaves it)
+    found = locate_keras_nonfinite(model, anchors, positives, config=AmpConfig())
+    assert found is not None and found.ran_16bit, found
+    assert found.keep_fp32 == r"embedding(_\d+)?/proj(_\d+)?/", found.describe()
+    assert r"TFAMP_KEEP_FP32='embedding(_\d+)?/proj(_\d+)?/'" in found.describe()
+
+
 def test_every_call_keeps_a_layer_name_as_it_is():
-    from tfamp.keras.fallback import every_call
+    from tfamp.keras.call_scopes import every_call
 
     names = frozenset({"pipe", "frozen", "embedding", "proj", "dense", "dense_1"})
     assert every_call("pipe/frozen", names) == "pipe/frozen/"  # tf_keras: stable scopes

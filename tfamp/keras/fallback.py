@@ -76,6 +76,7 @@ import time
 import numpy as np
 
 from tfamp.keras import replicas
+from tfamp.keras.flavour import layers_of
 from tfamp.keras.scale_state import RECORD_LENGTH
 from tfamp.numerics.nonfinite import shell_quoted
 
@@ -208,7 +209,6 @@ def decide(model, config, batch, *, room: int = MAX_MOVED, strategy=None) -> Fal
     start = time.perf_counter()
     x, y, sample_weight = batch
     candidate, patterns, findings = config, [], []
-    names = layer_names(model)
 
     def done(kind: str) -> FallbackDecision:
         moved = tuple(patterns) if kind == MOVED else ()
@@ -224,56 +224,14 @@ def decide(model, config, batch, *, room: int = MAX_MOVED, strategy=None) -> Fal
             findings.append(found)
             if not found.ran_16bit:
                 return done(OVERFLOWS_IN_FP32)
-            pattern = every_call(found.layer, names) if found.layer else found.keep_fp32
-            if pattern in candidate.keep_fp32 or found.keep_fp32 in candidate.keep_fp32:
+            pattern = found.keep_fp32  # (the layer's every call: ``call_scopes``)
+            one_call = f"{re.escape(found.layer)}/"
+            if pattern in candidate.keep_fp32 or one_call in candidate.keep_fp32:
                 return done(NOT_COVERED)
             if len(patterns) >= room:
                 return done(CAP_REACHED)
             patterns.append(pattern)
             candidate = candidate.replace(keep_fp32=(*candidate.keep_fp32, pattern))
-
-
-def layer_names(model) -> frozenset[str]:
-    """The names of `model` and of every layer in it, at any depth."""
-    flatten = getattr(model, "_flatten_layers", None)
-    if not callable(flatten):
-        return frozenset({model.name})
-    try:
-        layers = list(flatten(include_self=True, recursive=True))
-    except TypeError:  # (an older signature)
-        layers = list(flatten())
-    return frozenset(getattr(layer, "name", "") for layer in layers) | {model.name}
-
-
-_CALL_SUFFIX = re.compile(r"(.+)_\d+")
-
-
-def every_call(scope: str, names: frozenset[str]) -> str:
-    r"""A keep_fp32 pattern for layer scope `scope` (the one the locator found) that
-    matches every call of that layer, not only the one that overflowed.
-
-    A layer called twice in one step (a siamese model's two towers, a metric
-    model on anchors and positives) gets a name scope per call: Keras 3 writes
-    ``embedding_model_1/dense_1/`` and ``embedding_model_3/dense_1/``, the layer
-    names with TensorFlow's uniquifying suffix. A scope component that is not
-    a layer's name but one with such a suffix stands for that layer's every
-    call (the name, then an optional ``_<n>``); one that is a layer's name stays
-    as it is, so tf_keras's stable scopes (``pipe/frozen/``) are unchanged.
-    The price: a layer named like another plus ``_<n>`` in the same scope is
-    matched too (kept float32: slower, never wrong).
-
-    Example:
-      >>> print(every_call("embedding_model_1/dense_1", frozenset({"embedding_model", "dense"})))
-      embedding_model(_\d+)?/dense(_\d+)?/
-    """
-    parts = []
-    for part in scope.split("/"):
-        base = _CALL_SUFFIX.fullmatch(part)
-        if part not in names and base is not None and base.group(1) in names:
-            parts.append(re.escape(base.group(1)) + r"(_\d+)?")
-        else:
-            parts.append(re.escape(part))
-    return "/".join(parts) + "/"
 
 
 # -- the log lines ---------------------------------------------------------------------
@@ -383,7 +341,7 @@ def repair_state(model) -> tuple[tuple[str, ...], object]:
     import numpy as np
 
     initializers = {}
-    for layer in model._flatten_layers(include_self=False):
+    for layer in layers_of(model, include_self=False):
         for attr, value in vars(layer).items():
             initializer = getattr(layer, f"{attr}_initializer", None)
             if initializer is not None and hasattr(value, "assign"):

@@ -246,15 +246,30 @@ class KerasFlavour:
         return isinstance(callback, self.keras.callbacks.TensorBoard)
 
 
+def layers_of(model, include_self: bool = True) -> list:
+    """Every layer in `model` at any depth (and `model` itself if `include_self`).
+
+    Both Kerases keep this behind the private ``_flatten_layers``; an object
+    without it (not a Keras layer) has no layers but itself, and an older
+    signature without keywords is read as its default (self included,
+    recursive).
+    """
+    flatten = getattr(model, "_flatten_layers", None)
+    if not callable(flatten):
+        return [model] if include_self else []
+    try:
+        return list(flatten(include_self=include_self, recursive=True))
+    except TypeError:  # (an older signature)
+        return [layer for layer in flatten() if include_self or layer is not model]
+
+
 def mixed_policy_of_layers(model) -> str | None:
     """The Keras mixed policy (e.g. "mixed_float16") some layer of `model` runs, or None.
 
     Both Kerases give every layer a ``dtype_policy`` whose name starts with
     "mixed_" under a mixed policy.
     """
-    flatten = getattr(model, "_flatten_layers", None)
-    layers = list(flatten(include_self=True)) if callable(flatten) else [model]
-    for layer in layers:
+    for layer in layers_of(model):
         name = getattr(getattr(layer, "dtype_policy", None), "name", None)
         if isinstance(name, str) and name.startswith("mixed_"):
             return name

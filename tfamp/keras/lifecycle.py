@@ -62,7 +62,7 @@ import tensorflow as tf
 from tfamp.config import AmpConfig
 from tfamp.keras import fallback, replicas, start_scale, step_metrics, step_scope, tape
 from tfamp.keras.custom_loop import ModelLoop, call_hook, part_call_hook, unscaled_message
-from tfamp.keras.flavour import flavour_of
+from tfamp.keras.flavour import flavour_of, layers_of
 from tfamp.keras.notices import warn
 from tfamp.keras.scale_state import ScaleState, current_scale, scale_values, step_log_values
 from tfamp.runtime.runner import RewrittenFunction
@@ -862,17 +862,10 @@ def _fully_built(model) -> bool:
     """Is `model` built, and every layer in it (Keras 3)?"""
     if not model.built:
         return False
-    flatten = getattr(model, "_flatten_layers", None)
-    return flatten is None or all(layer.built for layer in flatten())
+    return all(layer.built for layer in layers_of(model))
 
 
 def _nested_models(model, model_class) -> list:
     """The Keras models inside `model` (not itself), at any depth."""
-    flatten = getattr(model, "_flatten_layers", None)
-    if flatten is None:
-        return []
-    try:
-        layers = list(flatten(include_self=False, recursive=True))
-    except TypeError:  # (an older signature)
-        layers = [layer for layer in flatten() if layer is not model]
-    return [layer for layer in layers if isinstance(layer, model_class)]
+    return [layer for layer in layers_of(model, include_self=False)
+            if isinstance(layer, model_class)]

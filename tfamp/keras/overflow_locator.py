@@ -18,7 +18,7 @@ import contextlib
 import tensorflow as tf
 
 from tfamp.config import AmpConfig
-from tfamp.keras import replicas, scale_update
+from tfamp.keras import call_scopes, replicas, scale_update
 from tfamp.keras import tape as tape_hooks
 from tfamp.keras.flavour import flavour_of
 from tfamp.keras.range_probe import state_variables
@@ -79,6 +79,7 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
     flavour = flavour_of(model)
     state = getattr(model, "_tfamp_state", None)
     own_step = flavour.own_train_step(state.cls if state is not None else type(model))
+    pattern = call_scopes.pattern_for(model)  # (a finding's keep_fp32: every call of it)
 
     def loss_and_grads(x, y, sample_weight, scale, *, own):
         x, y, sample_weight = replicas.replica_rows((x, y, sample_weight))
@@ -135,7 +136,7 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
         def locate(config: AmpConfig) -> NonFiniteOp | None:
             try:
                 return nonfinite.locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
-                                                  loss_scale=loss_scale)
+                                                  loss_scale=loss_scale, scope_pattern=pattern)
             finally:
                 restore()
 

@@ -37,6 +37,7 @@ import dataclasses
 import itertools
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -133,7 +134,8 @@ class NonFiniteOp:
 
 
 def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
-                     loss_scale: float = 1.0) -> NonFiniteOp | None:
+                     loss_scale: float = 1.0,
+                     scope_pattern: Callable[[str], str] | None = None) -> NonFiniteOp | None:
     """Runs a traced step once, rewritten by tfamp, and finds the first inf/nan op.
 
     Args:
@@ -142,6 +144,8 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
       args: the arguments to call it with (the same structure it was traced for).
       config: the rewrite settings (``AmpConfig()`` if None).
       loss_scale: recorded in the answer (the step's own scale is in `args`).
+      scope_pattern: the keep_fp32 pattern for a layer scope (default: the scope
+        itself, escaped, then "/"); Keras's names every call of the layer.
 
     Returns:
       the origin, or None if every value was finite.
@@ -193,7 +197,7 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
         phase="backward" if is_gradient(scope_source) else "forward", layer=layer,
         dtype=dtype_name(dtype), ran_16bit=dtype in _SIXTEEN_BIT, inserted_cast=inserted,
         feeds=feeds, inputs=inputs, loss_scale=float(loss_scale),
-        **_fixes(layer, op, config))
+        **_fixes(layer, op, config, scope_pattern))
 
 
 # ------------------------------------------------------------------ helpers
@@ -337,8 +341,12 @@ def shell_quoted(value: str) -> str:
     return "'" + value.replace("'", "'\"'\"'") + "'"
 
 
-def _fixes(layer: str, op: str, config: AmpConfig) -> dict[str, str]:
-    pattern = f"{re.escape(layer)}/" if layer else f"^{re.escape(op)}$"
+def _fixes(layer: str, op: str, config: AmpConfig,
+           scope_pattern: Callable[[str], str] | None = None) -> dict[str, str]:
+    if not layer:
+        pattern = f"^{re.escape(op)}$"
+    else:
+        pattern = scope_pattern(layer) if scope_pattern else f"{re.escape(layer)}/"
     keep = [*config.keep_fp32, pattern]
     fix_env = f"TFAMP_KEEP_FP32={shell_quoted(','.join(keep))}"
     fix_api = f"AmpConfig(keep_fp32={keep!r})"

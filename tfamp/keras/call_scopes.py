@@ -1,0 +1,53 @@
+r"""Which keep_fp32 pattern names a Keras layer in every call, not one call's scope.
+
+A layer called twice in one step (a siamese model's two towers, a metric model
+on anchors and positives) gets a name scope per call: Keras 3 writes
+``embedding_model_1/dense_1/`` and ``embedding_model_3/dense_1/``, the layer
+names with TensorFlow's uniquifying suffix. The float32 fallback moves, and the
+stuck-at-floor warning's "Fix:" names, the pattern ``every_call`` makes from
+the scope the locator found, so the layer moves in each of its calls.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tfamp.keras.flavour import layers_of
+
+_CALL_SUFFIX = re.compile(r"(.+)_\d+")
+
+
+def layer_names(model) -> frozenset[str]:
+    """The names of `model` and of every layer in it, at any depth."""
+    return frozenset(getattr(layer, "name", "") for layer in layers_of(model)) | {model.name}
+
+
+def every_call(scope: str, names: frozenset[str]) -> str:
+    r"""A keep_fp32 pattern for layer scope `scope` that matches every call of that
+    layer, not only the one in `scope`.
+
+    A scope component that is not a layer's name but one with TensorFlow's
+    ``_<n>`` suffix stands for that layer's every call (the name, then an
+    optional ``_<n>``); one that is a layer's name stays as it is, so tf_keras's
+    stable scopes (``pipe/frozen/``) are unchanged. The price: a layer named
+    like another plus ``_<n>`` in the same scope is matched too (kept float32:
+    slower, never wrong).
+
+    Example:
+      >>> print(every_call("embedding_model_1/dense_1", frozenset({"embedding_model", "dense"})))
+      embedding_model(_\d+)?/dense(_\d+)?/
+    """
+    parts = []
+    for part in scope.split("/"):
+        base = _CALL_SUFFIX.fullmatch(part)
+        if part not in names and base is not None and base.group(1) in names:
+            parts.append(re.escape(base.group(1)) + r"(_\d+)?")
+        else:
+            parts.append(re.escape(part))
+    return "/".join(parts) + "/"
+
+
+def pattern_for(model):
+    """``scope -> keep_fp32 pattern`` for `model`'s layers (``every_call``)."""
+    names = layer_names(model)
+    return lambda scope: every_call(scope, names)
