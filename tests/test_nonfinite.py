@@ -66,6 +66,33 @@ def test_planted_exp_overflow_is_named_with_its_fix():
     assert locate_keras_nonfinite(model, X, Y, config=both) is None
 
 
+def test_locating_raises_nothing_tensorflow_would_log(capfd):
+    """CheckNumerics that stopped the step made TensorFlow log "Local rendezvous is
+    aborting ... tfamp_check" on stderr for every look: harmless, but alarming in a
+    training log. The flags are read in one finishing run now."""
+    found = locate_keras_nonfinite(overflow_model(), X, Y, config=EXP_16BIT)
+    assert found is not None and found.node == "planted/expo/Exp"
+    err = capfd.readouterr().err
+    assert "tfamp_check" not in err and "rendezvous" not in err, err
+
+
+def test_an_op_that_fails_on_the_infs_values_is_still_located():
+    """An index made from the inf (a gather at int(inf)) makes the whole run fail:
+    the CheckNumerics path stops the step at the inf before that op runs."""
+    def step(x):
+        y = tf.exp(x * 12.0)  # 162755: inf in float16
+        index = tf.cast(tf.reduce_max(y) / 1e6, tf.int32)  # 0 in float32; int(inf) in float16
+        return tf.gather(tf.ones([4]), index) * tf.reduce_sum(y)
+
+    concrete = tf.function(step).get_concrete_function(tf.TensorSpec([4, 4], tf.float32))
+    checked = mock.Mock(wraps=nonfinite._first_checked)
+    with mock.patch.object(nonfinite, "_first_checked", checked):
+        found = nonfinite.locate_nonfinite(concrete, (tf.ones([4, 4]),),
+                                           AmpConfig(allow_add=["Exp", "Mul"]))
+    assert checked.called  # (the flags' run failed at the gather)
+    assert found is not None and found.op == "Exp" and found.ran_16bit, found
+
+
 def test_value_too_big_for_an_inserted_cast_names_the_cast_and_its_consumer():
     # Default lists: Exp stays float32 and gives 162755; tfamp's Cast to float16
     # in front of the converted head MatMul is where inf first appears.

@@ -207,7 +207,42 @@ def _first_nonfinite(concrete, graph_def: graph_pb2.GraphDef, body, flat_args: l
                      skip: frozenset[tuple[str, int]]) -> tuple[str, int, str] | None:
     """(node, output, "inf" / "nan" / "nan and inf") of the first float output of
     `graph_def`'s top graph, in execution order, that is not finite (outputs in
-    `skip` are not checked), or None."""
+    `skip` are not checked), or None.
+
+    One run computes every output's flags in the graph: the first non-finite one
+    in a topological order has only finite ancestors, so it is an origin. Where
+    that run raises (an op that errors on a value the inf/nan made: an index
+    cast from NaN), ``CheckNumericsV2`` after every output stops the step at the
+    first one instead; TensorFlow then logs its "Local rendezvous is aborting"
+    warning, so it is only the fallback.
+    """
+    tensors = _float_outputs(body, skip)
+    if not tensors:
+        return None
+    try:
+        nan, inf = _nan_inf_flags(concrete, graph_def, tensors, flat_args)
+    except tf.errors.InvalidArgumentError:
+        return _first_checked(concrete, graph_def, body, flat_args, skip)
+    for (node, port), has_nan, has_inf in zip(tensors, nan, inf, strict=True):
+        if has_nan or has_inf:
+            return node, port, ("nan and inf" if has_nan and has_inf
+                                else "nan" if has_nan else "inf")
+    return None
+
+
+def _nan_inf_flags(concrete, graph_def: graph_pb2.GraphDef, tensors: list[tuple[str, int]],
+                   flat_args: list, results: tuple[str, ...] = ()) -> tuple[np.ndarray, ...]:
+    """(any NaN, any inf) per tensor of `tensors` and then of `results`, from one run."""
+    fetches = [f"{name}:{port}" for name, port in tensors] + list(results)
+    (flags,) = run_imported(concrete, graph_def, fetches, flat_args, post=lambda values: [
+        tf.stack([tf.stack([tf.reduce_any(tf.math.is_nan(v)), tf.reduce_any(tf.math.is_inf(v))])
+                  for v in values], axis=1)])
+    return flags[0], flags[1]
+
+
+def _first_checked(concrete, graph_def: graph_pb2.GraphDef, body, flat_args: list,
+                   skip: frozenset[tuple[str, int]]) -> tuple[str, int, str] | None:
+    """``_first_nonfinite`` by a CheckNumericsV2 after every float output."""
     instrumented, checked = _instrument(graph_def, body, skip)
     try:
         run_imported(concrete, instrumented, [t.name for t in concrete.graph.outputs],
@@ -231,16 +266,14 @@ def _float32_nonfinite(concrete, flat_args: list) -> frozenset[tuple[str, int]]:
     graph_def = concrete.graph.as_graph_def()
     body = build_view(graph_def).bodies[0]
     tensors = _float_outputs(body, frozenset())
-    results = [t.name for t in concrete.graph.outputs if t.dtype.is_floating]
-    fetches = [f"{name}:{port}" for name, port in tensors] + results
+    results = tuple(t.name for t in concrete.graph.outputs if t.dtype.is_floating)
     if not tensors:
         return frozenset()
-    (finite,) = run_imported(concrete, graph_def, fetches, flat_args, post=lambda values: [
-        tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values])])
-    if not finite[len(tensors):].all():
+    nan, inf = _nan_inf_flags(concrete, graph_def, tensors, flat_args, results)
+    bad = nan | inf
+    if bad[len(tensors):].any():
         return frozenset()
-    return frozenset(t for t, ok in zip(tensors, finite[:len(tensors)], strict=True)
-                     if not ok)
+    return frozenset(t for t, wrong in zip(tensors, bad[:len(tensors)], strict=True) if wrong)
 
 
 def _float_outputs(body, skip: frozenset[tuple[str, int]]) -> list[tuple[str, int]]:
