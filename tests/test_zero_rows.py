@@ -57,10 +57,27 @@ def test_the_fallback_moves_the_projection_and_training_goes_on():
     assert "proj" in moved, moved
     # skipped until the fallback (2 steps), then every step applies
     assert history["skipped_steps"][-1] <= 3, history
+    # The skips left the scale at 1; the probe, run again with the projection
+    # float32, puts it where the 16-bit rest allows (it stayed 1 before, for the
+    # thousands of steps dynamic scaling takes to grow it).
+    assert history["loss_scale"][-1] >= 2**10, history
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
     assert np.all(np.isfinite(history["loss"]))
     assert history["loss"][-1] < history["loss"][0] and history["loss"][-1] < want[0], (
         history["loss"], want)
+
+
+def test_layers_kept_float32_by_name_set_no_start_scale():
+    """The start-scale probe guessed from the op lists what stays float32, so the
+    zero row's 1e11 gradient in the projection, kept float32 by keep_fp32, held
+    the scale at 1: a tiny loss then underflowed the head's float16 gradient
+    (cosine 0.94 against float32). It now asks the rewrite."""
+    keep = AmpConfig(keep_fp32=[r"zr(_\d+)?/proj(_\d+)?/"])
+    model = tfamp.enable(unit_norm_model(), verbose=False, config=keep)
+    history = model.fit(X, Y, batch_size=32, epochs=1, verbose=0).history
+    found = model._tfamp_state.start_scale
+    assert found.scale >= 2**10 and "proj" not in found.where, found
+    assert history["skipped_steps"][-1] == 0, history
 
 
 def contrastive_model(k):

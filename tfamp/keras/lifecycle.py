@@ -521,8 +521,9 @@ class ModelPrecision:
                 self._recorders[graph] = recorder
             return recorder
 
-    def _probe(self, batch, trace=None):
-        """Probes, sets the owner's scale unless it has taken a step, says so."""
+    def _probe(self, batch, trace=None, *, again: bool = False):
+        """Probes, sets the owner's scale unless it has taken a step (`again`: after
+        the float32 fallback, whether or not it has), says so."""
         model = self.model
         owner = self.scale_owner()
         try:
@@ -531,13 +532,27 @@ class ModelPrecision:
             found = start_scale.probe_step(
                 lambda data: self.cls.train_step(model, data), (batch,), {},
                 extra_state=state_variables(model), min_scale=owner.min_scale,
-                op_lists=self.float16_lists(), strategy=self.strategy(), trace=trace)
+                op_lists=self.float16_lists(), strategy=self.strategy(), trace=trace,
+                # layers kept float32 by name: the op lists cannot say so, the rewrite can
+                rewrite_config=self.config if self.config.keep_fp32 else None,
+                headroom_bits=(start_scale.AFTER_FALLBACK_HEADROOM_BITS if again
+                               else start_scale.START_HEADROOM_BITS))
             owner = self.built_scale_owner()  # the probe may have built the model
+            if again:  # the fallback's: only ever up from what the skips left
+                before = self._scale_or_none(owner)
+                if before is None or found.scale > before:
+                    owner.set_scale(found.scale)
+                return found
             if owner.has_stepped():  # a restored run keeps its scale
                 self.start_scale = False
                 return None
             owner.set_scale(found.scale)
         except Exception as err:  # training goes on at the default scale; the user is told
+            if again:  # the scale it has stays
+                log.info("tfamp: model %r: the loss scale stays (the start-scale probe "
+                         "with the moved layers float32 failed: %s: %s).", model.name,
+                         type(err).__name__, err)
+                return None
             return self._probe_failed(owner, err)
         self.start_scale = found
         log.info("%s", found.message())
@@ -663,13 +678,14 @@ class ModelPrecision:
         if not state.should_look(int(skipped), at_floor, self._forward_overflowed):
             return False
         room = fallback.MAX_MOVED - len(state.moved)
-        local, repaired, undo = self._decide_locally(room)
+        local, repaired, undo, batch = self._decide_locally(room)
         decision = fallback.agree(self.strategy(), local, room=room)
         state.record(decision)
         if decision.kind == fallback.MOVED:
             decision = dataclasses.replace(decision, repaired=repaired)
             self.apply_fallback(decision.patterns)
             log.warning("%s", fallback.moved_message(self.model, self.config, decision))
+            self._probe_after_fallback(owner, batch)
             return True
         undo()
         if decision.kind == fallback.NOT_FOUND:
@@ -681,7 +697,8 @@ class ModelPrecision:
         return False
 
     def _decide_locally(self, room: int):
-        """(this worker's decision, what was repaired, undo) on fit's first batch."""
+        """(this worker's decision, what was repaired, undo, the batch) on fit's first
+        batch (None when it cannot be read)."""
         model = self.model
         source = getattr(model, "_tfamp_fit_batch", None)
         try:
@@ -689,7 +706,7 @@ class ModelPrecision:
         except Exception:  # a batch that cannot be read again: nothing to look at
             batch = None
         if batch is None:
-            return fallback.FallbackDecision(fallback.NO_BATCH), (), lambda: None
+            return fallback.FallbackDecision(fallback.NO_BATCH), (), lambda: None, None
         # The skipped steps ran their forward pass: a BatchNorm's moving statistics
         # took the inf/nan in. Repaired first, so the locator sees where it starts;
         # kept only if layers move (the next overflowing step would write them again).
@@ -703,7 +720,27 @@ class ModelPrecision:
                         "meanwhile keep the layer float32 yourself (keep_fp32=[...]).",
                         model.name, type(err).__name__, err)
             decision = fallback.FallbackDecision(fallback.FAILED)
-        return decision, repaired, undo
+        return decision, repaired, undo, batch
+
+    def _probe_after_fallback(self, owner, batch) -> None:
+        """The start scale again, now that layers moved to float32 (``auto`` only).
+
+        The skipped steps that led to the fallback left the scale at or near its
+        floor, since the moved layers' values overflowed float16 at any scale;
+        dynamic scaling would take thousands of steps to grow it back, and
+        meanwhile small gradients of the layers still 16-bit underflow. The
+        probe runs on the batch the fallback read, rewritten with the moved
+        layers float32, so only what stays 16-bit sets the scale. Every worker
+        probes (the probe agrees across them); failing, the scale stays."""
+        if not self.settings.auto_start or not owner.is_dynamic:
+            return
+        before = self._scale_or_none(owner)
+        found = self._probe(batch, again=True)
+        if found is not None and before is not None and found.scale > before:
+            log.warning("tfamp: model %r: loss scale %g -> %g now that those layers are "
+                        "float32 (the start-scale probe again, on the rewritten step: "
+                        "max |g| %.3g in %s).", self.model.name, before, found.scale,
+                        found.max_abs, found.where)
 
     def _forward_overflowed(self) -> bool:
         """Did a skipped step's logs hold inf/nan since the last look, on any replica of

@@ -68,6 +68,11 @@ AUTO = "auto"
 # The probe sees one batch before any update; gradients grow in the first steps
 # of a from-scratch model, so keep two doublings of room (max * S < 2**14).
 START_HEADROOM_BITS = 2
+# After the float32 fallback the probe runs again (the skips before it left the
+# scale at its floor): those steps showed values outgrowing float16, and the scale
+# then only rises, so it keeps 2^8 more room (a Dense whose inputs grow 10x a
+# step lost 3 more steps to halvings with the start's 2 bits).
+AFTER_FALLBACK_HEADROOM_BITS = START_HEADROOM_BITS + 8
 # Ops that write a resource variable (their first input): the probe restores what
 # they wrote. A tf.random.Generator's state is one (tf_keras's random layers draw
 # from one: a probe that advanced it gave training other flips and crops than
@@ -120,8 +125,9 @@ class StartScale:
                 f"initial_scale=<number> (TFAMP_INITIAL_SCALE) skips the probe.")
 
 
-def choose_scale(max_abs: float, *, min_scale: float = 1.0) -> float:
-    """The largest power of two S with ``max_abs * S < 2**(16 - START_HEADROOM_BITS)``.
+def choose_scale(max_abs: float, *, min_scale: float = 1.0,
+                 headroom_bits: int = START_HEADROOM_BITS) -> float:
+    """The largest power of two S with ``max_abs * S < 2**(16 - headroom_bits)``.
 
     Capped at 2**MAX_SCALE_EXP (all-zero gradients get the cap) and floored
     at `min_scale`.
@@ -134,7 +140,7 @@ def choose_scale(max_abs: float, *, min_scale: float = 1.0) -> float:
 
     if max_abs > 0:
         top = math.floor(math.log2(max_abs))
-        k = FP16_OVERFLOW_EXP - 1 - START_HEADROOM_BITS - top
+        k = FP16_OVERFLOW_EXP - 1 - headroom_bits - top
     else:
         k = MAX_SCALE_EXP
     scale = 2.0 ** min(k, MAX_SCALE_EXP)
@@ -295,7 +301,8 @@ def _summaries(backward, weights, scale=None):
 
 def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
                op_lists=None, strategy=None, per_replica: bool = True,
-               trace=None) -> StartScale:
+               trace=None, rewrite_config=None,
+               headroom_bits: int = START_HEADROOM_BITS) -> StartScale:
     """Runs ``step(*args, **kwargs)`` once in probe mode; returns the chosen scale.
 
     Args:
@@ -315,6 +322,12 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         whose recorder saw its tapes: the probe then runs a part of that graph
         (``_probe_in_trace``) instead of tracing the step again; when it cannot,
         the step is traced as above.
+      rewrite_config: the AmpConfig the step is rewritten with, where the op
+        lists are not enough to say what stays float32 (layers kept float32 by
+        ``keep_fp32``, the float32 fallback's among them): the traced step is
+        rewritten with it and only the values the rewrite holds in 16 bits, or
+        casts to 16 bits, count. None: the op lists' guess (no second rewrite).
+      headroom_bits: ``choose_scale``'s room below float16's largest value.
 
     Raises:
       ValueError: the step differentiated no float loss, or its float32
@@ -327,7 +340,8 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         measured = None
         if trace is not None:
             try:
-                measured = _probe_in_trace(*trace, strategy=strategy)
+                measured = _probe_in_trace(*trace, strategy=strategy,
+                                           rewrite_config=rewrite_config)
             except Exception as err:  # traced again below; the reason for the debug log
                 log.debug("tfamp: start-scale probe from the step's trace: %s: %s; tracing "
                           "the step for it instead", type(err).__name__, err)
@@ -339,7 +353,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
             tape.install()
             with _tapes_recording():
                 local = _probe_locally(step, args, kwargs, extra_state, op_lists,
-                                       strategy if per_replica else None)
+                                       strategy if per_replica else None, rewrite_config)
     except Exception as err:  # every worker must still reach the agreement below
         local, error = None, err
     row = ([1.0, local.top, local.weight_max] if local is not None else [0.0, 0.0, 0.0])
@@ -350,7 +364,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         raise ValueError("the probe failed on another replica or worker (its warning says why)")
     top, weight_max = float(agreed[:, 1].max()), float(agreed[:, 2].max())
     where = local.where if local.top >= top else "another replica or worker"
-    scale = choose_scale(top, min_scale=min_scale)
+    scale = choose_scale(top, min_scale=min_scale, headroom_bits=headroom_bits)
     return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
                       underflow_share=local.underflow_share(scale),
                       seconds=time.perf_counter() - start, batch_size=_rows(args), how=how)
@@ -369,14 +383,18 @@ class _Found:
         return self.weights.underflow_share(scale) if self.weights is not None else 0.0
 
 
-def _found(names, maxes, weight_names, weight_maxes, counts) -> _Found:
+def _found(names, maxes, weight_names, weight_maxes, counts, weight_mask=None) -> _Found:
+    """`weight_mask`: which weight gradients the rewritten step computes in 16 bits
+    (None: all); the others bound no scale."""
     from tfamp.numerics.ranges import TensorRange
 
     if not (np.all(np.isfinite(maxes)) and np.all(np.isfinite(weight_maxes))):
         bad = [n for n, m in zip(names + weight_names, [*maxes, *weight_maxes], strict=True)
                if not np.isfinite(m)][:3]
         raise ValueError(f"the first batch's float32 gradients are not finite ({', '.join(bad)})")
-    all_values = [*zip(names, maxes, strict=True), *zip(weight_names, weight_maxes, strict=True)]
+    all_values = [*zip(names, maxes, strict=True),
+                  *zip(weight_names, _only_16bit(np.asarray(weight_maxes), weight_mask),
+                       strict=True)]
     where, top = max(all_values, key=lambda item: item[1]) if all_values else ("-", 0.0)
     weights = (TensorRange.from_vector("weight gradients", "", "weight_gradient", counts,
                                        float(max(weight_maxes, default=0.0)))
@@ -385,7 +403,25 @@ def _found(names, maxes, weight_names, weight_maxes, counts) -> _Found:
                   weight_max=float(max(weight_maxes, default=0.0)), weights=weights)
 
 
-def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy) -> _Found:
+def _in_16bit(concrete, backward, rewrite_config) -> np.ndarray | None:
+    """Per recorded backward tensor: does the step rewritten with `rewrite_config`
+    hold it in 16 bits (or cast it to 16 bits)? None without a config."""
+    if rewrite_config is None:
+        return None
+    from tfamp.runtime.runner import rewrite_report
+
+    sixteen = rewrite_report(concrete, rewrite_config).sixteen_bit_tensors()
+    return np.asarray([t.op.name in sixteen or t.name in sixteen for _, t in backward],
+                      bool)
+
+
+def _only_16bit(maxes: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """`maxes` with the values the rewritten step keeps float32 set to 0."""
+    return maxes if mask is None else np.where(mask, maxes, 0.0)
+
+
+def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy,
+                   rewrite_config=None) -> _Found:
     """The probe on this worker's replicas, in a trace of its own (no communication
     with other workers)."""
     recorders = []
@@ -417,9 +453,20 @@ def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy) -> _Foun
     finally:
         for component, value in saved:
             component.assign(value)
-    backward, weights = final[0].in_graph(concrete.graph)
-    return _found([n for n, _ in backward], maxes.max(axis=0), [n for n, _ in weights],
-                  weight_maxes.max(axis=0), counts.sum(axis=0))
+    backward, weights = [], []
+    for recorder in final:  # (each replica's recorder: its copy of the step)
+        replica_backward, replica_weights = recorder.in_graph(concrete.graph)
+        backward += replica_backward
+        weights += replica_weights
+    mask = _in_16bit(concrete, backward + weights, rewrite_config)
+    if mask is not None:  # a value counts where one replica's copy of it is 16-bit
+        weight_mask = mask[len(backward):].reshape(len(final), -1).any(axis=0)
+        mask = mask[:len(backward)].reshape(len(final), -1).any(axis=0)
+    else:
+        weight_mask = None
+    names, weight_names = ([n for n, _ in part] for part in final[0].in_graph(concrete.graph))
+    return _found(names, _only_16bit(maxes.max(axis=0), mask), weight_names,
+                  weight_maxes.max(axis=0), counts.sum(axis=0), weight_mask)
 
 
 @contextlib.contextmanager
@@ -470,7 +517,8 @@ _NEXT_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync",
                        "MultiDeviceIteratorGetNextFromShard"})
 
 
-def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None) -> tuple:
+def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None,
+                    rewrite_config=None) -> tuple:
     """The probe from the float32 graph of the step's own first trace: ``_found``'s
     arguments (names and values measured; not yet checked).
 
@@ -543,7 +591,11 @@ def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None) -> tu
     finally:
         for component, value in saved:
             component.assign(value)
-    return [n for n, _ in backward], maxes, [n for n, _ in weights], weight_maxes, counts
+    mask = _in_16bit(concrete, backward + weights, rewrite_config)
+    if mask is not None:
+        maxes = _only_16bit(maxes, mask[:len(backward)])
+    return ([n for n, _ in backward], maxes, [n for n, _ in weights], weight_maxes, counts,
+            None if mask is None else mask[len(backward):])
 
 
 def _scale_in(recorder: Recorder) -> float:

@@ -125,6 +125,16 @@ class RewriteReport:
     def casts_inserted(self) -> int:
         return len(self.casts)
 
+    def sixteen_bit_tensors(self, function: str = "") -> frozenset[str]:
+        """What the rewritten `function` ("" for the top graph) holds in 16 bits:
+        the names of its converted nodes ("node") and the tensors it casts to
+        16-bit ("node:port")."""
+        sixteen = {"float16", "bfloat16"}
+        converted = {n.name for n in self.nodes if n.function == function and n.converted}
+        cast = {c.source if ":" in c.source else f"{c.source}:0" for c in self.casts
+                if c.function == function and c.dst_dtype in sixteen}
+        return frozenset(converted | cast)
+
     @property
     def converted(self) -> dict[str, int]:
         """Op type -> number of nodes of that type now computing in 16-bit."""

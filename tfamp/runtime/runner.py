@@ -112,20 +112,31 @@ def rewrite_concrete_function(
       (a ConcreteFunction with the same signature, the RewriteReport).
     """
     config = config or AmpConfig()
-    old = concrete.graph
-    graph_def = old.as_graph_def(add_shapes=True)  # shapes: decisions by bytes
-    outputs = [t.name for t in old.outputs]
-    attrs = dict(getattr(concrete, "_attrs", {}) or {})
-    jit = attrs.get("_XlaMustCompile")  # an AttrValue; what a Cast costs depends on it
-    new_graph_def, report = rewrite_graph_def(
-        graph_def, config, outputs=outputs, function_name=_display_name(old.name),
-        jit_compile=bool(getattr(jit, "b", jit)),
-        input_magnitudes=captured_magnitudes(old))
+    new_graph_def, report = _rewrite(concrete, config)
     if check:
         assert_valid_graph_def(new_graph_def)
     rewritten = _rebuild(new_graph_def, concrete, {})  # (new_graph_def is ours to consume)
     log.info("%s", report.summary_line())
     return rewritten, report
+
+
+def _rewrite(concrete: Any, config: AmpConfig) -> tuple[Any, RewriteReport]:
+    """``rewrite_graph_def`` of a ConcreteFunction's graph, as tfamp runs it."""
+    old = concrete.graph
+    graph_def = old.as_graph_def(add_shapes=True)  # shapes: decisions by bytes
+    attrs = dict(getattr(concrete, "_attrs", {}) or {})
+    jit = attrs.get("_XlaMustCompile")  # an AttrValue; what a Cast costs depends on it
+    return rewrite_graph_def(
+        graph_def, config, outputs=[t.name for t in old.outputs],
+        function_name=_display_name(old.name), jit_compile=bool(getattr(jit, "b", jit)),
+        input_magnitudes=captured_magnitudes(old))
+
+
+def rewrite_report(concrete: Any, config: AmpConfig | None = None) -> RewriteReport:
+    """The report of ``rewrite_concrete_function(concrete, config)``, nothing built:
+    what the rewrite would decide for a traced function (the start-scale probe
+    asks which of its values the step holds in 16 bits)."""
+    return _rewrite(concrete, config or AmpConfig())[1]
 
 
 def captured_magnitudes(graph) -> dict[str, float]:
