@@ -70,9 +70,11 @@ AUTO = "auto"
 START_HEADROOM_BITS = 2
 # After the float32 fallback the probe runs again (the skips before it left the
 # scale at its floor): those steps showed values outgrowing float16, and the scale
-# then only rises, so it keeps 2^8 more room (a Dense whose inputs grow 10x a
-# step lost 3 more steps to halvings with the start's 2 bits).
-AFTER_FALLBACK_HEADROOM_BITS = START_HEADROOM_BITS + 8
+# then only rises, so it keeps 2^4 more room. Measured (BUILD_NOTES.md, session
+# 25): with the start's 2 bits a Dense whose gradients grew 20x in its first
+# epoch lost 4 more steps to halvings, none with 6; with 10, SimCLR's contrastive
+# step rose only from 1 to 2.
+AFTER_FALLBACK_HEADROOM_BITS = START_HEADROOM_BITS + 4
 # Ops that write a resource variable (their first input): the probe restores what
 # they wrote. A tf.random.Generator's state is one (tf_keras's random layers draw
 # from one: a probe that advanced it gave training other flips and crops than
