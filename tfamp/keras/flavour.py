@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import random
 import sys
 import threading
 from types import ModuleType
@@ -44,10 +45,16 @@ def keras3_module() -> ModuleType | None:
     """The Keras 3 module (``import keras``) if it is Keras 3, else None."""
     keras = sys.modules.get("keras")
     if keras is None:
+        # Importing Keras 3 draws from Python's global random stream (rich's
+        # style ids): in a tf_keras program that would move the script's own
+        # random.choice / shuffle after its first enabled fit.
+        state = random.getstate()
         try:
             import keras
         except ImportError:
             return None
+        finally:
+            random.setstate(state)
     return keras if str(getattr(keras, "__version__", "0")).startswith("3") else None
 
 
