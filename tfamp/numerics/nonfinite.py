@@ -221,7 +221,7 @@ def _first_nonfinite(concrete, graph_def: graph_pb2.GraphDef, body, flat_args: l
         return None
     try:
         nan, inf = _nan_inf_flags(concrete, graph_def, tensors, flat_args)
-    except tf.errors.InvalidArgumentError:
+    except tf.errors.OpError:  # (the checks stop the step before such an op runs)
         return _first_checked(concrete, graph_def, body, flat_args, skip)
     for (node, port), has_nan, has_inf in zip(tensors, nan, inf, strict=True):
         if has_nan or has_inf:
