@@ -78,3 +78,22 @@ def test_rewrite_refuses_repeated_node_names_and_keeps_the_input():
     with pytest.raises(ValueError, match="the top graph has more than one node named 'relu'"):
         tfamp.rewrite_graph_def(graph_def)
     assert graph_def.SerializeToString() == before
+
+
+def test_the_report_names_what_the_rewrite_holds_in_16_bits():
+    """``RewriteReport.sixteen_bit_tensors`` (the start-scale probe asks it which
+    values count): converted nodes, and float32 values cast to 16 bits at a
+    boundary; a value that stays float32 everywhere is neither."""
+    from tests.graphs import rewrite
+
+    def step(x, w):
+        h = tf.matmul(x, w, name="mm")  # allow: 16-bit
+        e = tf.exp(h, name="ex")  # deny: float32, then cast for the next matmul
+        return tf.matmul(e, w, name="mm2"), tf.reduce_sum(tf.exp(x, name="alone"))
+
+    spec = tf.TensorSpec([4, 4], tf.float32)
+    _, _, report = rewrite(step, spec, spec)
+    sixteen = report.sixteen_bit_tensors()
+    assert {"mm", "mm2"} <= sixteen, sixteen
+    assert "ex:0" in sixteen and "ex" not in sixteen, sixteen
+    assert not {"alone", "alone:0"} & sixteen, sixteen
