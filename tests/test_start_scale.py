@@ -165,6 +165,42 @@ def test_custom_loop_calibration(flavour):
                for a, v in zip(before, model.trainable_variables, strict=True))
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("calibrate", [False, True], ids=["own_loop", "calibrated"])
+def test_a_custom_loop_is_told_where_its_scale_starts(flavour, calibrate, caplog):
+    """``fit`` chooses the start scale from the gradients; a custom loop around
+    ``tfamp.enable`` (no TFAMP_ENABLE hook) started at 2^15 without a word."""
+    import tensorflow as tf
+
+    caplog.set_level("INFO", logger="tfamp")
+    keras = patterns.keras_module(flavour)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(1e-3)
+    tfamp.enable(model, verbose=False)
+    x = np.random.default_rng(0).normal(size=(32, 16)).astype("float32")
+
+    @tf.function
+    def step(xb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    if calibrate:
+        tfamp.calibrate_loss_scale(step, x, model=model)
+    step(x)
+    step(x)
+    notes = [r.getMessage() for r in caplog.records
+             if "in your own training step" in r.getMessage()]
+    if calibrate:
+        assert notes == [], notes
+    else:
+        [note] = notes
+        assert "starts at 32768" in note and "calibrate_loss_scale" in note, note
+
+
 def test_settings():
     assert settings_from_env({}, with_config=False).initial_scale == "auto"
     assert settings_from_env({"TFAMP_INITIAL_SCALE": "AUTO"},

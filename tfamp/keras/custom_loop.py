@@ -25,6 +25,7 @@ GradientTape.
 from __future__ import annotations
 
 import functools
+import logging
 import types
 import warnings
 import weakref
@@ -36,6 +37,8 @@ from tfamp.keras import step_scope, tape
 from tfamp.keras.notices import user_stacklevel
 from tfamp.runtime.plain import in_plain_calls
 from tfamp.runtime.runner import RewrittenFunction, is_tracing_for_tfamp
+
+log = logging.getLogger("tfamp")
 
 
 class ModelLoop:
@@ -59,6 +62,34 @@ class ModelLoop:
         self._forward_config = None
         self.warned_eager = False
         self.warned_control_flow = False
+        self.noted_start_scale = False
+
+    def note_start_scale(self) -> None:
+        """Once per model, where the user's own step scales its loss: says that the
+        scale starts where nobody chose it from the gradients (``fit`` probes them
+        first, TFAMP_ENABLE's start-up hook probes a custom loop; here neither has,
+        and the loop did not call ``calibrate_loss_scale``)."""
+        if self.noted_start_scale:
+            return
+        self.noted_start_scale = True
+        model = self.model_ref()
+        state = getattr(model, "_tfamp_state", None) if model is not None else None
+        if (state is None or not state.settings.auto_start or state.start_scale is not None
+                or step_scope.process_scaling_registered()):
+            return
+        owner = self.scale_owner()
+        if owner is None or not owner.is_dynamic:
+            return
+        with tf.init_scope():
+            if owner.has_stepped():
+                return
+            start = float(owner.scale_tensor().numpy())
+        log.info("tfamp: model %r in your own training step: dynamic loss scaling starts "
+                 "at %g, not from the model's gradients (fit measures them first; a "
+                 "custom loop is not measured). If its first steps are skipped, call "
+                 "tfamp.calibrate_loss_scale(step, x_batch, y_batch, model=model) once "
+                 "before the loop, or pass initial_scale=<number> to tfamp.enable.",
+                 model.name, start)
 
     def forward(self) -> RewrittenFunction:
         """The rewritten call (made again when the model's config changed)."""

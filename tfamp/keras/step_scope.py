@@ -265,6 +265,12 @@ def process_owner():
     return _process_owner() if _process_owner is not None else None
 
 
+def process_scaling_registered() -> bool:
+    """Has TFAMP_ENABLE registered its custom-loop scale (its start-up hook probes
+    custom loops)? Makes no owner."""
+    return _process_owner is not None
+
+
 def is_inner_optimizer(optimizer) -> bool:
     """Wrapped by a loss-scale optimizer (tfamp's or Keras's), which reports its updates."""
     return bool(getattr(optimizer, INNER_MARK, False)

@@ -59,7 +59,7 @@ def _custom_loop_owner(target, sources):
     """In a custom loop: the owner of the enabled model whose rewritten call the loss
     depends on and whose variables are among the sources."""
     source_ids = variable_ids(sources)
-    owners = {}
+    owners, loops = {}, []
     for loop in step_scope.loops_reached(target):
         model = loop.model_ref()
         if model is None or not (variable_ids(model.trainable_variables) & source_ids):
@@ -67,12 +67,15 @@ def _custom_loop_owner(target, sources):
         owner = loop.scale_owner()
         if owner is not None:
             owners[id(owner)] = owner
+            loops.append(loop)
     if len(owners) > 1:
         warn_once("owners", "tfamp: one loss depends on enabled models with different "
                   "loss-scale optimizers and is differentiated for both; tfamp cannot "
                   "scale it with two scales, so these gradients are not loss-scaled. "
                   "Compute one loss per model (per optimizer).")
         return None
+    for loop in loops:
+        loop.note_start_scale()
     return next(iter(owners.values()), None)
 
 
