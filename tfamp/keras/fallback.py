@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 
 import numpy as np
@@ -78,7 +77,7 @@ import numpy as np
 from tfamp.keras import replicas
 from tfamp.keras.flavour import layers_of
 from tfamp.keras.scale_state import RECORD_LENGTH
-from tfamp.numerics.nonfinite import shell_quoted
+from tfamp.numerics.nonfinite import scope_keep_pattern, shell_quoted
 
 log = logging.getLogger("tfamp")
 
@@ -225,7 +224,7 @@ def decide(model, config, batch, *, room: int = MAX_MOVED, strategy=None) -> Fal
             if not found.ran_16bit:
                 return done(OVERFLOWS_IN_FP32)
             pattern = found.keep_fp32  # (the layer's every call: ``call_scopes``)
-            one_call = f"{re.escape(found.layer)}/"
+            one_call = scope_keep_pattern(found.layer)
             if pattern in candidate.keep_fp32 or one_call in candidate.keep_fp32:
                 return done(NOT_COVERED)
             if len(patterns) >= room:

@@ -522,8 +522,9 @@ class ModelPrecision:
             return recorder
 
     def _probe(self, batch, trace=None, *, again: bool = False):
-        """Probes, sets the owner's scale unless it has taken a step (`again`: after
-        the float32 fallback, whether or not it has), says so."""
+        """Probes, sets the owner's scale unless it has taken a step, says so
+        (`again`: after the float32 fallback, returns what it found and sets
+        nothing: ``_probe_after_fallback`` decides)."""
         model = self.model
         owner = self.scale_owner()
         try:
@@ -538,10 +539,7 @@ class ModelPrecision:
                 headroom_bits=(start_scale.AFTER_FALLBACK_HEADROOM_BITS if again
                                else start_scale.START_HEADROOM_BITS))
             owner = self.built_scale_owner()  # the probe may have built the model
-            if again:  # the fallback's: only ever up from what the skips left
-                before = self._scale_or_none(owner)
-                if before is None or found.scale > before:
-                    owner.set_scale(found.scale)
+            if again:  # the fallback's caller sets it (only ever up)
                 return found
             if owner.has_stepped():  # a restored run keeps its scale
                 self.start_scale = False
@@ -736,7 +734,10 @@ class ModelPrecision:
             return
         before = self._scale_or_none(owner)
         found = self._probe(batch, again=True)
-        if found is not None and before is not None and found.scale > before:
+        if found is None or before is not None and found.scale <= before:
+            return
+        self.built_scale_owner().set_scale(found.scale)
+        if before is not None:
             log.warning("tfamp: model %r: loss scale %g -> %g now that those layers are "
                         "float32 (the start-scale probe again, on the rewritten step: "
                         "max |g| %.3g in %s).", self.model.name, before, found.scale,

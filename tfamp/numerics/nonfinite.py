@@ -368,6 +368,11 @@ def _layer_scope(name: str, forward_ops=None) -> str:
     return name.rsplit("/", 1)[0] if "/" in name else ""
 
 
+def scope_keep_pattern(scope: str) -> str:
+    """The keep_fp32 pattern for one name scope as it is (the scope, escaped, then "/")."""
+    return f"{re.escape(scope)}/"
+
+
 def shell_quoted(value: str) -> str:
     """`value` in single quotes, as a shell reads it back unchanged (a keep_fp32
     regex's backslashes included, which Python's repr would double)."""
@@ -379,7 +384,7 @@ def _fixes(layer: str, op: str, config: AmpConfig,
     if not layer:
         pattern = f"^{re.escape(op)}$"
     else:
-        pattern = scope_pattern(layer) if scope_pattern else f"{re.escape(layer)}/"
+        pattern = (scope_pattern or scope_keep_pattern)(layer)
     keep = [*config.keep_fp32, pattern]
     fix_env = f"TFAMP_KEEP_FP32={shell_quoted(','.join(keep))}"
     fix_api = f"AmpConfig(keep_fp32={keep!r})"
