@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from benchmarks.h100_program import cache, cli, estimate, hlo_reader, plan
+from benchmarks.h100_program import agreement, cache, cli, estimate, hlo_reader, plan
 
 # data/h100_tiny_step.opt.hlo.txt, written by hand: every launch site kind the reader knows,
 # with the sizes worked out by hand in the tests.
@@ -176,6 +176,15 @@ def test_modes_float32_first_then_keras_and_tfamp_per_dtype():
     assert not any(k.startswith("TFAMP_") for k in env) and env["HOME"] == "/h"
     env = plan.MODES["tfamp_bf16"].environment({})
     assert (env["TFAMP_ENABLE"], env["TFAMP_DTYPE"]) == ("1", "bfloat16")
+    assert "TFAMP_RUNTIME" not in env
+
+
+def test_agreement_adds_tfamp_placed_for_the_executor():
+    names = [m.name for m in plan.modes_for(("float16",), alternatives=True)]
+    assert names == ["fp32", "keras_mf16", "tfamp_fp16", "tfamp_fp16_exec"]
+    env = plan.MODES["tfamp_fp16_exec"].environment({"TFAMP_RUNTIME": "xla"})
+    assert (env["TFAMP_DTYPE"], env["TFAMP_RUNTIME"]) == ("float16", "executor")
+    assert plan.MODES["tfamp_fp16_exec"].label == "tfamp float16 (placed for the executor)"
 
 
 def test_a_tfamp_change_moves_only_tfamp_programs(tmp_path):
@@ -297,3 +306,44 @@ def test_profile_table_per_category(tmp_path, capsys):
     # conv/gemm 0.03 ms, element-wise 0, convert 0.005, reduce 0.01 per step; span 0.05; 3 launches
     assert "| m_tfamp_fp16 | 0.03 | 0.00 | 0.01 | 0.01 | 0.00 | 0.00 | 0.04 | 0.05 | 3 |" in out
     assert "30.0  cudnn_conv" in out
+
+
+# -- tfamp's estimate against the compiled program ----------------------------------------------
+
+def _row(model, mode, ms, fused_bytes, fused_kernels, compiled_bytes=None, kernels=None):
+    return {"model": model, "mode": mode, "program": f"{model}_b1_{mode}", "label": mode,
+            "estimate_ms": ms, "bytes": compiled_bytes or fused_bytes, "kernels": kernels or 1,
+            "tfamp_estimate": {"fused_bytes": fused_bytes, "fused_kernels": fused_kernels}}
+
+
+def _compiled_rows():
+    # compiled time = bytes / 1e6 + 10 x kernels (ms): one kernel costs 10 MB of bytes
+    def row(mode, mb, kernels):
+        return _row("m", mode, mb + 10 * kernels, mb * 1e6, kernels)
+    return [row("fp32", 1000, 10), row("keras_mf16", 560, 30), row("tfamp_fp16", 520, 20),
+            row("tfamp_fp16_exec", 450, 45), {"model": "m", "mode": "keras_mbf16", "error": "x"}]
+
+
+def test_agreement_learns_the_price_of_a_kernel():
+    groups = agreement.groups(_compiled_rows())
+    assert list(groups) == [("m", "float16")]  # a failed program is left out
+    assert set(groups["m", "float16"]) == {"float32", "keras", "tfamp", "tfamp_exec"}
+    assert agreement.fit_launch_bytes(groups) == pytest.approx(10e6, rel=0.06)  # (grid 2^1/8)
+    cheap = agreement.summary(groups, 1e6)  # kernels priced 10x too low
+    fitted = agreement.summary(groups, 10e6)
+    assert fitted["share_error"] < 0.01 < cheap["share_error"]
+    assert (fitted["agree_time"], fitted["pairs"]) == (3, 3)
+    # at 1 MB per kernel, the executor's placement looks cheapest (495 MB) where it is the
+    # dearest compiled (900 ms against keras's 860 and tfamp's 720)
+    assert cheap["agree_time"] == 1
+    rep = agreement.report(_compiled_rows(), 1_000_000)
+    assert {tuple(d["pair"]) for d in rep["disagreements"]} == {("keras", "tfamp_exec"),
+                                                               ("tfamp", "tfamp_exec")}
+    assert "2 pairs" not in agreement.render(rep) and "1 of 3 pairs" in agreement.render(rep)
+
+
+def test_agreement_counts_a_compiled_tie_as_agreement():
+    rows = [_row("m", "fp32", 100, 100, 1), _row("m", "keras_mf16", 50, 60, 1),
+            _row("m", "tfamp_fp16", 50.1, 50, 1)]
+    (pair,) = agreement.pairs(agreement.groups(rows)["m", "float16"], 0)
+    assert pair["compiled_time"] == 0 and pair["agrees_time"]

@@ -2,6 +2,7 @@
 
     python -m benchmarks.h100_program [--models resnet50,bert] [--dtypes float16]
         [--batch N] [--work DIR] [--json FILE] [--jax-python PATH] [--calibrate]
+        [--agreement]
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import os
 import sys
 import warnings
 
-from benchmarks.h100_program import cache, estimate, hlo_reader, plan, programs, toolchain
+from benchmarks.h100_program import (
+    agreement,
+    cache,
+    estimate,
+    hlo_reader,
+    plan,
+    programs,
+    toolchain,
+)
 from benchmarks.h100_program.plan import DEFAULT_BATCH, MODEL_LABELS, MODELS
 
 log = logging.getLogger("h100_program")
@@ -75,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", action="store_true",
                    help="compile the programs of the measured H100 rows and rewrite "
                         "data/h100_calibration.json from them")
+    p.add_argument("--agreement", action="store_true",
+                   help="also compile tfamp with its Casts placed for the executor and compare "
+                        "tfamp's own XLA cost estimate of every program with the compiled one "
+                        "(ranking and share of float32's; fits the price of a kernel)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also log how long each export and compile took")
     return p
@@ -284,15 +297,27 @@ def run(args) -> int:
     rows = []
     for name in args.models:
         batch = args.batch or DEFAULT_BATCH[name]
-        for mode in plan.modes_for(args.dtypes):
+        for mode in plan.modes_for(args.dtypes, alternatives=args.agreement):
             row = measure(layout, name, batch, mode, pythons, device)
             if "terms" in row:
                 row["estimate_ms"] = round(model.predict(row["terms"]), 2)
                 if row["program"] in measured:
                     row["measured_ms"], row["measured_source"] = measured[row["program"]]
+            if args.agreement and "error" not in row:
+                try:
+                    row["tfamp_estimate"] = programs.tfamp_estimate(layout, name, batch, mode,
+                                                                    pythons[0])
+                except (programs.ProgramError, OSError) as err:
+                    log.error("%s", err)
             rows.append(row)
     print(render_table(rows))
     print()
+    agreed = None
+    if args.agreement:
+        from tfamp.rewrite.runtime_cost import XLA
+        agreed = agreement.report(rows, XLA.launch_bytes)
+        print(agreement.render(agreed))
+        print()
     print(render_calibration(report))
     print()
     print(CANNOT_SEE)
@@ -300,7 +325,8 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"rows": [{k: v for k, v in r.items() if k != "loops" or v} for r in rows],
                        "calibration": report, "keras": layout.keras_version,
-                       "tfamp_sources": layout.tfamp_sources, "cannot_see": CANNOT_SEE},
+                       "tfamp_sources": layout.tfamp_sources, "cannot_see": CANNOT_SEE,
+                       **({"agreement": agreed} if agreed else {})},
                       f, indent=1, default=str)
     return 1 if any("error" in r for r in rows) else 0
 

@@ -26,11 +26,16 @@ class Mode:
       side: ``"float32"``, ``"keras"`` (Keras's own mixed policy) or ``"tfamp"``
         (the unmodified float32 script under ``TFAMP_ENABLE=1``).
       dtype: ``"float16"`` / ``"bfloat16"``, or None for float32.
+      placement: for a tfamp mode, whose costs place tfamp's Casts (``TFAMP_RUNTIME``):
+        None leaves tfamp's choice (XLA's, as the step is compiled), ``"executor"`` places
+        them for TensorFlow's executor instead: the alternative ``--agreement`` compiles to
+        see whether tfamp's XLA estimate ranks the two placements as the compiler does.
     """
 
     name: str
     side: str
     dtype: str | None
+    placement: str | None = None
 
     @property
     def policy(self) -> str | None:
@@ -43,7 +48,10 @@ class Mode:
     def label(self) -> str:
         if self.side == "float32":
             return "float32"
-        return f"keras {self.policy}" if self.side == "keras" else f"tfamp {self.dtype}"
+        if self.side == "keras":
+            return f"keras {self.policy}"
+        placed = f" (placed for the {self.placement})" if self.placement else ""
+        return f"tfamp {self.dtype}{placed}"
 
     def environment(self, base: dict[str, str]) -> dict[str, str]:
         """The export subprocess's environment: tfamp's variables set for a tfamp mode only."""
@@ -52,6 +60,8 @@ class Mode:
         env.update(TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
         if self.side == "tfamp":
             env.update(TFAMP_ENABLE="1", TFAMP_DTYPE=self.dtype)
+            if self.placement:
+                env.update(TFAMP_RUNTIME=self.placement)
         return env
 
 
@@ -60,14 +70,18 @@ MODES = {m.name: m for m in (
     FLOAT32,
     Mode("keras_mf16", "keras", "float16"), Mode("tfamp_fp16", "tfamp", "float16"),
     Mode("keras_mbf16", "keras", "bfloat16"), Mode("tfamp_bf16", "tfamp", "bfloat16"),
+    Mode("tfamp_fp16_exec", "tfamp", "float16", "executor"),
+    Mode("tfamp_bf16_exec", "tfamp", "bfloat16", "executor"),
 )}
 
 
-def modes_for(dtypes: tuple[str, ...]) -> list[Mode]:
-    """float32 first, then for each dtype Keras's policy and tfamp."""
+def modes_for(dtypes: tuple[str, ...], alternatives: bool = False) -> list[Mode]:
+    """float32 first, then for each dtype Keras's policy and tfamp (and, with
+    `alternatives`, tfamp with its Casts placed for the executor)."""
     out = [FLOAT32]
     for dtype in dtypes:
-        out += [m for m in MODES.values() if m.dtype == dtype]
+        out += [m for m in MODES.values()
+                if m.dtype == dtype and (alternatives or m.placement is None)]
     return out
 
 

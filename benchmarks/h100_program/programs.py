@@ -69,3 +69,25 @@ def compile_h100(layout: cache.Layout, model: str, batch: int, mode: Mode, hlo: 
     with open(prefix + ".compile.json") as f:
         info = json.load(f)
     return prefix + ".opt.hlo.txt", info
+
+
+def tfamp_estimate(layout: cache.Layout, model: str, batch: int, mode: Mode,
+                   tf_python: str) -> dict:
+    """tfamp's own XLA estimate of the step (``step_estimate``), made now unless cached.
+
+    Kept with tfamp's programs for every mode, float32's and Keras's too: the estimate is
+    tfamp's code, so it is stale when tfamp changes.
+    """
+    name = tag(model, batch, mode)
+    path = layout.exported("tfamp", name) + ".estimate.json"
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        log.info("estimating %s with tfamp's XLA cost model ...", name)
+        env = mode.environment(dict(os.environ))
+        env.pop("PYTHONPATH", None)
+        _step([tf_python, "-m", "benchmarks.h100_program.step_estimate", "--model", model,
+               "--mode", mode.name, "--batch", str(batch), "--out", path],
+              env=env, cwd=REPO_ROOT, log_path=path[:-len(".json")] + ".log",
+              what=f"tfamp's estimate of {name}")
+    with open(path) as f:
+        return json.load(f)
