@@ -404,18 +404,27 @@ MATRIX_OPS = frozenset({
 
 # -- what a fusing compiler (XLA) does with each op: see rewrite/runtime_cost.py --
 
+# A fused batch normalisation and its gradient: one cuDNN kernel on the executor,
+# but XLA lowers them to BatchNormTraining / BatchNormGrad, which XLA:GPU expands
+# into reductions and element-wise ops that fuse with their neighbours (the H100
+# programs of ResNet-50, MobileNetV2 and EfficientNetB0: BUILD_NOTES.md, session
+# 26). So under XLA they are reductions, not library kernels.
+FUSED_BATCH_NORM_OPS = frozenset({
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "FusedBatchNormGrad",
+    "FusedBatchNormGradV2", "FusedBatchNormGradV3",
+})
+
 # Ops that run as a library kernel (cuDNN, cuBLAS) or a kernel of their own
 # under XLA: element-wise neighbours do not fuse into them, so their inputs and
 # outputs are written to and read from memory (materialised). Calls and loops
 # are boundaries too (runtime_cost treats every op with a called function so).
-LIBRARY_KERNEL_OPS = _FLOAT16_ALLOW | _BFLOAT16_ALLOW | frozenset({
-    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "FusedBatchNormGrad",
-    "FusedBatchNormGradV2", "FusedBatchNormGradV3", "Conv2DBackpropInputV2",
+LIBRARY_KERNEL_OPS = (_FLOAT16_ALLOW | _BFLOAT16_ALLOW | frozenset({
+    "Conv2DBackpropInputV2",
     "Gather", "GatherV2", "GatherNd", "ResourceGather", "ScatterNd",
     "TensorScatterUpdate", "TensorScatterAdd", "UnsortedSegmentSum",
     "SparseSegmentSum", "SparseSegmentMean", "TopK", "TopKV2", "Cumsum", "Cumprod",
     "CudnnRNN", "CudnnRNNV3", "MatrixInverse", "Cholesky", "Qr", "Svd",
-})
+})) - FUSED_BATCH_NORM_OPS
 
 # Reductions: a fusing compiler fuses their element-wise producers into them
 # (an input fusion) but writes their result to memory. Pools and the softmax
@@ -426,7 +435,7 @@ REDUCTION_KERNEL_OPS = STATISTIC_REDUCTIONS | frozenset({
     "SparseSoftmaxCrossEntropyWithLogits", "MaxPool", "MaxPoolV2", "MaxPoolGrad",
     "MaxPoolGradV2", "AvgPool", "AvgPoolGrad", "MaxPool3D", "AvgPool3D",
     "MaxPool3DGrad", "AvgPool3DGrad", "Bincount", "SegmentSum",
-})
+}) | FUSED_BATCH_NORM_OPS
 
 # Ops that launch no kernel of their own on a GPU: values that already sit in
 # memory (weights, constants, fed values) and host-side bookkeeping.

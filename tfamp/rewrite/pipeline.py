@@ -141,12 +141,11 @@ def _rewrite(graph_def, config, outputs, function_name, runtime, input_magnitude
     shapes = tensor_shapes(graph_def, view)
     original = (view, shapes)
     nodes_before = view.node_count()
-    # Exact edits first (on the executor, a batch normalisation is one fused
-    # kernel; per-example weight-gradient products summed are one MatMul; a
+    # Exact edits first (a batch normalisation is one fused op, on either
+    # runtime; per-example weight-gradient products summed are one MatMul; a
     # scaling of a broadcast runs on the small tensor): the colouring then
     # decides on the graph that will run.
-    fused = (fuse_batch_norms(graph_def, view, shapes, outputs)
-             if runtime == runtime_cost.EXECUTOR.name else None)
+    fused = fuse_batch_norms(graph_def, view, shapes, outputs)
     if fused is not None:
         graph_def = fused.graph_def
         view = build_view(graph_def, earlier=view, written=fused.written)
