@@ -347,3 +347,20 @@ def test_agreement_counts_a_compiled_tie_as_agreement():
             _row("m", "tfamp_fp16", 50.1, 50, 1)]
     (pair,) = agreement.pairs(agreement.groups(rows)["m", "float16"], 0)
     assert pair["compiled_time"] == 0 and pair["agrees_time"]
+
+
+def test_tfamp_prices_a_kernel_as_the_compiled_programs_say():
+    """runtime_cost.XLA carries the price the last --agreement run learned: fitted again
+    on its stored rows (tfamp's estimate and the compiled program of 35 programs), within
+    one step of the fit's grid, and at that price the estimate ranks at least 28 of the
+    30 pairs of programs as their compiled step time does."""
+    from tfamp.rewrite.runtime_cost import XLA
+    data = agreement.load()
+    groups = agreement.groups(data["rows"])
+    assert len(groups) == 10  # five models x two dtypes
+    fitted = agreement.fit_launch_bytes(groups)
+    assert abs(XLA.launch_bytes / fitted - 1) < 2 ** (1 / 8) - 1, (
+        f"tfamp prices an XLA kernel at {XLA.launch_bytes} bytes; the compiled programs "
+        f"say {fitted}: set runtime_cost.XLA's launch_us to {fitted / XLA.bandwidth * 1e6:.2f}")
+    at_tfamp = agreement.summary(groups, XLA.launch_bytes)
+    assert at_tfamp["agree_time"] >= 28 and at_tfamp["pairs"] == 30, at_tfamp

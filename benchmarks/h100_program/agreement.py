@@ -23,7 +23,9 @@ to set against ``runtime_cost.XLA.launch_bytes``. Pure Python, no TensorFlow.
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 
 #: compiled estimated times this close count as a tie: the pair agrees whatever the estimate
 TIE = 0.005
@@ -31,6 +33,25 @@ TIE = 0.005
 LAUNCH_GRID = tuple(int(0.25e6 * 2 ** (i / 8)) for i in range(8 * 8 + 1))
 #: the programs of a group that are compared (float32 is the reference of the shares)
 MIXED = ("keras", "tfamp", "tfamp_exec")
+#: the last ``--agreement`` run's rows, which ``tests/test_h100_program.py`` fits again to
+#: check that ``runtime_cost.XLA`` carries the learned price
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "h100_agreement.json")
+#: what a row keeps in that file
+_KEPT = ("program", "model", "mode", "label", "estimate_ms", "bytes", "kernels",
+         "tfamp_estimate")
+
+
+def save(rows: list[dict], facts: dict, path: str = DATA) -> None:
+    """Writes the rows ``groups`` reads (and where they came from) to `path`."""
+    kept = [{k: r[k] for k in _KEPT} for r in rows if "error" not in r and r.get("tfamp_estimate")]
+    with open(path, "w") as f:
+        json.dump({**facts, "rows": kept}, f, indent=1)
+        f.write("\n")
+
+
+def load(path: str = DATA) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 def _role(mode: str) -> str:

@@ -87,7 +87,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--agreement", action="store_true",
                    help="also compile tfamp with its Casts placed for the executor and compare "
                         "tfamp's own XLA cost estimate of every program with the compiled one "
-                        "(ranking and share of float32's; fits the price of a kernel)")
+                        "(ranking and share of float32's; fits the price of a kernel); with "
+                        "every model and dtype, rewrites data/h100_agreement.json")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also log how long each export and compile took")
     return p
@@ -317,6 +318,11 @@ def run(args) -> int:
         from tfamp.rewrite.runtime_cost import XLA
         agreed = agreement.report(rows, XLA.launch_bytes)
         print(agreement.render(agreed))
+        if set(args.models) == set(MODELS) and set(args.dtypes) == set(plan.DTYPES):
+            agreement.save(rows, {"keras": layout.keras_version,
+                                  "tfamp_sources": layout.tfamp_sources,
+                                  "tfamp_launch_bytes": XLA.launch_bytes})
+            print(f"wrote {agreement.DATA}")
         print()
     print(render_calibration(report))
     print()
