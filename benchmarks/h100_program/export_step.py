@@ -63,13 +63,9 @@ def find_step(train_function):
                        "was the model compiled with jit_compile=True?")
 
 
-def export(model_name: str, mode_name: str, batch: int, out_prefix: str) -> dict:
+def build_step(model_name: str, mode_name: str, batch: int):
+    """(model, the step's jit-compiled function, one batch) as ``fit`` builds them."""
     mode = MODES[mode_name]
-    tfamp_on = os.environ.get("TFAMP_ENABLE", "") not in ("", "0")
-    if (mode.side == "tfamp") != tfamp_on:
-        raise SystemExit(f"export_step: mode {mode_name} needs TFAMP_ENABLE "
-                         f"{'=1' if mode.side == 'tfamp' else 'unset'}; the benchmark sets it")
-    started = time.perf_counter()
     if mode.policy:
         keras.mixed_precision.set_global_policy(mode.policy)
     model, optimizer, loss, x, y = models.build(model_name, batch)
@@ -77,7 +73,17 @@ def export(model_name: str, mode_name: str, batch: int, out_prefix: str) -> dict
     data = (tf.constant(x), tf.constant(y))
     model._symbolic_build(data_batch=data)  # what fit does first: weights and slots exist
     model.make_train_function(force=True)
-    step = find_step(model.train_function)
+    return model, find_step(model.train_function), data
+
+
+def export(model_name: str, mode_name: str, batch: int, out_prefix: str) -> dict:
+    mode = MODES[mode_name]
+    tfamp_on = os.environ.get("TFAMP_ENABLE", "") not in ("", "0")
+    if (mode.side == "tfamp") != tfamp_on:
+        raise SystemExit(f"export_step: mode {mode_name} needs TFAMP_ENABLE "
+                         f"{'=1' if mode.side == 'tfamp' else 'unset'}; the benchmark sets it")
+    started = time.perf_counter()
+    model, step, data = build_step(model_name, mode_name, batch)
     hlo = step.experimental_get_compiler_ir(data)(stage="hlo_serialized")
     with open(out_prefix + ".hlo.pb", "wb") as f:
         f.write(hlo)

@@ -23,10 +23,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 from benchmarks.h100_program import models  # noqa: E402
-from benchmarks.h100_program.export_step import find_step  # noqa: E402
+from benchmarks.h100_program.export_step import build_step  # noqa: E402
 from benchmarks.h100_program.plan import MODES  # noqa: E402
 from tfamp.rewrite.graph import build_view  # noqa: E402
 from tfamp.rewrite.shapes import tensor_shapes  # noqa: E402
@@ -39,16 +38,9 @@ UNKNOWN_DIM = 32 * 128
 
 
 def estimate(model_name: str, mode_name: str, batch: int) -> dict:
-    mode = MODES[mode_name]
     started = time.perf_counter()
-    if mode.policy:
-        keras.mixed_precision.set_global_policy(mode.policy)
-    model, optimizer, loss, x, y = models.build(model_name, batch)
-    model.compile(optimizer=optimizer, loss=loss, jit_compile=True)
-    data = (tf.constant(x), tf.constant(y))
-    model._symbolic_build(data_batch=data)
-    model.make_train_function(force=True)
-    concrete = find_step(model.train_function).get_concrete_function(data)
+    _, step, data = build_step(model_name, mode_name, batch)
+    concrete = step.get_concrete_function(data)
     graph_def = concrete.graph.as_graph_def(add_shapes=True)
     fetches = list(dict.fromkeys(t.op.name for t in concrete.graph.outputs))
     view = build_view(graph_def)
