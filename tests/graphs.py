@@ -54,14 +54,26 @@ def node_dtypes(graph_def, function=""):
     return result
 
 
-def run_graph_def(graph_def, inputs: dict, outputs: list[str]):
-    """Evaluates a stateless GraphDef: {placeholder name: value} -> output arrays.
+def run_graph_def(graph_def, inputs: dict, outputs: list[str], jit_compile: bool = False):
+    """Evaluates a stateless GraphDef: {placeholder name: value} -> output arrays;
+    compiled by XLA (on the CPU) with `jit_compile`.
 
     Library functions are registered under fresh names first (as tfamp's runner
     does), so an original and a rewritten graph can both run in one process.
     """
     graph_def = copy.deepcopy(graph_def)
     runner._register_renamed_library(graph_def, f"_test{next(_run_counter)}")
-    fn = wrap_function.function_from_graph_def(
-        graph_def, [f"{name}:0" for name in inputs], outputs)
+    if jit_compile:  # (imported in the compiled function's body: a call would not compile)
+        kept = [n for n in graph_def.node if n.name not in inputs]  # (fed: input_map)
+        del graph_def.node[:]
+        graph_def.node.extend(kept)
+
+        def body(*args):
+            return tf.graph_util.import_graph_def(
+                graph_def, input_map={f"{name}:0": a for name, a in zip(inputs, args, strict=True)},
+                return_elements=outputs, name="")
+        fn = tf.function(body, jit_compile=True, autograph=False)
+    else:
+        fn = wrap_function.function_from_graph_def(
+            graph_def, [f"{name}:0" for name in inputs], outputs)
     return [np.asarray(v) for v in fn(*[tf.constant(v) for v in inputs.values()])]

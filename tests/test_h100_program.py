@@ -70,6 +70,42 @@ def test_reader_bytes_at_kernel_boundaries(features):
     assert features.bytes == sum(k.bytes * k.times for k in features.step_kernels)
 
 
+SLICED_AFTER_CONVERT = """HloModule sliced
+
+%fused_slice (p: f16[64,8,8,32]) -> f32[1,1,1,32] {
+  %p = f16[64,8,8,32]{3,2,1,0} parameter(0)
+  %wide = f32[64,8,8,32]{3,2,1,0} convert(%p)
+  ROOT %one = f32[1,1,1,32]{3,2,1,0} slice(%wide), slice={[0:1], [4:5], [4:5], [0:32]}
+}
+
+%fused_both (q: f16[64,8,8,32]) -> (f32[1,1,1,32], f32[64,8,8,32]) {
+  %q = f16[64,8,8,32]{3,2,1,0} parameter(0)
+  %all = f32[64,8,8,32]{3,2,1,0} convert(%q)
+  %part = f32[1,1,1,32]{3,2,1,0} slice(%all), slice={[0:1], [4:5], [4:5], [0:32]}
+  ROOT %t = (f32[1,1,1,32]{3,2,1,0}, f32[64,8,8,32]{3,2,1,0}) tuple(%part, %all)
+}
+
+ENTRY %main (x: f16[64,8,8,32]) -> (f32[1,1,1,32], (f32[1,1,1,32], f32[64,8,8,32])) {
+  %x = f16[64,8,8,32]{3,2,1,0} parameter(0)
+  %loop_slice_fusion = f32[1,1,1,32]{3,2,1,0} fusion(%x), kind=kLoop, calls=%fused_slice
+  %loop_convert_fusion = (f32[1,1,1,32]{3,2,1,0}, f32[64,8,8,32]{3,2,1,0}) fusion(%x), """ \
+    """kind=kLoop, calls=%fused_both
+  ROOT %r = (f32[1,1,1,32]{3,2,1,0}, (f32[1,1,1,32]{3,2,1,0}, f32[64,8,8,32]{3,2,1,0})) """ \
+    """tuple(%loop_slice_fusion, %loop_convert_fusion)
+}
+"""
+
+
+def test_reader_counts_a_slice_of_a_converted_operand_as_the_slice():
+    """slice(convert(x)) inside a fusion reads the sliced elements (XLA emits the
+    convert per output element), as slice(x) does; where the converted whole is
+    used too, the whole is read. (fuse_norm's shift under XLA is such a slice.)"""
+    features = hlo_reader.step_features(hlo_reader.read_program(SLICED_AFTER_CONVERT))
+    sliced, both = (_kernel(features, n) for n in ("loop_slice_fusion", "loop_convert_fusion"))
+    assert sliced.bytes == 32 * 4 + 32 * 4  # (32 read, as f32: the slice's size; 32 written)
+    assert both.bytes == 64 * 8 * 8 * 32 * 2 + 32 * 4 + 64 * 8 * 8 * 32 * 4
+
+
 def test_reader_matrix_flops_by_input_dtype(features):
     gemm, conv = _kernel(features, "gemm_fusion_dot"), _kernel(features, "cudnn-conv.1")
     assert (gemm.kind, gemm.flops, gemm.dtype) == ("gemm", 2 * 64 * 16 * 32, "f16")

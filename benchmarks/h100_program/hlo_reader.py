@@ -7,7 +7,8 @@ computation in schedule order, into what it runs for control flow, and returns `
   Triton/cuBLAS gemm or a convolution), each cuDNN / cuBLAS custom call (one; cuDNN may
   launch more inside, which no program text shows), each ``copy``, each unfused op;
 * **bytes at kernel boundaries**: what each kernel reads and writes in device memory. A fused
-  operand only sliced inside the fusion counts its slices; one updated in place by a
+  operand only sliced inside the fusion (directly or after a convert, which XLA emits per
+  element read) counts its slices; one updated in place by a
   dynamic-update-slice counts nothing read and the update written; a cuDNN workspace
   (the u8 result) is left out;
 * **flops** of convolutions and gemms (2 x multiply-adds) by their input dtype;
@@ -280,8 +281,11 @@ def fusion_bytes(program: Program, fusion: Instruction, table) -> float:
         whole = size(arrays(parameter.shape))
         sliced, frontier = 0.0, [parameter.name]
         while frontier:
-            for user, position in users.get(frontier.pop(), []):
-                if user.opcode == "bitcast":
+            name = frontier.pop()
+            if not users.get(name) and name != parameter.name:
+                return whole  # (a view or convert of it is the fusion's result)
+            for user, position in users.get(name, []):
+                if user.opcode in ("bitcast", "convert"):
                     frontier.append(user.name)
                 elif user.opcode in ("slice", "dynamic-slice", "gather") and position == 0:
                     sliced += size(arrays(user.shape))

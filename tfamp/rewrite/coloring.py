@@ -183,7 +183,8 @@ def color(view: GraphView, config: AmpConfig,
           keep: Mapping[tuple[str, str], str] | None = None,
           shapes: TensorShapes | None = None,
           runtime: str | None = None,
-          input_magnitudes: Mapping[str, float] | None = None) -> Coloring:
+          input_magnitudes: Mapping[str, float] | None = None,
+          held: Mapping[tuple[str, str], tuple[str, str]] | None = None) -> Coloring:
     """Decides, for every node of `view`, whether it computes in 16-bit.
 
     Args:
@@ -203,6 +204,8 @@ def color(view: GraphView, config: AmpConfig,
       input_magnitudes: top-graph Placeholder -> the largest magnitude of what
         it is fed, where known (``pipeline.rewrite_graph_def``): one past the
         16-bit range is a sentinel, as a constant's is.
+      held: (function, node) -> (reason, kind) for nodes an edit before
+        colouring added that must stay float32 (``node_edits.EditedGraph``).
 
     Returns:
       A Coloring with one Decision per node.
@@ -222,13 +225,16 @@ def color(view: GraphView, config: AmpConfig,
         original = boundaries.original_function_name(body.name)
         body_keep = {node: why for (fn, node), why in keep.items()
                      if boundaries.original_function_name(fn) == original}
+        body_held = {node: why for (fn, node), why in (held or {}).items()
+                     if boundaries.original_function_name(fn) == original}
         counts = {}
         if shapes is not None:  # (a copy of a function has its original's shapes)
             counts = shapes.counts(body.name if shapes.shapes.get(body.name) else original)
         body_coloring = _BodyColoring(body, config, body_pins, body_keep, counts,
                                       overrides, skeletons, runtime,
                                       original in xla_compiled,
-                                      {} if body.is_function else input_magnitudes)
+                                      {} if body.is_function else input_magnitudes,
+                                      body_held)
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
@@ -284,7 +290,8 @@ class _BodyColoring:
                  overrides: boundaries.BodyOverrides | None = None,
                  skeletons: dict[str, _Skeleton] | None = None,
                  runtime: str = "executor", xla_compiled: bool = False,
-                 input_magnitudes: Mapping[str, float] | None = None):
+                 input_magnitudes: Mapping[str, float] | None = None,
+                 held: Mapping[str, tuple[str, str]] | None = None):
         self.body = body
         # Placeholder -> the largest magnitude it is fed, where known (a capture)
         self.input_magnitudes = input_magnitudes or {}
@@ -299,6 +306,7 @@ class _BodyColoring:
         self.overrides = overrides or boundaries.BodyOverrides()
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.keep = keep or {}
+        self.held = held or {}  # node -> (reason, kind): an edit's float32 nodes
         # tensor -> its elements (shapes.elements_of), None where unknown
         self.counts = counts or {}
         # slot -> (why float32, cause, kind), for slots the byte count kept float32
@@ -389,12 +397,12 @@ class _BodyColoring:
         self._bounded: set[int] = set()  # statistics within their input's range (means)
         # FusedBatchNorm nodes in training mode: their "U" outputs are
         # statistics, held as a Mean's are where the lists hold a Mean (float16;
-        # bfloat16 has float32's range, and Mean and Sum are infer there).
+        # bfloat16 has float32's range, and Mean and Sum are infer there, except
+        # under XLA: _xla_statistics).
         self._fused_normalisations = [
             name for name, node in body.nodes.items()
             if node.op in FUSED_NORMALISATION_OPS and node.node_def.attr["is_training"].b
-        ] if (body.ops & FUSED_NORMALISATION_OPS
-              and self.lists.list_of("Mean") == "deny") else []
+        ] if body.ops & FUSED_NORMALISATION_OPS else []
 
     # -- building -------------------------------------------------------------
 
@@ -724,6 +732,8 @@ class _BodyColoring:
         `call_block` is ``_call_block(node)``."""
         if name in self.keep:
             return f"kept float32: {self.keep[name]}", rk.KIND_INVALID_GRAPH
+        if name in self.held:
+            return self.held[name]
         if rk.LOSS_SCALE_ATTR in node.node_def.attr:
             return ("kept float32: part of the loss-scale machinery (the scale, its seed and "
                     "update, unscaling, the finiteness check) reads float32 values",
@@ -1038,13 +1048,22 @@ class _BodyColoring:
         self._hold_ranged_boundaries()
         self._xla_statistics(leads_to_deny_or_infer)
         # A fused normalisation's batch mean and variance (its float32 "U"
-        # outputs) are statistics of its input too.
+        # outputs) are statistics of its input too: where a Mean's are held,
+        # and under XLA in bfloat16 as _xla_statistics holds a Mean's. Under
+        # XLA the layer's own ops compute y from them (fuse_norm's statistics
+        # edit), and they are bounded as the Means they replace: what reads the
+        # variance is small up to the Rsqrt (whose own range rule holds it).
+        held = self.lists.list_of("Mean") == "deny"
+        xla = self._fusible is not None
+        if not (held or (self.target == DT_BFLOAT16 and xla)):
+            return
         for name in self._fused_normalisations:
             root = self.slot_index.get((name, "U"))
             root_node = self.body.nodes[name]
             reduced = self.counts.get(root_node.data_inputs[0][0])
             if root is not None and reduced is not None:
-                self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer)
+                self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer,
+                                      ranges=held, bounded=xla)
 
     def _hold_ranged_boundaries(self) -> None:
         """What reads a boundary value that another body holds float32 for its
@@ -1279,10 +1298,12 @@ class _BodyColoring:
         return self.slot_index.get((consumer, node.inputs[index].type_attr))
 
     def _after_statistic(self, root: int, root_node, reduced: tuple[int, int],
-                         leads_to_deny_or_infer: set[int], ranges: bool = True) -> None:
+                         leads_to_deny_or_infer: set[int], ranges: bool = True,
+                         bounded: bool = False) -> None:
         """The rules after a statistic (`root`, a slot of `root_node`, whose input
         has `reduced` elements): see _propagate_deny. `ranges`: also hold what
-        could leave float16's range (a sum's broadcast)."""
+        could leave float16's range (a sum's broadcast), unless the statistic is
+        `bounded` (within its input's range, as _bounded_statistic says of a Mean)."""
         lists = self.slot_list
         cause = f"{root_node.op} {root_node.name!r}"
         statistics = _dfs([root], self.fanout, lambda s: (
@@ -1298,7 +1319,7 @@ class _BodyColoring:
         if not ranges:  # (bfloat16: every statistic is within its range)
             self._bounded.update(statistics)
             return
-        if self._bounded_statistic(root_node):
+        if bounded or self._bounded_statistic(root_node):
             self._bounded.update(statistics)
             return
         means = self._divided_by_count(root_node, statistics, reduced)

@@ -33,14 +33,29 @@ reads x and the small per-channel tensors, which are all still there with the
 same values. The statistics are the same sums in another order: equal to
 float32 rounding, not bit-identical.
 
-On both runtimes. On TensorFlow's executor it is one cuDNN kernel. Under XLA
-(Keras 3's ``jit_compile``) TensorFlow lowers it to BatchNormTraining, which
-XLA:GPU expands into reductions and element-wise ops again; the separate ops
-would fuse too, but the compiled H100 programs of ResNet-50, MobileNetV2 and
-EfficientNetB0 launch 5-10% fewer kernels with the edit, in float16 and
-bfloat16, and move 1-6% fewer bytes (EfficientNetB0 in bfloat16: 1.7% more,
-still below Keras's own policy; BUILD_NOTES.md, session 26). Only where the
-shapes say it: x is a float32 4-D NHWC tensor with a
+On TensorFlow's executor the fused op is one cuDNN kernel that writes y too.
+Under XLA (Keras 3's ``jit_compile``) TensorFlow lowers it to BatchNormTraining,
+which XLA expands into one pass of float32 sums (of x and of x squared) and the
+element-wise normalisation: fewer kernels than the two passes of
+``tf.nn.moments``. There the edit is smaller, the *statistics* edit:
+
+* only the statistics come from the fused op, and y stays the pattern's own
+  ``x * inv + shift``, which XLA fuses into the ops that read y (and recomputes
+  in the backward from x, which the gradient keeps anyway). With y from the
+  fused op, XLA kept more activations alive until the backward: EfficientNetB0's
+  float16 step held 2.28 GB of temp memory where it holds 2.14 GB now, and every
+  conv net's program launches fewer kernels and moves fewer bytes (BUILD_NOTES.md,
+  session 27);
+* XLA computes the variance as E[x^2] - E[x]^2, which cancels where the mean is
+  large against the spread (a channel with mean 300 and spread 1: 48% error in
+  float32; 0.6% at mean 30). The fused op reads x - s instead, s a value of x in
+  each channel (x[0, H/2, W/2, :], behind a StopGradient): the variance does not
+  change, the cancellation is that of (mean - s) against the spread, and the
+  mean is the fused op's plus s;
+* only in a graph that holds x's gradient already (a Keras step): the fused op
+  has no gradient for its statistics, and y still reads them.
+
+Either edit only where the shapes say it: x is a float32 4-D NHWC tensor with a
 known channel count (the batch and spatial sizes may be open: (n - 1) / n is
 then computed from x's size where the step runs), the reductions are over axes
 0, 1 and 2 with ``keep_dims``, inv, gamma, beta and the mean broadcast per
@@ -49,15 +64,18 @@ channel, gamma and beta (where the layer has them) are variables or constants
 cuDNN as it is, whose minimum, CUDNN_BN_MIN_EPSILON, is 0 since cuDNN 7.5: the
 1.001e-5 floor of tf_keras's fused layer is older), no node of the pattern has a
 control input or is waited on where it would be removed, the squares and
-``x * inv`` are read by nothing else, and, in a graph that does not hold x's
-gradient already (a forward that TensorFlow differentiates later, through the
-fused op's gradient, which has none for the statistics), the batch statistics
-are used only by the pattern and the moving averages (``_statistics_contained``).
+``x * inv`` are read by nothing else (the full edit removes them), and, in a
+graph that does not hold x's gradient already (a forward that TensorFlow
+differentiates later, through the fused op's gradient, which has none for the
+statistics: the full edit only), the batch statistics are used only by the
+pattern and the moving averages (``_statistics_contained``).
 Top graph only (where a Keras step's layers run), and not one with TF1 loops.
 
-``fuse_batch_norms(graph_def, view, shapes, outputs) -> EditedGraph | None``:
+``fuse_batch_norms(graph_def, view, shapes, outputs, runtime) -> EditedGraph | None``:
 pure; None when nothing changes. Its ``made`` rows are (body, y's node, now an
-Identity; the FusedBatchNormV3 node), reported as edit "fused", op "BatchNorm".
+Identity; the FusedBatchNormV3 node), reported as edit "fused", op "BatchNorm";
+under XLA (body, the batch mean's node, now the fused op's mean plus s; the
+FusedBatchNormV3 node), edit "fused statistics".
 """
 
 from __future__ import annotations
@@ -70,6 +88,7 @@ from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from tfamp.oplists import METADATA_OPS
+from tfamp.rewrite import reasons as rk
 from tfamp.rewrite import scopes
 from tfamp.rewrite.graph import Body, GraphView, TensorRef, scalar_constant
 from tfamp.rewrite.node_edits import (
@@ -116,14 +135,16 @@ class _Match:
 
 
 def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: TensorShapes,
-                     outputs: list[str]) -> EditedGraph | None:
-    """moments + batch_normalization become one FusedBatchNormV3 (module doc)."""
+                     outputs: list[str], runtime: str = "executor") -> EditedGraph | None:
+    """moments + batch_normalization become one FusedBatchNormV3, or under XLA
+    (`runtime` "xla") the moments do (module doc)."""
     top = view.bodies[0]
     if top.ops & TF1_FRAME_OPS or "Mean" not in top.ops:
         return None
     fetched = {name.split(":")[0] for name in outputs}
     body_shapes = shapes.shapes.get(top.name, {})
-    found = [m for m in (_match(top, body_shapes, fetched, name)
+    statistics_only = runtime == "xla"
+    found = [m for m in (_match(top, body_shapes, fetched, name, statistics_only)
                          for name, node in top.nodes.items() if node.op == "Mean")
              if m is not None]
     if not found:
@@ -132,7 +153,7 @@ def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
     new_graph_def.CopyFrom(graph_def)
     writer = _Writer(new_graph_def, body_shapes)
     for m in found:
-        writer.fuse(m)
+        writer.fuse(m, statistics_only)
     for name in writer.removed:
         writer.written[name] = None
         for index in range(len(top.nodes[name].outputs)):
@@ -143,8 +164,11 @@ def fuse_batch_norms(graph_def: graph_pb2.GraphDef, view: GraphView, shapes: Ten
     all_shapes = dict(shapes.shapes)
     all_shapes[top.name] = writer.shapes
     return EditedGraph(new_graph_def, {top.name: writer.written},
-                       [(top.name, m.output, f"{m.output}{_SUFFIX}") for m in found],
-                       TensorShapes(all_shapes), edit="fused", op="BatchNorm")
+                       [(top.name, m.mean if statistics_only else m.output,
+                         f"{m.output}{_SUFFIX}") for m in found],
+                       TensorShapes(all_shapes),
+                       edit="fused statistics" if statistics_only else "fused", op="BatchNorm",
+                       float32={(top.name, node): why for node, why in writer.float32.items()})
 
 
 class _Writer:
@@ -157,8 +181,9 @@ class _Writer:
         self.shapes = dict(shapes)
         self.written: dict[str, object] = {}
         self.removed: set[str] = set()
+        self.float32: dict[str, tuple[str, str]] = {}  # node -> (reason, kind)
 
-    def fuse(self, m: _Match) -> None:
+    def fuse(self, m: _Match, statistics_only: bool) -> None:
         n, h, w, c = m.shape
         fused = f"{m.output}{_SUFFIX}"
         device = self.node_defs[m.output].device
@@ -173,24 +198,65 @@ class _Writer:
             else:
                 add(f"{fused}/{role}", "Reshape", {"T": _FLOAT, "Tshape": _INT32},
                     [source, f"{fused}/channels"], (c,), device=device)
+        read = self._shifted(m, fused, device) if statistics_only else m.x
         add(fused, "FusedBatchNormV3", {
             "T": _FLOAT, "U": _FLOAT, "epsilon": attr_value_pb2.AttrValue(f=m.epsilon),
             "exponential_avg_factor": attr_value_pb2.AttrValue(f=1.0),
             "data_format": attr_value_pb2.AttrValue(s=b"NHWC"),
             "is_training": bool_attr(True)},
-            [m.x, f"{fused}/scale", f"{fused}/offset", f"{fused}/empty", f"{fused}/empty"],
+            [read, f"{fused}/scale", f"{fused}/offset", f"{fused}/empty", f"{fused}/empty"],
             m.shape, (c,), (c,), (c,), (c,), None, device=device)  # (reserve space 3: opaque)
         add(f"{fused}/biased_variance", "Mul", {"T": _FLOAT},
             [f"{fused}:2", f"{fused}/unbiased"], (c,), device=device)
-        # The Means are views of the fused kernel's statistics; y's node of its y.
-        for node, source in ((m.mean, f"{fused}:1"), (m.variance, f"{fused}/biased_variance")):
-            self._rewrite(node, "Reshape", {"T": _FLOAT, "Tshape": _INT32},
-                          [source, f"{fused}/statistic_shape"], (1, 1, 1, c))
-        self._rewrite(m.output, "Identity", {"T": _FLOAT}, [fused], tuple(m.shape))
+        # The Means are views of the fused kernel's statistics (the mean of x - s
+        # plus s, under XLA); y's node an Identity of its y (not under XLA).
+        view = {"T": _FLOAT, "Tshape": _INT32}
+        statistic_shape = (1, 1, 1, c)
+        if statistics_only:
+            add(f"{fused}/shifted_mean", "Reshape", view,
+                [f"{fused}:1", f"{fused}/statistic_shape"], statistic_shape, device=device)
+            self._rewrite(m.mean, "AddV2", {"T": _FLOAT},
+                          [f"{fused}/shifted_mean", f"{fused}/shift"], statistic_shape)
+        else:
+            self._rewrite(m.mean, "Reshape", view, [f"{fused}:1", f"{fused}/statistic_shape"],
+                          statistic_shape)
+            self._rewrite(m.output, "Identity", {"T": _FLOAT}, [fused], tuple(m.shape))
+        self._rewrite(m.variance, "Reshape", view,
+                      [f"{fused}/biased_variance", f"{fused}/statistic_shape"], statistic_shape)
         self.removed.update(m.removable)
         for reader, index in m.shape_readers:
             reader_def = self.written[reader] = self.node_defs[reader]
             reader_def.input[index] = m.x
+
+    def _shifted(self, m: _Match, fused: str, device: str) -> str:
+        """x - s, s = x[0, H/2, W/2, :] (x[0, 0, 0, :] where H or W is open) behind a
+        StopGradient: what the fused op reads under XLA (module doc)."""
+        n, h, w, c = m.shape
+        self._const(f"{fused}/shift_begin",
+                    np.array([0, max(h, 0) // 2, max(w, 0) // 2, 0], np.int32))
+        self._const(f"{fused}/shift_size", np.array([1, 1, 1, -1], np.int32))
+        self._add(f"{fused}/shift_value", "Slice", {"T": _FLOAT, "Index": _INT32},
+                  [m.x, f"{fused}/shift_begin", f"{fused}/shift_size"], (1, 1, 1, c),
+                  device=device)
+        self._add(f"{fused}/shift", "StopGradient", {"T": _FLOAT}, [f"{fused}/shift_value"],
+                  (1, 1, 1, c), device=device)
+        self._add(f"{fused}/shifted", "Sub", {"T": _FLOAT}, [m.x, f"{fused}/shift"],
+                  tuple(m.shape), device=device)
+        # All float32: XLA fuses the Cast of x into the sums; x - s rounded to
+        # 16-bit would lose what the shift keeps (and a 16-bit s costs a Cast
+        # kernel of its own in the compiled program).
+        for node, why, kind in (
+                (f"{fused}/shift_value", "the shift of a fused BatchNorm's statistics "
+                 "(one value of x per channel)", rk.KIND_STATISTIC),
+                (f"{fused}/shift", "the shift of a fused BatchNorm's statistics",
+                 rk.KIND_STATISTIC),
+                (f"{fused}/shifted", "x minus the shift, summed in float32 for a fused "
+                 "BatchNorm's statistics", rk.KIND_CENTRED),
+                (fused, "computes the batch statistics of x minus the shift in float32 "
+                 "(XLA fuses the Cast of x into its sums; its y is not read)",
+                 rk.KIND_CENTRED)):
+            self.float32[node] = (f"kept float32: {why}", kind)
+        return f"{fused}/shifted"
 
     def _unbiased(self, m: _Match, fused: str, device: str) -> None:
         """(n - 1) / n for n values per channel: the kernel's batch variance
@@ -237,8 +303,10 @@ class _Writer:
         self.written[node_def.name] = node_def
 
 
-def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | None:
-    """The pattern whose mean is the Mean node `mean`, or None (module doc)."""
+def _match(body: Body, shapes: dict, fetched: set[str], mean: str,
+           statistics_only: bool) -> _Match | None:
+    """The pattern whose mean is the Mean node `mean`, or None (module doc);
+    `statistics_only`: the edit under XLA, which removes only the squares."""
     nodes, consumers = body.nodes, body.consumers
     node = nodes[mean]
     if not _reduces_nhw(body, node) or len(node.data_inputs) != 2:
@@ -281,20 +349,25 @@ def _match(body: Body, shapes: dict, fetched: set[str], mean: str) -> _Match | N
         if found is None:
             continue
         output, shift, shifted_mean, scale, offset, epsilon = found
-        shape_readers = square_shape_readers + _readers(body, reader)[1]
-        removable = [squares, reader]
-        if [c for c, _ in consumers.get(TensorRef(shift, 0), ())] == [output]:
-            removable.append(shift)
-            if [c for c, _ in consumers.get(TensorRef(shifted_mean, 0), ())] == [shift]:
-                removable.append(shifted_mean)
+        # A graph without its own gradient of x will be differentiated later
+        # (through the fused op's gradient, which has none for the statistics).
+        differentiated = any(scopes.is_gradient(r) for r, _ in consumers.get(x, ()))
+        if statistics_only:
+            if not differentiated:
+                return None  # (y reads the statistics, which would have no gradient)
+            shape_readers, removable = square_shape_readers, [squares]
+        else:
+            shape_readers = square_shape_readers + _readers(body, reader)[1]
+            removable = [squares, reader]
+            if [c for c, _ in consumers.get(TensorRef(shift, 0), ())] == [output]:
+                removable.append(shift)
+                if [c for c, _ in consumers.get(TensorRef(shifted_mean, 0), ())] == [shift]:
+                    removable.append(shifted_mean)
         pattern = [mean, variance, squares, reader, output, shift, shifted_mean]
         waiters = body.waiters()
         if (any(len(nodes[p].node_def.input) != len(nodes[p].data_inputs) for p in pattern)
                 or any(r in waiters or r in fetched for r in removable)):
             return None
-        # A graph without its own gradient of x will be differentiated later
-        # (through the fused op's gradient, which has none for the statistics).
-        differentiated = any(scopes.is_gradient(r) for r, _ in consumers.get(x, ()))
         if not differentiated and not _statistics_contained(
                 body, (mean, variance), set(pattern), fetched):
             return None

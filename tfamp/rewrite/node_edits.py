@@ -75,6 +75,8 @@ class EditedGraph:
         module says what `node` and `into` are.
       shapes: the new graph's shapes.
       edit, op: the "edit" and "op" of the report's ``broadcast_edits`` rows.
+      float32: (body, node) -> (reason, kind) for nodes the edit added that the
+        colouring must keep float32 (``tfamp.rewrite.reasons`` kinds).
     """
 
     graph_def: graph_pb2.GraphDef
@@ -83,6 +85,7 @@ class EditedGraph:
     shapes: TensorShapes
     edit: str
     op: str
+    float32: dict[tuple[str, str], tuple[str, str]] = dataclasses.field(default_factory=dict)
 
     def edits(self) -> list[dict[str, str]]:
         """Rows of the report's ``broadcast_edits``."""

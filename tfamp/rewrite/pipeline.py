@@ -141,11 +141,11 @@ def _rewrite(graph_def, config, outputs, function_name, runtime, input_magnitude
     shapes = tensor_shapes(graph_def, view)
     original = (view, shapes)
     nodes_before = view.node_count()
-    # Exact edits first (a batch normalisation is one fused op, on either
-    # runtime; per-example weight-gradient products summed are one MatMul; a
+    # Exact edits first (a batch normalisation is one fused op, its statistics
+    # only under XLA; per-example weight-gradient products summed are one MatMul; a
     # scaling of a broadcast runs on the small tensor): the colouring then
     # decides on the graph that will run.
-    fused = fuse_batch_norms(graph_def, view, shapes, outputs)
+    fused = fuse_batch_norms(graph_def, view, shapes, outputs, runtime)
     if fused is not None:
         graph_def = fused.graph_def
         view = build_view(graph_def, earlier=view, written=fused.written)
@@ -162,9 +162,11 @@ def _rewrite(graph_def, config, outputs, function_name, runtime, input_magnitude
         view = build_view(graph_def, earlier=view, written=hoisted.written)
         shapes = hoisted.shapes
     keep: dict[tuple[str, str], str] = {}
+    held = dict(fused.float32) if fused is not None else {}  # (the edits' float32 nodes)
     known: set[str] | None = None  # the input's own problems, found lazily
     for round_ in range(_MAX_REPAIR_ROUNDS + 1):
-        coloring = color(view, config, outputs, keep, shapes, runtime, input_magnitudes)
+        coloring = color(view, config, outputs, keep, shapes, runtime, input_magnitudes,
+                         held)
         new_graph_def, casts, written = insert_casts(graph_def, view, coloring)
         # The result is read again from the NodeDefs the Cast insertion wrote,
         # trusting nothing the colouring believes: ports and edges come from

@@ -19,7 +19,10 @@ cost_before / cost_after (bytes + kernels x launch_bytes) and share (cost after
 before colouring (``fuse_norm``, ``contract``, ``hoist`` in ``tfamp.rewrite``), each
 {"edit", "function", "node", "op", "into"}: "fused" (``tfamp.rewrite.fuse_norm``,
 on the executor), the normalised output ``node`` of a BatchNorm (op "BatchNorm") is
-now an Identity of the FusedBatchNormV3 ``into``; "contracted", the ``Sum`` ``node``
+now an Identity of the FusedBatchNormV3 ``into``; "fused statistics" (the same,
+under XLA), the batch mean ``node`` of a BatchNorm and its variance are now the
+statistics of the FusedBatchNormV3 ``into``, which reads x minus one of its values;
+"contracted", the ``Sum`` ``node``
 of per-example products is now one MatMul and the BatchMatMulV2 ``into`` the
 Reshape of its first operand; "moved", a
 scaling ``node`` (its ``op``: a RealDiv/Mul/Neg by a scalar) now runs on the small
@@ -206,7 +209,9 @@ class RewriteReport:
         phrases = []
         for edits, suffix in (
                 ((("fused", "{n} batch normalisation{s} (moments and normalise) computed "
-                            "as one FusedBatchNormV3{each}"),),
+                            "as one FusedBatchNormV3{each}"),
+                  ("fused statistics", "the batch statistics of {n} batch normalisation{s} "
+                                       "(moments) computed by one FusedBatchNormV3{each}")),
                  " (the same statistics in another order)"),
                 ((("contracted", "{n} weight-gradient sum{s} over examples computed as "
                                  "one MatMul{each}"),), " (the same sums in another order)"),
