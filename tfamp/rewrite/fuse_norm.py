@@ -43,9 +43,9 @@ element-wise normalisation: fewer kernels than the two passes of
   ``x * inv + shift``, which XLA fuses into the ops that read y (and recomputes
   in the backward from x, which the gradient keeps anyway). With y from the
   fused op, XLA kept more activations alive until the backward: EfficientNetB0's
-  float16 step held 2.28 GB of temp memory where it holds 2.14 GB now, and every
-  conv net's program launches fewer kernels and moves fewer bytes (BUILD_NOTES.md,
-  session 27);
+  float16 step held 2.28 GB of temp memory where it holds 2.08 GB now, and every
+  conv net's program moves fewer bytes (it launches a few more kernels, the
+  shift's below: still 4-9% fewer than Keras's policy; BUILD_NOTES.md, session 27);
 * XLA computes the variance as E[x^2] - E[x]^2, which cancels where the mean is
   large against the spread (a channel with mean 300 and spread 1: 48% error in
   float32; 0.6% at mean 30). The fused op reads x - s instead, s a value of x in
