@@ -180,11 +180,10 @@ class Coloring:
 
 def color(view: GraphView, config: AmpConfig,
           outputs: Iterable[str] = (),
-          keep: Mapping[tuple[str, str], str] | None = None,
+          keep: Mapping[tuple[str, str], tuple[str, str]] | None = None,
           shapes: TensorShapes | None = None,
           runtime: str | None = None,
-          input_magnitudes: Mapping[str, float] | None = None,
-          held: Mapping[tuple[str, str], tuple[str, str]] | None = None) -> Coloring:
+          input_magnitudes: Mapping[str, float] | None = None) -> Coloring:
     """Decides, for every node of `view`, whether it computes in 16-bit.
 
     Args:
@@ -192,8 +191,9 @@ def color(view: GraphView, config: AmpConfig,
       config: target dtype, op lists, overrides.
       outputs: tensor names ("node:0") of the top graph whose dtype callers
         rely on; their producers keep their types.
-      keep: (function, node) -> why it must stay float32 because converting
-        it would make an invalid graph (set by the pass's self-check).
+      keep: (function, node) -> (reason, kind) for nodes that must stay
+        float32: an edit's own float32 nodes (``node_edits.EditedGraph``) and
+        those the pass's self-check found would make an invalid graph.
       shapes: tensor shapes (``shapes.tensor_shapes``). Where known, the choices
         the rules leave open go to the option that moves fewer bytes; without
         them, to the one with fewer Casts.
@@ -204,8 +204,6 @@ def color(view: GraphView, config: AmpConfig,
       input_magnitudes: top-graph Placeholder -> the largest magnitude of what
         it is fed, where known (``pipeline.rewrite_graph_def``): one past the
         16-bit range is a sentinel, as a constant's is.
-      held: (function, node) -> (reason, kind) for nodes an edit before
-        colouring added that must stay float32 (``node_edits.EditedGraph``).
 
     Returns:
       A Coloring with one Decision per node.
@@ -225,16 +223,13 @@ def color(view: GraphView, config: AmpConfig,
         original = boundaries.original_function_name(body.name)
         body_keep = {node: why for (fn, node), why in keep.items()
                      if boundaries.original_function_name(fn) == original}
-        body_held = {node: why for (fn, node), why in (held or {}).items()
-                     if boundaries.original_function_name(fn) == original}
         counts = {}
         if shapes is not None:  # (a copy of a function has its original's shapes)
             counts = shapes.counts(body.name if shapes.shapes.get(body.name) else original)
         body_coloring = _BodyColoring(body, config, body_pins, body_keep, counts,
                                       overrides, skeletons, runtime,
                                       original in xla_compiled,
-                                      {} if body.is_function else input_magnitudes,
-                                      body_held)
+                                      {} if body.is_function else input_magnitudes)
         decisions = body_coloring.run()
         denied = {(body_coloring.slot_node[s], body_coloring.slot_attr[s]): reason
                   for s, (reason, _, _) in body_coloring.deny.items()}
@@ -286,12 +281,12 @@ class _BodyColoring:
     """Colours one body. Slots are ints; slot i is (node, type attribute)."""
 
     def __init__(self, body: Body, config: AmpConfig, pinned: set[TensorRef],
-                 keep: Mapping[str, str] | None = None, counts: dict | None = None,
+                 keep: Mapping[str, tuple[str, str]] | None = None,
+                 counts: dict | None = None,
                  overrides: boundaries.BodyOverrides | None = None,
                  skeletons: dict[str, _Skeleton] | None = None,
                  runtime: str = "executor", xla_compiled: bool = False,
-                 input_magnitudes: Mapping[str, float] | None = None,
-                 held: Mapping[str, tuple[str, str]] | None = None):
+                 input_magnitudes: Mapping[str, float] | None = None):
         self.body = body
         # Placeholder -> the largest magnitude it is fed, where known (a capture)
         self.input_magnitudes = input_magnitudes or {}
@@ -306,7 +301,6 @@ class _BodyColoring:
         self.overrides = overrides or boundaries.BodyOverrides()
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.keep = keep or {}
-        self.held = held or {}  # node -> (reason, kind): an edit's float32 nodes
         # tensor -> its elements (shapes.elements_of), None where unknown
         self.counts = counts or {}
         # slot -> (why float32, cause, kind), for slots the byte count kept float32
@@ -731,9 +725,7 @@ class _BodyColoring:
 
         `call_block` is ``_call_block(node)``."""
         if name in self.keep:
-            return f"kept float32: {self.keep[name]}", rk.KIND_INVALID_GRAPH
-        if name in self.held:
-            return self.held[name]
+            return self.keep[name]
         if rk.LOSS_SCALE_ATTR in node.node_def.attr:
             return ("kept float32: part of the loss-scale machinery (the scale, its seed and "
                     "update, unscaling, the finiteness check) reads float32 values",
@@ -1053,9 +1045,9 @@ class _BodyColoring:
         # XLA the layer's own ops compute y from them (fuse_norm's statistics
         # edit), and they are bounded as the Means they replace: what reads the
         # variance is small up to the Rsqrt (whose own range rule holds it).
-        held = self.lists.list_of("Mean") == "deny"
+        mean_denied = self.lists.list_of("Mean") == "deny"
         xla = self._fusible is not None
-        if not (held or (self.target == DT_BFLOAT16 and xla)):
+        if not (mean_denied or (self.target == DT_BFLOAT16 and xla)):
             return
         for name in self._fused_normalisations:
             root = self.slot_index.get((name, "U"))
@@ -1063,7 +1055,7 @@ class _BodyColoring:
             reduced = self.counts.get(root_node.data_inputs[0][0])
             if root is not None and reduced is not None:
                 self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer,
-                                      ranges=held, bounded=xla)
+                                      ranges=mean_denied, bounded=xla)
 
     def _hold_ranged_boundaries(self) -> None:
         """What reads a boundary value that another body holds float32 for its

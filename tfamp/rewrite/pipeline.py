@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from tensorflow.core.framework import graph_pb2
 
 from tfamp.config import AmpConfig
+from tfamp.rewrite import reasons as rk
 from tfamp.rewrite import runtime_cost
 from tfamp.rewrite.casts import insert_casts
 from tfamp.rewrite.check import GraphCheckError, Problem, find_problems
@@ -161,12 +162,12 @@ def _rewrite(graph_def, config, outputs, function_name, runtime, input_magnitude
         graph_def = hoisted.graph_def
         view = build_view(graph_def, earlier=view, written=hoisted.written)
         shapes = hoisted.shapes
-    keep: dict[tuple[str, str], str] = {}
-    held = dict(fused.float32) if fused is not None else {}  # (the edits' float32 nodes)
+    # (function, node) -> (reason, kind): an edit's own float32 nodes, then
+    # what the self-check finds would make an invalid graph
+    keep: dict[tuple[str, str], tuple[str, str]] = dict(fused.float32) if fused else {}
     known: set[str] | None = None  # the input's own problems, found lazily
     for round_ in range(_MAX_REPAIR_ROUNDS + 1):
-        coloring = color(view, config, outputs, keep, shapes, runtime, input_magnitudes,
-                         held)
+        coloring = color(view, config, outputs, keep, shapes, runtime, input_magnitudes)
         new_graph_def, casts, written = insert_casts(graph_def, view, coloring)
         # The result is read again from the NodeDefs the Cast insertion wrote,
         # trusting nothing the colouring believes: ports and edges come from
@@ -240,16 +241,17 @@ def _refuse_repeated_names(graph_def, view) -> None:
             f"graph either. Rename or remove the repeated nodes and rewrite again.")
 
 
-def _nodes_to_keep(problems: list[Problem], coloring,
-                   keep: dict[tuple[str, str], str]) -> dict[tuple[str, str], str]:
+def _nodes_to_keep(problems: list[Problem], coloring, keep: dict[tuple[str, str], tuple[str, str]]
+                   ) -> dict[tuple[str, str], tuple[str, str]]:
     """The converted nodes each problem involves, with why they must stay float32."""
-    added: dict[tuple[str, str], str] = {}
+    added: dict[tuple[str, str], tuple[str, str]] = {}
     for problem in problems:
         for key in problem.nodes:
             decision = coloring.decisions.get(key)
             if decision is None or not decision.converted or key in keep or key in added:
                 continue
-            added[key] = f"would make an invalid graph ({problem.message})"
+            added[key] = (f"kept float32: would make an invalid graph ({problem.message})",
+                          rk.KIND_INVALID_GRAPH)
     return added
 
 
