@@ -1,8 +1,10 @@
 """What every rewrite of every generated program must satisfy.
 
 For each configuration (float16 and bfloat16; the graph with ``_output_shapes``
-and without; with shapes, the Casts also placed for XLA, run by TensorFlow's
-executor like the others; and float16 for a GPU, checked without running):
+and without; with shapes, the Casts also placed for XLA, run compiled by XLA
+(on the CPU) where XLA compiles the float32 step, as a Keras 3 user's step
+runs, else by TensorFlow's executor like the others; and float16 for a GPU,
+checked without running):
 
 1. ``rewrite_graph_def`` does not raise;
 2. the input GraphDef's serialized bytes are unchanged;
@@ -12,7 +14,10 @@ executor like the others; and float16 for a GPU, checked without running):
 5. variables stay float32 (no op that reads or writes a resource gets a 16-bit
    type);
 6. run on the CPU from the same variable values, the rewritten step's outputs
-   and its variable updates agree with float32's within the tolerance below.
+   and its variable updates agree with float32's within the tolerance below
+   (a compiled run with the float32 step compiled by XLA, whose lowerings it
+   shares: session 26's fused BatchNorm was exact on the executor, and XLA's
+   expansion of its variance cancelled).
 
 The tolerance. Inputs and weights lie on grids exact in both 16-bit types, so
 the 16-bit run starts from the same numbers; only its rounding differs. Each
@@ -44,6 +49,7 @@ import traceback
 from collections.abc import Sequence
 
 import numpy as np
+import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.util import nest
 
@@ -129,6 +135,10 @@ class Outcome:
     # (|r - c|, |n - c|) / (u |c|) of every float output compared: what the
     # tolerance's constants are chosen from (BUILD_NOTES, session 12)
     errors: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    # rewrites run compiled by XLA (an XLA configuration where XLA compiles the
+    # float32 step), and XLA configurations run on the executor (it does not)
+    compiled: int = 0
+    not_compiled: int = 0
     seconds: float = 0.0
 
     @property
@@ -166,26 +176,37 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
     graph_defs = {}
     outputs = [t.name for t in concrete.graph.outputs]
     jit = concrete._attrs.get("_XlaMustCompile") if hasattr(concrete, "_attrs") else None
+    jit = bool(getattr(jit, "b", jit))
     results: dict[str, tuple] = {}  # a rewritten graph (as text) -> its run
     noisy: dict[str, tuple] = {}
     noisy_step = None
+    compiled_clean: list = []  # [float32's compiled run, or None: XLA cannot compile it]
     for config in configs:
         if config.shapes not in graph_defs:
             graph_defs[config.shapes] = concrete.graph.as_graph_def(add_shapes=config.shapes)
         graph_def = graph_defs[config.shapes]
-        new = _rewrite_checked(graph_def, outputs, config, bool(getattr(jit, "b", jit)),
-                               outcome, changes or {})
+        new = _rewrite_checked(graph_def, outputs, config, jit, outcome, changes or {})
         if new is None or not config.run or not numerics:
             continue
-        key = config.dtype + _fingerprint(new)
+        reference, compile_it = clean, False
+        if config.runtime == "xla" and not jit:  # (a jit step's runs are all compiled)
+            if not compiled_clean:
+                compiled_clean.append(_compiled_run(concrete, inputs, state, captured,
+                                                    snapshot))
+            if compiled_clean[0] is not None:
+                reference, compile_it = compiled_clean[0], True
+            outcome.compiled += compile_it
+            outcome.not_compiled += not compile_it
+        where = f"{config}/compiled" if compile_it else str(config)
+        key = config.dtype + ("/compiled" if compile_it else "") + _fingerprint(new)
         if key not in results:
             try:
                 rewritten = _concrete_from(new, concrete)
                 _restore(captured, snapshot)
-                results[key] = _run(rewritten, inputs, state)
+                results[key] = _run(_compiled(rewritten) if compile_it else rewritten,
+                                    inputs, state)
             except Exception as err:
-                outcome.failures.append(Failure("runs", str(config), _describe(err),
-                                                _where(err)))
+                outcome.failures.append(Failure("runs", where, _describe(err), _where(err)))
                 continue
             finally:
                 _restore(captured, snapshot)
@@ -198,7 +219,8 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
                                                 _describe(err), type(err).__name__))
                 continue
         found = Outcome([])
-        _compare(clean, noisy[config.dtype], results[key], before, config, found)
+        _compare(reference, noisy[config.dtype], results[key], before, config, found,
+                 label=where)
         reach = None
         if any(f.invariant == "nonfinite" for f in found.failures):
             # An element a 16-bit result overflows where this sample stayed finite
@@ -210,8 +232,8 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
                 reach = None
             if reach is not None:
                 found = Outcome([])
-                _compare(clean, noisy[config.dtype], results[key], before, config, found,
-                         reach)
+                _compare(reference, noisy[config.dtype], results[key], before, config, found,
+                         reach, label=where)
         if any(f.invariant == "numerics" for f in found.failures):
             # A numerics failure is confirmed against more samples of the noise
             # (5000536: an Adam update of a gradient that the noise moves by 0.3
@@ -221,13 +243,14 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
             # 16-bit rounding turns): each output is judged against the sample
             # that moved it most.
             try:
-                worst = _worst_noise(clean, [noisy[config.dtype]] + [
+                worst = _worst_noise(reference, [noisy[config.dtype]] + [
                     noisy_step.run(config.dtype, salt) for salt in EXTRA_SALTS])
             except Exception:  # (another sample that does not run: keep the first's verdict)
                 worst = None
             if worst is not None:
                 found = Outcome([])
-                _compare(clean, worst, results[key], before, config, found, reach)
+                _compare(reference, worst, results[key], before, config, found, reach,
+                         label=where)
         _merge(outcome, found)
     outcome.seconds = time.perf_counter() - start
     return outcome
@@ -303,6 +326,24 @@ def _sixteen_bit_attrs(node) -> list[str]:
         if any(t in _SIXTEEN for t in types):
             found.append(key)
     return found
+
+
+def _compiled(fn):
+    """`fn` called in a function XLA compiles (on the CPU), as a Keras 3 step runs."""
+    return tf.function(lambda *args: fn(*args), jit_compile=True, autograph=False)
+
+
+def _compiled_run(concrete, inputs, state, captured, snapshot):
+    """The float32 step's run compiled by XLA (the reference of a compiled rewrite:
+    the same lowerings, of random ops too), or None where XLA cannot compile it
+    (a program outside what XLA takes: its XLA rewrites then run on the executor)."""
+    _restore(captured, snapshot)
+    try:
+        return _run(_compiled(concrete), inputs, state)
+    except Exception:  # noqa: BLE001 (any refusal of XLA's: the float32 step's own limit)
+        return None
+    finally:
+        _restore(captured, snapshot)
 
 
 def _concrete_from(new_graph_def, concrete):
@@ -391,9 +432,11 @@ def _merge(outcome: Outcome, found: Outcome) -> None:
 
 
 def _compare(clean, noisy, got, before, config: Config, outcome: Outcome,
-             reach=None) -> None:
-    """Judges each output and variable update of the 16-bit run `got` (``_judge``);
-    `reach`: the AWAY sample's run, or None."""
+             reach=None, label: str = "") -> None:
+    """Judges each output and variable update of the 16-bit run `got` (``_judge``)
+    against `clean`, float32's run; `reach`: the AWAY sample's run, or None;
+    `label`: the configuration as failures name it (default ``str(config)``)."""
+    label = label or str(config)
     (clean_out, clean_state), (noisy_out, noisy_state), (got_out, got_state) = (
         clean, noisy, got)
     u = UNIT_ROUNDOFF[config.dtype]
@@ -414,7 +457,7 @@ def _compare(clean, noisy, got, before, config: Config, outcome: Outcome,
                           None if a is None or a.shape != c.shape else _delta(a, b)))
     for name, c, n, r, floor, a in pairs:
         if r.dtype != c.dtype or r.shape != c.shape:
-            outcome.failures.append(Failure("output_dtype", str(config),
+            outcome.failures.append(Failure("output_dtype", label,
                                             f"{name}: {c.dtype}{c.shape} became "
                                             f"{r.dtype}{r.shape}"))
             continue
@@ -434,7 +477,7 @@ def _compare(clean, noisy, got, before, config: Config, outcome: Outcome,
         if relative is not None:
             outcome.errors.append(relative)
         if kind:
-            outcome.failures.append(Failure(kind, str(config), f"{name}: {message}"))
+            outcome.failures.append(Failure(kind, label, f"{name}: {message}"))
 
 
 def _resolution(after) -> float:

@@ -45,6 +45,8 @@ class Result:
     errors: list = dataclasses.field(default_factory=list)  # see invariants.Outcome
     unjudged_nonfinite: int = 0
     retried: int = 0  # checked again after a transient oneDNN error (TRANSIENT_ERRORS)
+    compiled: int = 0  # XLA configurations run compiled by XLA (see invariants.Outcome)
+    not_compiled: int = 0  # ... and run on the executor (XLA does not compile float32's)
 
 
 # TensorFlow's oneDNN CPU convolutions (mkl_conv_ops.cc) now and then fail to
@@ -80,7 +82,8 @@ def check_seed(seed: int) -> Result:
                   [list(f.signature()) for f in outcome.failures], outcome.compared,
                   outcome.skipped, max(outcome.ratios, default=0.0), program.size(),
                   program.features(), [[round(a, 3), round(b, 3)] for a, b in outcome.errors],
-                  outcome.unjudged_nonfinite, retried)
+                  outcome.unjudged_nonfinite, retried, outcome.compiled,
+                  outcome.not_compiled)
 
 
 def _worker() -> int:
@@ -190,6 +193,8 @@ def summary(results: list[Result], seconds: float) -> dict:
                                                     if r.unjudged_nonfinite),
         "max_error_to_bound": round(max((r.max_ratio for r in results), default=0.0), 4),
         "retried_after_transient_errors": sorted(r.seed for r in results if r.retried),
+        "xla_runs_compiled": sum(r.compiled for r in results),
+        "xla_runs_on_the_executor": sum(r.not_compiled for r in results),
         "statements": sum(r.size for r in results),
         "programs_with_feature": dict(sorted(features.items())),
         "failures": {r.seed: r.failures for r in failed},
