@@ -8,6 +8,8 @@ import textwrap
 
 import numpy as np
 import pytest
+import tensorflow as tf
+from tensorflow.core.framework import types_pb2
 
 from tests.progen import grammar, invariants, longrun, shrink, source
 
@@ -366,6 +368,52 @@ def test_a_rewrite_that_raises_or_edits_its_input_is_caught(monkeypatch):
     monkeypatch.setattr(invariants.tfamp, "rewrite_graph_def", raising)
     (failure,) = invariants.check(source.load(_LOG_SUM_EXP), _FLOAT16).failures
     assert failure.signature() == ("raises", "float16", "KeyError@")
+
+
+_XLA_FLOAT16 = [invariants.Config("float16", True, runtime="xla")]
+
+
+def _with_print(graph_def, outputs):
+    """`graph_def` with a PrintV2 (no XLA kernel) that its first output waits for."""
+    new = type(graph_def)()
+    new.CopyFrom(graph_def)
+    text = new.node.add(name="tfamp_test_text", op="Const")
+    text.attr["dtype"].type = types_pb2.DT_STRING
+    text.attr["value"].tensor.CopyFrom(tf.make_tensor_proto("tfamp test"))
+    printed = new.node.add(name="tfamp_test_print", op="PrintV2", input=["tfamp_test_text"])
+    printed.attr["output_stream"].s = b"stderr"
+    printed.attr["end"].s = b"\n"
+    first = next(n for n in new.node if n.name == outputs[0].split(":")[0])
+    first.input.append("^tfamp_test_print")
+    return new
+
+
+def test_an_xla_rewrite_runs_compiled_where_xla_compiles_the_float32_step(monkeypatch):
+    """The Casts placed for XLA run as a Keras 3 step runs them: compiled. A rewrite
+    XLA cannot compile (an op with no XLA kernel added) is a failed run of that
+    configuration alone; the executor's runs of the same graph pass."""
+    module = source.load(_LOG_SUM_EXP)
+    outcome = invariants.check(module, _XLA_FLOAT16)
+    assert outcome.ok and (outcome.compiled, outcome.not_compiled) == (1, 0), _failures(outcome)
+    real = invariants.tfamp.rewrite_graph_def
+
+    def printing(graph_def, *args, **kwargs):
+        new, report = real(graph_def, *args, **kwargs)
+        return _with_print(new, kwargs["outputs"]), report
+
+    monkeypatch.setattr(invariants.tfamp, "rewrite_graph_def", printing)
+    outcome = invariants.check(module, _FLOAT16 + _XLA_FLOAT16)
+    assert [(f.invariant, f.config) for f in outcome.failures] == [
+        ("runs", "float16/shapes/CPU/xla/compiled")], _failures(outcome)
+    assert "PrintV2" in outcome.failures[0].message
+
+
+def test_a_float32_step_xla_cannot_compile_runs_its_xla_rewrite_on_the_executor():
+    """(A program outside what XLA takes is not a rewrite's failure.)"""
+    module = source.load(_LOG_SUM_EXP.replace(
+        "        return {", '        tf.print("step")\n        return {'))
+    outcome = invariants.check(module, _XLA_FLOAT16)
+    assert outcome.ok and (outcome.compiled, outcome.not_compiled) == (0, 1), _failures(outcome)
 
 
 def _float32_close(a, b) -> bool:
