@@ -8,13 +8,15 @@ compiles with JAX in its own venv; nothing here starts it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 
-from benchmarks.h100_program import agreement, cache, cli, estimate, hlo_reader, plan
+from benchmarks.h100_program import agreement, cache, cli, estimate, hlo_reader, kit, plan
 
 # data/h100_tiny_step.opt.hlo.txt, written by hand: every launch site kind the reader knows,
 # with the sizes worked out by hand in the tests.
@@ -246,6 +248,8 @@ def test_a_tfamp_change_moves_only_tfamp_programs(tmp_path):
     (["--batch", "many"], "expected a positive whole number, got 'many'"),
     (["--json", "/no/such/folder/out.json"], "folder '/no/such/folder' does not exist"),
     (["--jax-python", "/no/such/python"], "'/no/such/python' does not exist"),
+    (["--kit", "k", "--calibrate"], "--kit: the kit is made from a run's programs"),
+    (["--kit", __file__], "is a file; expected a folder"),
 ])
 def test_cli_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -273,6 +277,60 @@ def test_measured_column_shows_only_the_programs_this_run_compiles():
     assert cli.measured_times(data, cache.Layout("/w", "3.15.1", "bbb")) == {
         "m_b8_fp32": (10.0, "new")}
     assert cli.measured_times(data, cache.Layout("/w", "3.16.0", "aaa")) == {}
+
+
+def _kit_rows(tmp_path) -> list[dict]:
+    """A run's rows as ``cli.measure`` gives them: ResNet-50 in both dtypes (one of its
+    programs failed), BERT in float16."""
+    rows = []
+    for model, dtypes in (("resnet50", plan.DTYPES), ("bert", ("float16",))):
+        for mode in plan.modes_for(dtypes):
+            name = plan.tag(model, 8, mode)
+            hlo = tmp_path / f"{name}.hlo.pb"
+            hlo.write_bytes(name.encode() * 3)
+            rows.append({"model": model, "mode": mode.name, "program": name, "hlo": str(hlo)})
+    rows[-1] = {**rows[-1], "error": "compile of bert_b8_tfamp_fp16 failed"}
+    return rows
+
+
+def test_kit_holds_the_mixed_programs_and_times_each_models_keras_first(tmp_path):
+    """go.sh, run with stand-ins for nvidia-smi and python3, hands time_on_gpu.py each
+    named model's programs in the run's order (Keras's of a dtype first)."""
+    folder = tmp_path / "repo" / ".gpu"
+    tags = kit.write(str(folder), _kit_rows(tmp_path))
+    assert tags == ["resnet50_b8_keras_mf16", "resnet50_b8_tfamp_fp16", "resnet50_b8_keras_mbf16",
+                    "resnet50_b8_tfamp_bf16", "bert_b8_keras_mf16"]
+    for name in tags:
+        with gzip.open(folder / "hlo" / f"{name}.hlo.pb.gz") as f:
+            assert f.read() == name.encode() * 3
+    assert sorted(os.listdir(folder / "hlo")) == sorted(f"{t}.hlo.pb.gz" for t in tags)
+    assert (folder / ".gitignore").read_text().splitlines()[-1] == "*"
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    out.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho GPU\n")
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "$PWD $*" > "$OUT/args"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    (tmp_path / "repo" / "benchmarks" / "h100_program").mkdir(parents=True)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out))
+    done = subprocess.run(["bash", ".gpu/go.sh", "first", "bert", "resnet50"],
+                          cwd=tmp_path / "repo", env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    where, *argv = (out / "args").read_text().split()
+    assert where.endswith("benchmarks/h100_program") and argv[0] == "time_on_gpu.py"
+    assert argv[argv.index("--programs") + 1] == ",".join(tags[-1:] + tags[:-1])
+    assert argv[argv.index("--out") + 1] == f"{out}/first.json"
+    assert argv[argv.index("--hlo") + 1] == str(folder / "hlo")
+    done = subprocess.run(["bash", ".gpu/go.sh", "again", "lstm"], cwd=tmp_path / "repo",
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "no programs of lstm in this kit" in done.stderr
+
+
+def test_kit_of_a_run_without_mixed_programs_says_why(tmp_path):
+    rows = [r for r in _kit_rows(tmp_path) if r["mode"] == "fp32"]
+    with pytest.raises(kit.KitError, match="compiled no Keras or tfamp program"):
+        kit.write(str(tmp_path / "kit"), rows)
 
 
 def test_table_keeps_a_failed_program_as_a_row():

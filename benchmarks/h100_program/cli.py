@@ -2,7 +2,7 @@
 
     python -m benchmarks.h100_program [--models resnet50,bert] [--dtypes float16]
         [--batch N] [--work DIR] [--json FILE] [--jax-python PATH] [--calibrate]
-        [--agreement]
+        [--agreement] [--kit DIR]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from benchmarks.h100_program import (
     cache,
     estimate,
     hlo_reader,
+    kit,
     plan,
     programs,
     toolchain,
@@ -89,6 +90,10 @@ def parser() -> argparse.ArgumentParser:
                         "tfamp's own XLA cost estimate of every program with the compiled one "
                         "(ranking and share of float32's; fits the price of a kernel); with "
                         "every model and dtype, rewrites data/h100_agreement.json")
+    p.add_argument("--kit", default=None, metavar="DIR",
+                   help="also write the run's Keras and tfamp programs (gzipped) and a go.sh "
+                        "that times them on a lent GPU into DIR, a git-ignored folder of the "
+                        "checkout (kit.py says how a call uses it)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also log how long each export and compile took")
     return p
@@ -101,6 +106,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         folder = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(folder):
             p.error(f"--json: folder {folder!r} does not exist; create it or pick another path")
+    if args.kit and args.calibrate:
+        p.error("--kit: the kit is made from a run's programs, not from --calibrate; "
+                "leave one of them out")
+    if args.kit and os.path.exists(args.kit) and not os.path.isdir(args.kit):
+        p.error(f"--kit: {args.kit!r} is a file; expected a folder (made if missing)")
     if args.jax_python and not os.path.exists(args.jax_python):
         p.error(f"--jax-python: {args.jax_python!r} does not exist; expected the python of a "
                 f"venv with jax=={toolchain.JAX_VERSION} (or leave it out)")
@@ -126,6 +136,7 @@ def measure(layout, model: str, batch: int, mode: plan.Mode, pythons, device) ->
     row["temp_bytes"] = info["memory"]["temp_size_in_bytes"]
     row["terms"] = estimate.program_terms(features, device)
     row["optimized_hlo"] = opt_path
+    row["hlo"] = hlo
     return row
 
 
@@ -327,6 +338,10 @@ def run(args) -> int:
     print(render_calibration(report))
     print()
     print(CANNOT_SEE)
+    if args.kit:
+        tags = kit.write(args.kit, rows)
+        print(f"\nwrote {len(tags)} programs and go.sh to {args.kit} (on a lent GPU, from the "
+              f"checkout's root: bash {os.path.join(args.kit, 'go.sh')} NAME [MODEL ...])")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": [{k: v for k, v in r.items() if k != "loops" or v} for r in rows],
@@ -344,6 +359,6 @@ def main(argv=None) -> int:
     log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return calibrate(args) if args.calibrate else run(args)
-    except (toolchain.ToolchainError, estimate.CalibrationError) as err:
+    except (toolchain.ToolchainError, estimate.CalibrationError, kit.KitError) as err:
         print(f"h100_program: error: {err}", file=sys.stderr)
         return 1
