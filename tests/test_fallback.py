@@ -237,11 +237,11 @@ def test_batch_norm_statistics_the_skipped_steps_poisoned_are_reset(flavour, cap
     assert abs(got - want) <= 0.1 * want and history.history["skipped_steps"][-1] <= 3
     bn = model.get_layer("bn")
     assert all(np.isfinite(np.asarray(v)).all() for v in bn.non_trainable_weights)
-    # tf_keras's fused BatchNorm keeps float32 statistics anyway; Keras 3's unfused
-    # one converts x * rsqrt(var), whose input Cast overflows next: it follows.
-    first, *rest = model._tfamp_state.fallback.moved
-    assert "frozen" in first and len(rest) == (flavour == "keras3")
-    assert all("/bn" in pattern for pattern in rest)
+    # Only the layer that overflowed moves. (Before session 28 the locator judged a
+    # rewrite of the graph without its shapes, which converts Keras 3's unfused
+    # x * rsqrt(var) where the running step does not, and moved the BatchNorm too.)
+    [moved] = model._tfamp_state.fallback.moved
+    assert "frozen" in moved
     [line] = _messages(caplog, "float32 fallback")
     assert "non-trainable variables" in line and "moving_mean" in line
 

@@ -106,6 +106,39 @@ def test_value_too_big_for_an_inserted_cast_names_the_cast_and_its_consumer():
     assert found.fix_oplist_api == "AmpConfig(deny_add=['MatMul'])"
 
 
+def test_the_locator_judges_the_graph_the_rewritten_step_runs():
+    """A LayerNorm over one feature (keras.io's timeseries Transformer normalises its
+    single input channel): its output is its offset, and the gradient through the
+    variance is a cancellation that is exact in float32 and, in 16-bit, a rounding
+    residual times (1e-6)^-1.5. At scale 2048 the rewritten step's gradients are not
+    finite. The locator rewrote the graph without its traced shapes, which decides
+    otherwise, found every value finite there, and so the fallback had no layer to move."""
+    import keras as keras3
+
+    keras3.utils.set_random_seed(0)
+    rng = np.random.RandomState(1234)
+    x, y = rng.randn(8, 16, 1).astype("float32"), (rng.rand(8) < 0.5).astype("int64")
+    inputs = keras3.Input((16, 1))
+    h = keras3.layers.MultiHeadAttention(key_dim=8, num_heads=2)(inputs, inputs)
+    h = keras3.layers.Flatten()(keras3.layers.LayerNormalization(epsilon=1e-6)(h) + inputs)
+    model = keras3.Model(inputs, keras3.layers.Dense(2, activation="softmax")(h))
+    loss_fn = keras3.losses.SparseCategoricalCrossentropy()
+
+    def step(x, y, scale):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) * scale
+        return tape.gradient(loss, model.trainable_variables)
+
+    args = (tf.constant(x), tf.constant(y), tf.constant(2048.0))
+    ran = tfamp.function(step)(*args)
+    assert not all(np.all(np.isfinite(g.numpy())) for g in ran)
+    found = nonfinite.locate_nonfinite(tf.function(step).get_concrete_function(*args), args,
+                                       loss_scale=2048.0)
+    assert found is not None and found.phase == "backward", found
+    assert "layer_normalization" in found.layer and found.layer.endswith("/moments"), \
+        found.describe()
+
+
 def test_finite_step_returns_none():
     model = overflow_model()
     assert locate_keras_nonfinite(model, X * 0.1, Y, config=EXP_16BIT) is None

@@ -46,9 +46,9 @@ from tensorflow.core.framework import graph_pb2, types_pb2
 
 from tfamp.config import AmpConfig
 from tfamp.numerics.run_graph import run_imported
-from tfamp.rewrite import rewrite_graph_def
 from tfamp.rewrite.graph import FLOAT_TYPES, TensorRef, build_view, dtype_name
 from tfamp.rewrite.scopes import GRADIENT_PREFIXES, is_gradient
+from tfamp.runtime.runner import rewritten_graph_def
 
 log = logging.getLogger("tfamp")
 
@@ -156,10 +156,9 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
       >>> print(found.describe())
     """
     config = config or AmpConfig()
-    old = concrete.graph
-    rewritten, _ = rewrite_graph_def(  # (the decision is read from the rewritten dtypes)
-        old.as_graph_def(), config, outputs=[t.name for t in old.outputs],
-        function_name=old.name)
+    # The graph a run of the rewrite executes (its shapes decide by bytes): a rewrite
+    # of the bare graph decides otherwise and may not overflow where the step does.
+    rewritten, _ = rewritten_graph_def(concrete, config)
     body = build_view(rewritten).bodies[0]
     flat_args = [a for a in tf.nest.flatten(args) if a is not None]
     first = _first_nonfinite(concrete, rewritten, body, flat_args, frozenset())

@@ -139,6 +139,15 @@ def rewrite_report(concrete: Any, config: AmpConfig | None = None) -> RewriteRep
     return _rewrite(concrete, config or AmpConfig())[1]
 
 
+def rewritten_graph_def(concrete: Any, config: AmpConfig | None = None
+                        ) -> tuple[graph_pb2.GraphDef, RewriteReport]:
+    """(GraphDef, report) of ``rewrite_concrete_function(concrete, config)``, nothing
+    built: the very graph a run of the rewrite executes (decided with the traced
+    shapes, the function's ``jit_compile`` and its captured values), for the tools
+    that run it op by op (the overflow locator)."""
+    return _rewrite(concrete, config or AmpConfig())
+
+
 def captured_magnitudes(graph) -> dict[str, float]:
     """Captured placeholder -> the largest finite magnitude of the eager float
     tensor it captures (see ``rewrite_graph_def``'s `input_magnitudes`).
