@@ -139,6 +139,23 @@ def test_the_locator_judges_the_graph_the_rewritten_step_runs():
         found.describe()
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_locator_places_casts_as_the_models_step_does(jit, monkeypatch):
+    """A model compiled with jit_compile runs tfamp's XLA placement; the locator's own
+    trace is not compiled, so it asks for that placement (an explicit runtime stays)."""
+    seen = []
+    real = nonfinite.locate_nonfinite
+    monkeypatch.setattr(nonfinite, "locate_nonfinite",
+                        lambda concrete, args, config, **kw: seen.append(config.runtime)
+                        or real(concrete, args, config, **kw))
+    model = overflow_model()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=jit)
+    assert locate_keras_nonfinite(model, X, Y, config=EXP_16BIT) is not None
+    assert locate_keras_nonfinite(model, X, Y,
+                                  config=EXP_16BIT.replace(runtime="executor")) is not None
+    assert seen == ["xla" if jit else "auto", "executor"]
+
+
 def test_finite_step_returns_none():
     model = overflow_model()
     assert locate_keras_nonfinite(model, X * 0.1, Y, config=EXP_16BIT) is None

@@ -80,6 +80,9 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
     state = getattr(model, "_tfamp_state", None)
     own_step = flavour.own_train_step(state.cls if state is not None else type(model))
     pattern = call_scopes.pattern_for(model)  # (a finding's keep_fp32: every call of it)
+    # A step XLA compiles (Keras's jit_compile) is rewritten with XLA's placement; the
+    # locator's own trace is not compiled, so it asks for that placement by name.
+    compiled = getattr(model, "jit_compile", False) is True
 
     def loss_and_grads(x, y, sample_weight, scale, *, own):
         x, y, sample_weight = replicas.replica_rows((x, y, sample_weight))
@@ -134,6 +137,8 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
             concrete = trace(own=False)
 
         def locate(config: AmpConfig) -> NonFiniteOp | None:
+            if config.runtime == "auto" and compiled:  # (the step's placement, not the
+                config = config.replace(runtime="xla")  # locator's uncompiled trace's)
             try:
                 return nonfinite.locate_nonfinite(concrete, (x, y, sample_weight, scale), config,
                                                   loss_scale=loss_scale, scope_pattern=pattern)
