@@ -136,7 +136,7 @@ def rewrite_report(concrete: Any, config: AmpConfig | None = None) -> RewriteRep
     """The report of ``rewrite_concrete_function(concrete, config)``, nothing built:
     what the rewrite would decide for a traced function (the start-scale probe
     asks which of its values the step holds in 16 bits)."""
-    return _rewrite(concrete, config or AmpConfig())[1]
+    return rewritten_graph_def(concrete, config)[1]
 
 
 def rewritten_graph_def(concrete: Any, config: AmpConfig | None = None
