@@ -191,6 +191,9 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     got = model.evaluate(x, y, verbose=0)
     assert np.isfinite(got) and abs(got - want) <= 0.1 * want, (got, want)
     assert history.history["skipped_steps"][-1] <= 3
+    # The start scale's check on the 16-bit step saw the overflow at every scale it
+    # tried and left the scale to the fallback.
+    assert "no loss scale helps" in model._tfamp_state.start_scale.checked
     [line] = _messages(caplog, "float32 fallback")
     pattern = model._tfamp_state.fallback.moved[0]
     assert "frozen" in pattern and f"now keeping '{pattern}' float32" in line

@@ -27,8 +27,10 @@ point                             what happens
                                   batches fit's first train call takes from
                                   fit's own iterator, handed back to that call
                                   (``FirstTrainCall``); the first to the probe
-``_on_train_trace``               the step's first trace, before it is
-                                  rewritten and runs: the probe reads its graph
+``_on_train_trace``               the step's first trace and its rewrite,
+                                  before it runs: the probe reads the traced
+                                  graph and checks its scale on the rewritten
+                                  one (the 16-bit step)
 ``train_step`` (at trace time)    around each step: every loss scaled once by
                                   the model's scale (``step_scope.py``,
                                   ``tape.py``), a skipped step's inf/nan left out
@@ -498,15 +500,17 @@ class ModelPrecision:
         return (not getattr(model, "jit_compile", False) and steps == 1
                 and not replicas.is_distributed(self.strategy()))
 
-    def _on_train_trace(self, concrete) -> None:
-        """The train step's first trace, before it is rewritten and first runs: the
-        start-scale probe reads its graph."""
+    def _on_train_trace(self, concrete, rewritten=None) -> None:
+        """The train step's first trace and its rewrite (``runner.RewrittenGraph``),
+        before the rewrite first runs: the start-scale probe reads the traced graph
+        and checks its scale on the rewritten one."""
         batch, self._pending_probe = self._pending_probe, None
         if batch is None:
             return
         recorder = self._recorders.pop(concrete.graph, None)
         with tf.init_scope():  # (Keras 3 traces the step inside its loop's trace)
-            self._probe(batch, trace=(concrete, recorder, batch) if recorder else None)
+            self._probe(batch, trace=(concrete, recorder, batch) if recorder else None,
+                        rewritten=rewritten)
 
     def _recorder_for(self, graph):
         """The probe's recorder of this trace (shared by its replicas' threads). Its
@@ -521,7 +525,7 @@ class ModelPrecision:
                 self._recorders[graph] = recorder
             return recorder
 
-    def _probe(self, batch, trace=None, *, again: bool = False):
+    def _probe(self, batch, trace=None, *, rewritten=None, again: bool = False):
         """Probes, sets the owner's scale unless it has taken a step, says so
         (`again`: after the float32 fallback, returns what it found and sets
         nothing: ``_probe_after_fallback`` decides)."""
@@ -534,6 +538,7 @@ class ModelPrecision:
                 lambda data: self.cls.train_step(model, data), (batch,), {},
                 extra_state=state_variables(model), min_scale=owner.min_scale,
                 op_lists=self.float16_lists(), strategy=self.strategy(), trace=trace,
+                rewritten=rewritten,
                 # layers kept float32 by name: the op lists cannot say so, the rewrite can
                 rewrite_config=self.config if self.config.keep_fp32 else None,
                 headroom_bits=(start_scale.AFTER_FALLBACK_HEADROOM_BITS if again

@@ -97,7 +97,8 @@ class StartScale:
 
     Attributes:
       scale: the start scale (a power of two).
-      max_abs: the largest |value| the float32 backward pass produced.
+      max_abs: the largest |value| the scale must fit: of the float32 backward
+        pass, or of the float16 step's where that is larger (per unit of scale).
       where: the tensor that holds it (a variable label or a backward op name).
       weight_max: the largest |weight gradient|.
       underflow_share: share of nonzero weight-gradient values still below
@@ -106,6 +107,8 @@ class StartScale:
       batch_size: rows of the batch the probe ran on (None if unknown).
       how: what ran: the step's own first trace, cut down to what the
         backward values need, or a trace of the step of its own.
+      checked: what the check on the float16 step found (``SixteenBitCheck``),
+        or "" where it did not run (a trace of its own).
     """
 
     scale: float
@@ -116,15 +119,18 @@ class StartScale:
     seconds: float
     batch_size: int | None = None
     how: str = "a trace of its own"  # or "the step's own trace" (no second trace)
+    checked: str = ""
 
     def message(self) -> str:
         exponent = int(math.log2(self.scale))
+        checked = f"; {self.checked}" if self.checked else ""
+        source = "float32 gradients" if not self.checked else "gradients"
         return (f"tfamp: start loss scale 2^{exponent} ({self.scale:g}) from the first "
-                f"batch's float32 gradients (max |g| {self.max_abs:.3g} in {self.where}; "
+                f"batch's {source} (max |g| {self.max_abs:.3g} in {self.where}; "
                 f"weight gradients max {self.weight_max:.3g}, "
                 f"{100 * self.underflow_share:.2g}% of their values below float16's "
-                f"smallest at this scale); probe cost {self.seconds:.2f} s (on {self.how}). "
-                f"initial_scale=<number> (TFAMP_INITIAL_SCALE) skips the probe.")
+                f"smallest at this scale{checked}); probe cost {self.seconds:.2f} s (on "
+                f"{self.how}). initial_scale=<number> (TFAMP_INITIAL_SCALE) skips the probe.")
 
 
 def choose_scale(max_abs: float, *, min_scale: float = 1.0,
@@ -276,6 +282,15 @@ class Recorder:
         return _summaries([t for _, t in backward], [t for _, t in weights], scale)
 
 
+def _largest(t) -> tf.Tensor:
+    """max |t| as a float32 scalar: inf where t holds a NaN (whether a reduction
+    passes NaN on is the kernel's choice), 0 for an empty t."""
+    magnitude = tf.abs(tf.cast(t, tf.float32))
+    magnitude = tf.where(tf.math.is_nan(magnitude), tf.constant(np.inf, tf.float32),
+                         magnitude)
+    return tf.maximum(tf.reduce_max(magnitude), 0.0)
+
+
 def _summaries(backward, weights, scale=None):
     """(max |t| of each backward tensor, of each weight gradient, and one log2
     histogram of every weight-gradient value), divided by `scale` when given."""
@@ -284,7 +299,7 @@ def _summaries(backward, weights, scale=None):
     def largest(tensors):
         if not tensors:
             return tf.zeros([0])
-        return tf.stack([tf.cast(tf.reduce_max(tf.abs(t)), tf.float32) for t in tensors])
+        return tf.stack([_largest(t) for t in tensors])
 
     maxes, weight_maxes = largest(backward), largest(weights)
     if weights:
@@ -303,7 +318,7 @@ def _summaries(backward, weights, scale=None):
 
 def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
                op_lists=None, strategy=None, per_replica: bool = True,
-               trace=None, rewrite_config=None,
+               trace=None, rewritten=None, rewrite_config=None,
                headroom_bits: int = START_HEADROOM_BITS) -> StartScale:
     """Runs ``step(*args, **kwargs)`` once in probe mode; returns the chosen scale.
 
@@ -324,6 +339,11 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         whose recorder saw its tapes: the probe then runs a part of that graph
         (``_probe_in_trace``) instead of tracing the step again; when it cannot,
         the step is traced as above.
+      rewritten: the rewrite of `trace`'s graph (``runner.RewrittenGraph``), the
+        step that will run: with it, only the values it holds in 16 bits count,
+        and the scale chosen is checked on it (``_checked_on_16bit``): a value
+        only the 16-bit step makes (a sum whose terms cancel in float32 and not
+        in 16 bits) lowers it. Only with `trace`.
       rewrite_config: the AmpConfig the step is rewritten with, where the op
         lists are not enough to say what stays float32 (layers kept float32 by
         ``keep_fp32``, the float32 fallback's among them): the traced step is
@@ -342,8 +362,9 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         measured = None
         if trace is not None:
             try:
-                measured = _probe_in_trace(*trace, strategy=strategy,
-                                           rewrite_config=rewrite_config)
+                measured = _probe_in_trace(
+                    *trace, strategy=strategy, rewrite_config=rewrite_config,
+                    report=rewritten.report if rewritten is not None else None)
             except Exception as err:  # traced again below; the reason for the debug log
                 log.debug("tfamp: start-scale probe from the step's trace: %s: %s; tracing "
                           "the step for it instead", type(err).__name__, err)
@@ -351,6 +372,9 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
             # What the values say (not finite: no scale helps) is the probe's answer,
             # not a reason to trace the step again.
             local, how = _found(*measured), "the step's own trace"
+            if rewritten is not None:
+                local = _checked_on_16bit(local, *trace, rewritten, strategy=strategy,
+                                          min_scale=min_scale, headroom_bits=headroom_bits)
         else:
             tape.install()
             with _tapes_recording():
@@ -369,7 +393,8 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
     scale = choose_scale(top, min_scale=min_scale, headroom_bits=headroom_bits)
     return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
                       underflow_share=local.underflow_share(scale),
-                      seconds=time.perf_counter() - start, batch_size=_rows(args), how=how)
+                      seconds=time.perf_counter() - start, batch_size=_rows(args), how=how,
+                      checked=local.checked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +405,7 @@ class _Found:
     where: str
     weight_max: float
     weights: object  # TensorRange of every weight-gradient value together, or None
+    checked: str = ""  # what the check on the 16-bit step found (StartScale.checked)
 
     def underflow_share(self, scale: float) -> float:
         return self.weights.underflow_share(scale) if self.weights is not None else 0.0
@@ -412,9 +438,7 @@ def _in_16bit(concrete, backward, rewrite_config) -> np.ndarray | None:
         return None
     from tfamp.runtime.runner import rewrite_report
 
-    sixteen = rewrite_report(concrete, rewrite_config).sixteen_bit_tensors()
-    return np.asarray([t.op.name in sixteen or t.name in sixteen for _, t in backward],
-                      bool)
+    return _sixteen_bit_mask(rewrite_report(concrete, rewrite_config), backward)
 
 
 def _only_16bit(maxes: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
@@ -520,33 +544,64 @@ _NEXT_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync",
 
 
 def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None,
-                    rewrite_config=None) -> tuple:
+                    rewrite_config=None, report=None) -> tuple:
     """The probe from the float32 graph of the step's own first trace: ``_found``'s
     arguments (names and values measured; not yet checked).
 
     The step was traced once, for Keras, with a recorder on its tapes; the part
     of its graph the recorded backward values depend on (the forward, the loss,
     the backward; no update, no metric, no iterator) is run once on fit's first
-    batch, each replica's copy on its rows, with the model's live variables.
-    Only a random generator's state is written (the forward's draws), and it is
-    restored. The recorded values carry the
-    loss scale the step seeds with (its current value), which is divided out.
+    batch, each replica's copy on its rows, with the model's live variables
+    (``_run_cut``). The recorded values carry the loss scale the step seeds with
+    (its current value), which is divided out. `report`: the rewrite's of this
+    trace, which says which values the step holds in 16 bits (else a rewrite
+    with `rewrite_config`, else the op lists' guess).
 
     Raises:
       ValueError: the graph is not one this can cut (its tapes in a nested
         function, no batch input it can find): the caller traces the step.
     """
-    from tensorflow.core.framework import graph_pb2
+    backward, weights = _recorded(concrete, recorder)
+    maxes, weight_maxes, counts = _run_cut(
+        concrete, concrete.graph.as_graph_def(), backward, weights, batch, strategy,
+        _scale_in(recorder))
+    if report is not None:
+        mask = _sixteen_bit_mask(report, backward + weights)
+    else:
+        mask = _in_16bit(concrete, backward + weights, rewrite_config)
+    if mask is not None:
+        maxes = _only_16bit(maxes, mask[:len(backward)])
+    return ([n for n, _ in backward], maxes, [n for n, _ in weights], weight_maxes, counts,
+            None if mask is None else mask[len(backward):])
 
-    from tfamp.runtime.runner import _register_renamed_library
 
-    graph = concrete.graph
-    backward, weights = recorder.in_graph(graph)
+def _recorded(concrete, recorder: Recorder) -> tuple[list, list]:
+    """The recorder's (backward, weights) of `concrete`'s own graph; ValueError where
+    it recorded none there or some in functions nested in it."""
+    backward, weights = recorder.in_graph(concrete.graph)
     if not backward and not weights:
         raise ValueError("no tape recorded in the step's own graph")
     if len(backward) + len(weights) != len(recorder.backward) + len(recorder.weights):
         raise ValueError("tapes inside functions nested in the step")
-    graph_def = graph.as_graph_def()
+    return backward, weights
+
+
+def _run_cut(concrete, graph_def, backward, weights, batch, strategy, scale) -> tuple:
+    """(max |value| / `scale` of each backward tensor, of each weight gradient, the
+    weight gradients' log2 counts) from one run of the part of `graph_def` (the
+    traced step's graph or its rewrite) these tensors need, on `batch`.
+
+    The step's batch inputs become placeholders, control edges are dropped (they
+    could reach an update or the iterator), the variables it captures are the
+    live ones; only a random generator's state is written (the forward's draws),
+    and it is restored. A tensor `graph_def` does not hold (the rewrite removed
+    its op) reads as 0.
+    """
+    from tensorflow.core.framework import graph_pb2
+
+    from tfamp.runtime.runner import _register_renamed_library, _rename_counter
+
+    graph = concrete.graph
     sources = _batch_sources(concrete, graph_def, batch, strategy)
     placeholder = {name: f"tfamp_probe_batch_{k}" for k, (name, _) in enumerate(sources)}
     cut = graph_pb2.GraphDef()
@@ -560,17 +615,23 @@ def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None,
         inputs = [i for i in node.input if not i.startswith("^")]
         del node.input[:]
         node.input.extend(placeholder.get(i if ":" in i else f"{i}:0", i) for i in inputs)
-    fetches = [t.name for _, t in backward + weights]
+    held = {node.name for node in cut.node}
+    present = [k for k, (_, t) in enumerate(backward + weights) if t.op.name in held]
+    fetches = [(backward + weights)[k][1].name for k in present]
+    if not fetches:
+        raise ValueError("none of the recorded values is in the graph")
     from tensorflow.python.util import deprecation
 
     with deprecation.silence():  # (TensorFlow's v1 name; no other public one)
         cut = tf.compat.v1.graph_util.extract_sub_graph(
             cut, sorted({f.split(":")[0] for f in fetches}))
-    _register_renamed_library(cut, "_tfamp_probe")
-    present = {node.name for node in cut.node}
+    # (a name of its own per cut: the float32 graph's and the rewrite's library
+    # functions share their names)
+    _register_renamed_library(cut, f"_tfamp_probe{next(_rename_counter)}")
+    kept = {node.name for node in cut.node}
     captures = [(internal.name, external) for external, internal in graph.captures
-                if internal.op.name in present]
-    scale = _scale_in(recorder)
+                if internal.op.name in kept]
+    held_backward = sum(1 for k in present if k < len(backward))
 
     def run(*values):
         inner = tf.compat.v1.get_default_graph()
@@ -579,7 +640,7 @@ def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None,
             input_map[name] = inner.capture(external)
         fetched = tf.graph_util.import_graph_def(cut, input_map=input_map,
                                                  return_elements=fetches, name="")
-        return _summaries(fetched[:len(backward)], fetched[len(backward):], scale)
+        return _summaries(fetched[:held_backward], fetched[held_backward:], scale)
 
     values = [value for _, value in sources]
     written = {node.input[0].split(":")[0] for node in cut.node
@@ -587,17 +648,104 @@ def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None,
     saved = [(c, np.array(c.numpy(), copy=True))
              for v in _captured_variables(concrete, written)
              for c in replicas.local_components(v)]
+    function = plain_function(run, autograph=False)
+    # One trace per cut by design (the float32 graph's, then the 16-bit step's at
+    # one scale or more): not the retracing TensorFlow warns a user about.
+    function._omit_frequent_tracing_warning = True
     try:
-        maxes, weight_maxes, counts = (x.numpy() for x in _without_grappler(
-            plain_function(run, autograph=False))(*values))
+        found_maxes, found_weight_maxes, counts = (
+            x.numpy() for x in _without_grappler(function)(*values))
     finally:
         for component, value in saved:
             component.assign(value)
-    mask = _in_16bit(concrete, backward + weights, rewrite_config)
-    if mask is not None:
-        maxes = _only_16bit(maxes, mask[:len(backward)])
-    return ([n for n, _ in backward], maxes, [n for n, _ in weights], weight_maxes, counts,
-            None if mask is None else mask[len(backward):])
+    everything = np.zeros(len(backward) + len(weights), np.float32)
+    everything[present] = np.concatenate([found_maxes, found_weight_maxes])
+    return everything[:len(backward)], everything[len(backward):], counts
+
+
+# The check on the 16-bit step: runs at the chosen scale, then (where some value
+# overflowed) at 2^-RETRY_BITS of it, at most TRIES runs in all.
+SIXTEEN_BIT_TRIES = 3
+SIXTEEN_BIT_RETRY_BITS = 8
+
+
+def _checked_on_16bit(found: _Found, concrete, recorder: Recorder, batch, rewritten, *,
+                      strategy=None, min_scale: float = 1.0,
+                      headroom_bits: int = START_HEADROOM_BITS) -> _Found:
+    """`found` (the float32 probe's) checked on the step that will run: the rewrite's
+    graph runs once at the scale `found` gives, with the same cut and batch, and
+    its 16-bit backward values, per unit of scale, join the float32 ones.
+
+    A value the float32 step does not have appears there: a one-channel
+    LayerNorm's variance gradient (keras.io's timeseries Transformer) is the sum
+    of two terms that cancel exactly in float32, one computed in float32 and the
+    other rounded to float16, so the 16-bit step's residual times
+    (variance + eps)^-1.5 = 1e9 overflowed at the float32 choice: six skipped
+    steps. Where a value overflows the run is repeated at a lower scale. A check
+    that cannot run, or overflows at every scale tried (a forward overflow,
+    which no scale helps: the float32 fallback's case), leaves `found` as it is.
+    """
+    scale = choose_scale(found.top, min_scale=min_scale, headroom_bits=headroom_bits)
+    floor = 2.0 ** math.ceil(math.log2(min_scale))  # (choose_scale's floor)
+    backward, weights = _recorded(concrete, recorder)
+    mask = _sixteen_bit_mask(rewritten.report, backward + weights)
+    names = [_unreplicated(n) for n, _ in backward + weights]
+    tried = []
+    for _ in range(SIXTEEN_BIT_TRIES):
+        try:
+            maxes = np.concatenate(_run_at_scale(concrete, recorder, rewritten.graph_def,
+                                                 backward, weights, batch, strategy,
+                                                 scale)[:2])
+        except Exception as err:  # the float32 probe's answer stands
+            log.debug("tfamp: start-scale check on the 16-bit step: %s: %s",
+                      type(err).__name__, err)
+            return found
+        tried.append(scale)
+        if np.all(np.isfinite(maxes)):
+            break
+        if scale <= floor:
+            break
+        scale = max(floor, scale / 2.0 ** SIXTEEN_BIT_RETRY_BITS)
+    powers = [f"2^{int(math.log2(t))}" for t in tried]
+    if not np.all(np.isfinite(maxes)):
+        return dataclasses.replace(found, checked=(
+            f"the float16 step overflowed at {', '.join(powers)}: no loss scale helps "
+            f"there (an overflow in the forward pass, whose layer tfamp then moves to "
+            f"float32)"))
+    sixteen = np.where(mask, maxes, 0.0)
+    k = int(np.argmax(sixteen))
+    overflowed = f"; it overflowed at {', '.join(powers[:-1])}" if len(tried) > 1 else ""
+    lowered = (choose_scale(float(sixteen[k]), min_scale=min_scale, headroom_bits=headroom_bits)
+               < choose_scale(found.top, min_scale=min_scale, headroom_bits=headroom_bits))
+    if not lowered:  # (a value rounded up a little in 16 bits changes nothing)
+        return dataclasses.replace(found, checked=(
+            f"checked on the float16 step at {powers[-1]}: max {sixteen[k]:.3g}{overflowed}"))
+    return dataclasses.replace(found, top=float(sixteen[k]), where=names[k], checked=(
+        f"set by the float16 step, at {powers[-1]} (float32's max {found.top:.3g} in "
+        f"{found.where}{overflowed})"))
+
+
+def _run_at_scale(concrete, recorder: Recorder, graph_def, backward, weights, batch,
+                  strategy, scale: float) -> tuple:
+    """``_run_cut`` of `graph_def` with the step's scale owner set to `scale` (restored
+    after)."""
+    owner = recorder.owner_of() if recorder.owner_of is not None else None
+    if owner is None:
+        raise ValueError("the recorded step's scale owner is unknown")
+    before = float(np.asarray(owner.scale_tensor()))
+    owner.set_scale(scale)
+    try:
+        return _run_cut(concrete, graph_def, backward, weights, batch, strategy, scale)
+    finally:
+        owner.set_scale(before)
+
+
+def _sixteen_bit_mask(report, recorded) -> np.ndarray:
+    """Per recorded (name, tensor): does the rewrite (`report`) hold it in 16 bits
+    or cast it to 16 bits?"""
+    sixteen = report.sixteen_bit_tensors()
+    return np.asarray([t.op.name in sixteen or t.name in sixteen for _, t in recorded],
+                      bool)
 
 
 def _scale_in(recorder: Recorder) -> float:

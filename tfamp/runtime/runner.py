@@ -27,7 +27,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -98,6 +98,14 @@ def _in_save_context() -> bool:
     return save_context.in_save_context()
 
 
+class RewrittenGraph(NamedTuple):
+    """A traced function's rewrite before it is built: the GraphDef a run of it
+    executes and the rewrite's report."""
+
+    graph_def: graph_pb2.GraphDef
+    report: RewriteReport
+
+
 def rewrite_concrete_function(
     concrete: Any, config: AmpConfig | None = None, *, check: bool = False,
 ) -> tuple[Any, RewriteReport]:
@@ -112,7 +120,12 @@ def rewrite_concrete_function(
       (a ConcreteFunction with the same signature, the RewriteReport).
     """
     config = config or AmpConfig()
-    new_graph_def, report = _rewrite(concrete, config)
+    return _built(concrete, *_rewrite(concrete, config), check=check)
+
+
+def _built(concrete: Any, new_graph_def: graph_pb2.GraphDef, report: RewriteReport, *,
+           check: bool) -> tuple[Any, RewriteReport]:
+    """(the ConcreteFunction of a rewrite's graph, its report); logs the summary."""
     if check:
         assert_valid_graph_def(new_graph_def)
     rewritten = _rebuild(new_graph_def, concrete, {})  # (new_graph_def is ours to consume)
@@ -120,16 +133,16 @@ def rewrite_concrete_function(
     return rewritten, report
 
 
-def _rewrite(concrete: Any, config: AmpConfig) -> tuple[Any, RewriteReport]:
+def _rewrite(concrete: Any, config: AmpConfig) -> RewrittenGraph:
     """``rewrite_graph_def`` of a ConcreteFunction's graph, as tfamp runs it."""
     old = concrete.graph
     graph_def = old.as_graph_def(add_shapes=True)  # shapes: decisions by bytes
     attrs = dict(getattr(concrete, "_attrs", {}) or {})
     jit = attrs.get("_XlaMustCompile")  # an AttrValue; what a Cast costs depends on it
-    return rewrite_graph_def(
+    return RewrittenGraph(*rewrite_graph_def(
         graph_def, config, outputs=[t.name for t in old.outputs],
         function_name=_display_name(old.name), jit_compile=bool(getattr(jit, "b", jit)),
-        input_magnitudes=captured_magnitudes(old))
+        input_magnitudes=captured_magnitudes(old)))
 
 
 def rewrite_report(concrete: Any, config: AmpConfig | None = None) -> RewriteReport:
@@ -139,8 +152,7 @@ def rewrite_report(concrete: Any, config: AmpConfig | None = None) -> RewriteRep
     return rewritten_graph_def(concrete, config)[1]
 
 
-def rewritten_graph_def(concrete: Any, config: AmpConfig | None = None
-                        ) -> tuple[graph_pb2.GraphDef, RewriteReport]:
+def rewritten_graph_def(concrete: Any, config: AmpConfig | None = None) -> RewrittenGraph:
     """(GraphDef, report) of ``rewrite_concrete_function(concrete, config)``, nothing
     built: the very graph a run of the rewrite executes (decided with the traced
     shapes, the function's ``jit_compile`` and its captured values), for the tools
@@ -402,7 +414,7 @@ class RewrittenFunction(polymorphic_function.Function):
     def __init__(self, fn: Callable, config: AmpConfig | None = None, *,
                  check: bool = False, after_call: Callable[[Any], None] | None = None,
                  on_report: Callable[[RewriteReport], None] | None = None,
-                 on_trace: Callable[[Any], None] | None = None,
+                 on_trace: Callable[[Any, RewrittenGraph], None] | None = None,
                  before_new_trace_runs: Callable[[Any, Any, tuple, dict], None] | None = None,
                  float32_when_saving: bool = False,
                  **tf_function_kwargs):
@@ -455,9 +467,10 @@ class RewrittenFunction(polymorphic_function.Function):
         """Sets the hook run with the outputs after every call (e.g. a monitor)."""
         self._after_call = after_call
 
-    def set_on_trace(self, on_trace: Callable[[Any], None] | None) -> None:
-        """Sets the hook run with each new traced (float32) ConcreteFunction, before
-        it is rewritten and first runs."""
+    def set_on_trace(self, on_trace: Callable[[Any, RewrittenGraph], None] | None) -> None:
+        """Sets the hook run with each new traced (float32) ConcreteFunction and its
+        rewrite (``RewrittenGraph``, not yet built: read it, do not keep or change
+        it), before the rewrite first runs."""
         self._on_trace = on_trace
 
     def __getattr__(self, name: str):
@@ -548,12 +561,13 @@ class RewrittenFunction(polymorphic_function.Function):
                 entry = (concrete, concrete, None)
                 self._rewritten[id(concrete)] = entry
                 return concrete
+            new_graph_def, report = _rewrite(concrete, self._config)
             if self._on_trace is not None:
-                # A new trace, before it is rewritten and first runs (the start-scale
-                # probe reads the traced float32 graph: tfamp.keras.start_scale).
-                self._on_trace(concrete)
-            rewritten, report = rewrite_concrete_function(
-                concrete, self._config, check=self._check)
+                # A new trace, before it first runs: the start-scale probe reads the
+                # traced float32 graph and checks its scale on the rewritten one
+                # (tfamp.keras.start_scale), which it must neither keep nor change.
+                self._on_trace(concrete, RewrittenGraph(new_graph_def, report))
+            rewritten, report = _built(concrete, new_graph_def, report, check=self._check)
             if not report.converted:
                 rewritten = concrete  # nothing to gain: run the original as traced
             _handled_function_names.add(_function_name(rewritten))
