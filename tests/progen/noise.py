@@ -37,6 +37,13 @@ A Cast into float32 from bfloat16 or float64 overflows the same way (no
 rounding): its value was never range-checked by a float32 op, and the rewrite
 may cast it straight to the 16-bit type (12000260).
 
+A summing op whose float16 CPU kernel accumulates in float16 on this machine
+(``sixteen_bit_accumulators``: Einsum on an Intel Xeon with AVX-512 in
+TensorFlow 2.21, not on the AMD CPUs without it) overflows where a partial sum
+passes float16's range, though the result fits (17000847: a weight gradient
+of 709 summed from terms of 1e5): there an output whose terms' magnitudes sum
+past the range may overflow, and is not judged.
+
 Only ops on the 16-bit type's allow, infer and clear lists are noised
 (``with_noise_size``): the reference is "every op the rewrite may convert
 rounds", and an op it must keep float32 stays exact. The noisy run is the
@@ -52,6 +59,7 @@ graph is built; that is what this relies on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 
@@ -151,6 +159,31 @@ _SUMMING_OPS = frozenset({
     "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter", "Sum",
     "Mean", "BiasAddGrad", "UnsortedSegmentSum", "Cumsum", "AddN",
 })
+
+
+@functools.cache
+def sixteen_bit_accumulators() -> frozenset[str]:
+    """The summing ops whose float16 CPU kernel on this machine accumulates in
+    float16: 64 products of +-9e4 that cancel overflow there, and are 0 where
+    the kernel sums in float32."""
+    a = np.full((1, 64), 300.0, np.float16)
+    b = np.tile(np.asarray([[300.0], [-300.0]], np.float16), (32, 1))
+    runs = {
+        "Einsum": lambda: tf.einsum("bi,ij->bj", a, b),
+        "MatMul": lambda: tf.raw_ops.MatMul(a=a, b=b),
+        "BatchMatMulV2": lambda: tf.raw_ops.BatchMatMulV2(x=a[None], y=b[None]),
+        "Conv2D": lambda: tf.raw_ops.Conv2D(input=a.reshape(1, 1, 64, 1),
+                                            filter=b.reshape(1, 64, 1, 1),
+                                            strides=[1, 1, 1, 1], padding="VALID"),
+    }
+    found = set()
+    with tf.init_scope(), tf.device("/CPU:0"):
+        for name, run in runs.items():
+            if not np.all(np.isfinite(run().numpy())):
+                found.add(name)
+    if "BatchMatMulV2" in found:
+        found |= {"BatchMatMul", "BatchMatMulV3"}
+    return frozenset(found)
 
 
 def _sum_of_magnitudes(op_type, inputs, attrs, outputs, graph):
@@ -297,6 +330,7 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
         if not outputs or not any(t.dtype == tf.float32 for t in outputs):
             return None
         terms = _root_terms(op_type, inputs, attrs, outputs)
+        partial_sums_overflow = op_type in accumulators
         # Past the 16-bit type's range an output overflows (see the module doc).
         largest = tf.constant(MAGIC_LARGEST, name=f"progen_noise__{op_type}__")
         # So does every output of an allow op that reads a finite value past it
@@ -335,6 +369,8 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
                 error = tf.where(_small_integer(tensor), tf.zeros_like(error), error)
             noisy = tensor + error
             past = tf.abs(noisy) > largest
+            if partial_sums_overflow:  # (a kernel that accumulates in 16 bits)
+                past = tf.logical_or(past, scale > largest)
             if read_past is not None:
                 past = tf.logical_or(past, read_past)
             error += tf.where(past, tf.where(noisy < 0, -np.float32(np.inf), np.float32(np.inf)),
@@ -344,6 +380,7 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
             replaced.append(tensor + tf.stop_gradient(error))
         return replaced
 
+    accumulators = sixteen_bit_accumulators()
     op_callbacks.add_op_callback(callback)
     try:
         yield
