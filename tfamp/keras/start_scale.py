@@ -107,7 +107,7 @@ class StartScale:
       batch_size: rows of the batch the probe ran on (None if unknown).
       how: what ran: the step's own first trace, cut down to what the
         backward values need, or a trace of the step of its own.
-      checked: what the check on the float16 step found (``SixteenBitCheck``),
+      checked: what the check on the float16 step found (``_checked_on_16bit``),
         or "" where it did not run (a trace of its own).
     """
 
