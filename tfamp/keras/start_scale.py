@@ -552,7 +552,7 @@ def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None,
     of its graph the recorded backward values depend on (the forward, the loss,
     the backward; no update, no metric, no iterator) is run once on fit's first
     batch, each replica's copy on its rows, with the model's live variables
-    (``_run_cut``). The recorded values carry the loss scale the step seeds with
+    (``_cut_runner``). The recorded values carry the loss scale the step seeds with
     (its current value), which is divided out. `report`: the rewrite's of this
     trace, which says which values the step holds in 16 bits (else a rewrite
     with `rewrite_config`, else the op lists' guess).
@@ -562,9 +562,9 @@ def _probe_in_trace(concrete, recorder: Recorder, batch, *, strategy=None,
         function, no batch input it can find): the caller traces the step.
     """
     backward, weights = _recorded(concrete, recorder)
-    maxes, weight_maxes, counts = _run_cut(
-        concrete, concrete.graph.as_graph_def(), backward, weights, batch, strategy,
-        _scale_in(recorder))
+    maxes, weight_maxes, counts = _cut_runner(
+        concrete, concrete.graph.as_graph_def(), backward, weights, batch,
+        strategy)(_scale_in(recorder))
     if report is not None:
         mask = _sixteen_bit_mask(report, backward + weights)
     else:
@@ -586,10 +586,11 @@ def _recorded(concrete, recorder: Recorder) -> tuple[list, list]:
     return backward, weights
 
 
-def _run_cut(concrete, graph_def, backward, weights, batch, strategy, scale) -> tuple:
-    """(max |value| / `scale` of each backward tensor, of each weight gradient, the
-    weight gradients' log2 counts) from one run of the part of `graph_def` (the
-    traced step's graph or its rewrite) these tensors need, on `batch`.
+def _cut_runner(concrete, graph_def, backward, weights, batch, strategy):
+    """measure(scale) -> (max |value| / scale of each backward tensor, of each weight
+    gradient, the weight gradients' log2 counts), each call one run of the part of
+    `graph_def` (the traced step's graph or its rewrite) these tensors need, on
+    `batch`; the part is cut, registered and traced once, whatever the calls.
 
     The step's batch inputs become placeholders, control edges are dropped (they
     could reach an update or the iterator), the variables it captures are the
@@ -633,7 +634,7 @@ def _run_cut(concrete, graph_def, backward, weights, batch, strategy, scale) -> 
                 if internal.op.name in kept]
     held_backward = sum(1 for k in present if k < len(backward))
 
-    def run(*values):
+    def run(scale, *values):
         inner = tf.compat.v1.get_default_graph()
         input_map = {f"tfamp_probe_batch_{k}:0": v for k, v in enumerate(values)}
         for name, external in captures:
@@ -645,22 +646,27 @@ def _run_cut(concrete, graph_def, backward, weights, batch, strategy, scale) -> 
     values = [value for _, value in sources]
     written = {node.input[0].split(":")[0] for node in cut.node
                if node.op in _ASSIGN_OPS and node.input}
-    saved = [(c, np.array(c.numpy(), copy=True))
-             for v in _captured_variables(concrete, written)
-             for c in replicas.local_components(v)]
+    written_variables = _captured_variables(concrete, written)
     function = plain_function(run, autograph=False)
-    # One trace per cut by design (the float32 graph's, then the 16-bit step's at
-    # one scale or more): not the retracing TensorFlow warns a user about.
+    # One trace per cut by design (the float32 graph's, then the 16-bit step's): not
+    # the retracing TensorFlow warns a user about.
     function._omit_frequent_tracing_warning = True
-    try:
-        found_maxes, found_weight_maxes, counts = (
-            x.numpy() for x in _without_grappler(function)(*values))
-    finally:
-        for component, value in saved:
-            component.assign(value)
-    everything = np.zeros(len(backward) + len(weights), np.float32)
-    everything[present] = np.concatenate([found_maxes, found_weight_maxes])
-    return everything[:len(backward)], everything[len(backward):], counts
+
+    def measure(scale: float) -> tuple:
+        saved = [(c, np.array(c.numpy(), copy=True)) for v in written_variables
+                 for c in replicas.local_components(v)]
+        try:
+            found_maxes, found_weight_maxes, counts = (
+                x.numpy() for x in _without_grappler(function)(
+                    tf.constant(scale, tf.float32), *values))
+        finally:
+            for component, value in saved:
+                component.assign(value)
+        everything = np.zeros(len(backward) + len(weights), np.float32)
+        everything[present] = np.concatenate([found_maxes, found_weight_maxes])
+        return everything[:len(backward)], everything[len(backward):], counts
+
+    return measure
 
 
 # The check on the 16-bit step: runs at the chosen scale, then (where some value
@@ -691,11 +697,12 @@ def _checked_on_16bit(found: _Found, concrete, recorder: Recorder, batch, rewrit
     mask = _sixteen_bit_mask(rewritten.report, backward + weights)
     names = [_unreplicated(n) for n, _ in backward + weights]
     tried = []
+    measure = None
     for _ in range(SIXTEEN_BIT_TRIES):
         try:
-            maxes = np.concatenate(_run_at_scale(concrete, recorder, rewritten.graph_def,
-                                                 backward, weights, batch, strategy,
-                                                 scale)[:2])
+            measure = measure or _cut_runner(concrete, rewritten.graph_def, backward,
+                                             weights, batch, strategy)
+            maxes = np.concatenate(_at_scale(recorder, measure, scale)[:2])
         except Exception as err:  # the float32 probe's answer stands
             log.debug("tfamp: start-scale check on the 16-bit step: %s: %s",
                       type(err).__name__, err)
@@ -725,17 +732,16 @@ def _checked_on_16bit(found: _Found, concrete, recorder: Recorder, batch, rewrit
         f"{found.where}{overflowed})"))
 
 
-def _run_at_scale(concrete, recorder: Recorder, graph_def, backward, weights, batch,
-                  strategy, scale: float) -> tuple:
-    """``_run_cut`` of `graph_def` with the step's scale owner set to `scale` (restored
-    after)."""
+def _at_scale(recorder: Recorder, measure, scale: float) -> tuple:
+    """``measure(scale)`` (a ``_cut_runner``'s) with the step's scale owner set to
+    `scale` (restored after)."""
     owner = recorder.owner_of() if recorder.owner_of is not None else None
     if owner is None:
         raise ValueError("the recorded step's scale owner is unknown")
     before = float(np.asarray(owner.scale_tensor()))
     owner.set_scale(scale)
     try:
-        return _run_cut(concrete, graph_def, backward, weights, batch, strategy, scale)
+        return measure(scale)
     finally:
         owner.set_scale(before)
 
