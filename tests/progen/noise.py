@@ -352,8 +352,10 @@ def rounding_noise(salt: int = 0, ties_only: bool = False, crossed: bool = False
             counter[0] += 1
             # A random sign, not a uniform draw: each value moves by the whole
             # bound (one draw near 0 would make a scalar's reference exact).
+            # (the seed a named constant: ``with_salt`` makes another sample of a trace)
             r = tf.sign(tensor) if away else tf.sign(tf.random.stateless_uniform(
-                tf.shape(tensor), seed=[counter[0], salt], minval=-1.0, maxval=1.0))
+                tf.shape(tensor), minval=-1.0, maxval=1.0,
+                seed=tf.constant([counter[0], salt], tf.int64, name="progen_seed__")))
             size = tf.constant(MAGIC_SIZE, name=f"progen_noise__{op_type}__")
             limit = tf.constant(MAGIC_TINY, name=f"progen_noise__{op_type}__")
             # A sum's rounding is relative to its terms, not to its result: a
@@ -438,5 +440,21 @@ def with_noise_size(graph_def, unit_roundoff: float, tiny: float,
     return copy
 
 
+def with_salt(graph_def, salt: int) -> graph_pb2.GraphDef:
+    """A copy of a GraphDef traced under ``rounding_noise(s)`` (random signs) that is
+    the trace under ``rounding_noise(salt)``: only the seeds' second word differs
+    between samples, and a noisy trace costs 15 times a plain one (4000217: 4 s)."""
+    copy = graph_pb2.GraphDef()
+    copy.CopyFrom(graph_def)
+    for nodes in [copy.node] + [f.node_def for f in copy.library.function]:
+        for node in nodes:
+            if node.op == "Const" and _SEED_NAME.search(node.name):
+                seed = tensor_util.MakeNdarray(node.attr["value"].tensor).copy()
+                seed[1] = salt
+                node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(seed))
+    return copy
+
+
+_SEED_NAME = re.compile(r"progen_seed__")
 _NOISE_NAME = re.compile(r"progen_noise__(\w+?)__")
 _RANGE_NAME = re.compile(r"progen_range__Cast__")
