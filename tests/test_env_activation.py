@@ -178,6 +178,54 @@ def test_a_custom_loop_starts_at_a_scale_from_its_own_gradients(tmp_path, flavou
     assert "tfamp: start loss scale" not in fixed.stderr
 
 
+ONE_CHANNEL_NORM_LOOP = textwrap.dedent("""
+    import json, sys
+    import tensorflow as tf
+    tests, flavour, check = sys.argv[1], sys.argv[2], sys.argv[3]
+    sys.path.insert(0, tests)
+    import patterns
+    if check == "unchecked":  # the float32 probe's choice, as before the check
+        from tfamp.keras import start_scale
+        start_scale._checked_on_16bit = lambda found, *args, **kwargs: found
+    keras = patterns.keras_module(flavour)
+    model, (x, y), _ = patterns.build(keras, "one_channel_norm")
+    optimizer = keras.optimizers.SGD(0.01)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+                yb, model(xb, training=True)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    n = patterns.BATCH
+    for k in range(patterns.STEPS):
+        step(x[k * n:(k + 1) * n], y[k * n:(k + 1) * n])
+    from tfamp.runtime import startup
+    print(json.dumps({"skipped": int(startup.process_scale_state().skipped_steps.numpy())}))
+""")
+
+
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+def test_a_custom_loops_start_scale_is_checked_on_its_16bit_step(tmp_path, flavour):
+    """A custom loop's probe traces the step itself; its scale is checked on that
+    trace's rewrite, as fit's is (keras.io's timeseries Transformer's one-channel
+    LayerNorm, whose variance gradient only the 16-bit step makes large)."""
+    script = tmp_path / "loop.py"
+    script.write_text(ONE_CHANNEL_NORM_LOOP)
+    tests = str(Path(__file__).parent)
+    if flavour == "keras3":  # (the check's absence shows once: seconds of subprocess)
+        unchecked = run([str(script), tests, flavour, "unchecked"], tmp_path,
+                        TFAMP_ENABLE="1")
+        assert last_json(unchecked)["skipped"] >= 2, unchecked.stderr[-3000:]
+    checked = run([str(script), tests, flavour, "checked"], tmp_path, TFAMP_ENABLE="1")
+    assert last_json(checked)["skipped"] == 0, checked.stderr[-3000:]
+    [line] = [s for s in checked.stderr.splitlines() if "tfamp: start loss scale 2^" in s]
+    assert "set by the float16 step" in line and "layer_normalization" in line, line
+
+
 def test_the_probe_waits_for_the_step_itself(tmp_path):
     """The step traced ahead (get_concrete_function) and another function run
     first: that one differentiates no loss, and the step's own first run is probed."""

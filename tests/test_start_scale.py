@@ -323,6 +323,29 @@ def test_the_scale_is_checked_on_the_16bit_step(flavour, monkeypatch):
     assert "set by the float16 step" in message and "float32's max" in message
 
 
+def test_a_step_traced_again_is_checked_on_its_16bit_rewrite_too(monkeypatch):
+    # tf_keras running two batches per call: its step reads them inside a loop, so
+    # the probe traces the step itself and checks the scale on that trace's
+    # rewrite. Unchecked, the float32 choice skipped every step of the epoch.
+    keras = patterns.keras_module("tf_keras")
+    found = {}
+
+    def two_per_call(model):
+        model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=2)
+        tfamp.enable(model, verbose=False)
+        found["model"] = model
+
+    with monkeypatch.context() as patch:
+        patch.setattr(start_scale, "_checked_on_16bit", lambda found, *args, **kw: found)
+        unchecked = patterns.train(keras, "one_channel_norm", before_fit=two_per_call)
+    assert unchecked["history"]["skipped_steps"] >= patterns.STEPS // 2
+    run = patterns.train(keras, "one_channel_norm", before_fit=two_per_call)
+    chosen = found["model"]._tfamp_state.start_scale
+    assert chosen.how == "a trace of its own"
+    assert chosen.checked.startswith("set by the float16 step"), chosen.checked
+    assert run["history"]["skipped_steps"] == 0
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_non_finite_float32_gradients_in_the_steps_trace_are_the_answer(flavour,
                                                                          monkeypatch):

@@ -541,6 +541,9 @@ class ModelPrecision:
                 rewritten=rewritten,
                 # layers kept float32 by name: the op lists cannot say so, the rewrite can
                 rewrite_config=self.config if self.config.keep_fp32 else None,
+                # a probe that traces the step again checks its scale on that
+                # trace's rewrite
+                check_config=self.config,
                 headroom_bits=(start_scale.AFTER_FALLBACK_HEADROOM_BITS if again
                                else start_scale.START_HEADROOM_BITS))
             owner = self.built_scale_owner()  # the probe may have built the model

@@ -53,7 +53,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfamp.keras import replicas, step_scope, tape
+from tfamp.keras import replicas, scale_update, step_scope, tape
 from tfamp.keras.scale_update import is_loss_target
 from tfamp.keras.step_scope import probe_mode
 from tfamp.runtime.plain import plain_calls, plain_function
@@ -240,9 +240,12 @@ class Recorder:
     scale. Replica threads of one trace may share a recorder.
     """
 
-    def __init__(self, op_lists=None):
+    def __init__(self, op_lists=None, seed_scale=None):
         self._op_lists = op_lists
         self.owner_of = None  # () -> the scale owner a recorded step seeds with
+        # Probe mode's seed: 1, or this variable's value (1 in the float32 run; the
+        # check on the 16-bit step sets it: ``_SeedScale``).
+        self._seed_scale = seed_scale
         self.backward: list[tuple[str, tf.Tensor]] = []
         self.weights: list[tuple[str, tf.Tensor]] = []
         self.tapes = 0
@@ -253,8 +256,10 @@ class Recorder:
         if (tf.executing_eagerly() or output_gradients is not None
                 or not is_loss_target(target, sources)):
             return original(tape, target, sources, output_gradients, **kwargs)
-        # What the tape seeds with by default (every element of every target).
-        seed = tf.nest.map_structure(tf.ones_like, target)
+        # What the tape seeds with by default (every element of every target), or
+        # what a scaled step seeds with, at the probe's own scale.
+        seed = (tf.nest.map_structure(tf.ones_like, target) if self._seed_scale is None
+                else scale_update.seed(target, self._seed_scale))
         return self.record(original, tape, target, sources, seed, kwargs)
 
     def record(self, original, tape, target, sources, seed, kwargs):
@@ -318,7 +323,7 @@ def _summaries(backward, weights, scale=None):
 
 def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
                op_lists=None, strategy=None, per_replica: bool = True,
-               trace=None, rewritten=None, rewrite_config=None,
+               trace=None, rewritten=None, rewrite_config=None, check_config=None,
                headroom_bits: int = START_HEADROOM_BITS) -> StartScale:
     """Runs ``step(*args, **kwargs)`` once in probe mode; returns the chosen scale.
 
@@ -349,6 +354,11 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         ``keep_fp32``, the float32 fallback's among them): the traced step is
         rewritten with it and only the values the rewrite holds in 16 bits, or
         casts to 16 bits, count. None: the op lists' guess (no second rewrite).
+      check_config: the AmpConfig the step runs rewritten with, whole, where the
+        probe traces the step itself: the scale is checked on that trace's
+        rewrite (``_probe_locally``). It only ever lowers the scale: the trace
+        has no update and the probe's own summaries, so its rewrite is near the
+        step's, not the same (which values it holds in 16 bits may differ).
       headroom_bits: ``choose_scale``'s room below float16's largest value.
 
     Raises:
@@ -379,7 +389,9 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
             tape.install()
             with _tapes_recording():
                 local = _probe_locally(step, args, kwargs, extra_state, op_lists,
-                                       strategy if per_replica else None, rewrite_config)
+                                       strategy if per_replica else None, rewrite_config,
+                                       check_config=check_config, min_scale=min_scale,
+                                       headroom_bits=headroom_bits)
     except Exception as err:  # every worker must still reach the agreement below
         local, error = None, err
     row = ([1.0, local.top, local.weight_max] if local is not None else [0.0, 0.0, 0.0])
@@ -447,14 +459,24 @@ def _only_16bit(maxes: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
 
 
 def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy,
-                   rewrite_config=None) -> _Found:
+                   rewrite_config=None, *, check_config=None, min_scale: float = 1.0,
+                   headroom_bits: int = START_HEADROOM_BITS) -> _Found:
     """The probe on this worker's replicas, in a trace of its own (no communication
-    with other workers)."""
+    with other workers). With `check_config`, where the trace is one copy of the
+    step on a batch of tensors (a custom loop's on one device, a tf_keras step
+    XLA compiles or that runs several batches per call), the scale is checked on
+    the trace's rewrite as on a fit step's own trace (``_checked_on_16bit``): the
+    tapes seed with a scale of the probe's own (1 in the float32 run)."""
     recorders = []
+    checkable = (check_config is not None and not replicas.is_distributed(strategy)
+                 and all(isinstance(leaf, (np.ndarray, tf.Tensor))
+                         for leaf in tf.nest.flatten((args, kwargs))))
+    seed_scale = _SeedScale() if checkable else None
 
     def replica_step(args, kwargs):
         args, kwargs = replicas.replica_rows((args, kwargs))
-        recorder = Recorder(op_lists)
+        recorder = Recorder(op_lists, seed_scale.variable if seed_scale else None)
+        recorder.owner_of = lambda: seed_scale
         recorders.append(recorder)
         with probe_mode(recorder), plain_calls():
             step(*args, **kwargs)
@@ -491,8 +513,31 @@ def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy,
     else:
         weight_mask = None
     names, weight_names = ([n for n, _ in part] for part in final[0].in_graph(concrete.graph))
-    return _found(names, _only_16bit(maxes.max(axis=0), mask), weight_names,
-                  weight_maxes.max(axis=0), counts.sum(axis=0), weight_mask)
+    found = _found(names, _only_16bit(maxes.max(axis=0), mask), weight_names,
+                   weight_maxes.max(axis=0), counts.sum(axis=0), weight_mask)
+    if seed_scale is not None and len(final) == 1:
+        from tfamp.runtime.runner import rewritten_graph_def
+
+        found = _checked_on_16bit(found, concrete, final[0], (args, kwargs),
+                                  rewritten_graph_def(concrete, check_config),
+                                  min_scale=min_scale, headroom_bits=headroom_bits)
+    return found
+
+
+class _SeedScale:
+    """The scale a probe's own trace seeds its tapes with (a variable, 1 until the
+    check on the 16-bit step sets it), as a scale owner (``_at_scale``)."""
+
+    def __init__(self):
+        with tf.init_scope():
+            self.variable = tf.Variable(1.0, trainable=False, dtype=tf.float32,
+                                        name="tfamp_probe_seed_scale")
+
+    def scale_tensor(self):
+        return self.variable
+
+    def set_scale(self, scale: float) -> None:
+        self.variable.assign(scale)
 
 
 @contextlib.contextmanager
@@ -945,11 +990,16 @@ def calibrate_step(step, args: tuple, kwargs: dict, *, model=None,
         strategy = (lifecycle.strategy() if lifecycle is not None
                     else tf.distribute.get_strategy())
     python_step = getattr(step, "python_function", step)
+    # Under TFAMP_ENABLE the step runs rewritten whole, as the probe's trace of it
+    # can be: the scale is checked on that trace's rewrite. Without it only an
+    # enabled model's call is rewritten (a nested function, whose backward is
+    # 16-bit wherever its forward is): no whole-step rewrite to check on.
+    config = step_scope.process_config()
     found = probe_step(python_step, args, kwargs,
                        extra_state=state_variables(model) if model is not None else [],
                        min_scale=owner.min_scale,
                        op_lists=lifecycle.float16_lists() if lifecycle is not None else None,
-                       strategy=strategy, per_replica=False)
+                       strategy=strategy, per_replica=False, check_config=config)
     owner.set_scale(found.scale)
     if lifecycle is not None:
         lifecycle.start_scale = found

@@ -252,17 +252,24 @@ def loops_reached(target) -> list:
 # -- the process-wide custom-loop scale (TFAMP_ENABLE) --------------------------------------
 
 _process_owner = None
+_process_config = None
 
 
-def set_process_owner(get_owner) -> None:
-    """Registers () -> TFAMP_ENABLE's custom-loop scale owner (or None when off)."""
-    global _process_owner
-    _process_owner = get_owner
+def set_process_owner(get_owner, config=None) -> None:
+    """Registers () -> TFAMP_ENABLE's custom-loop scale owner (or None when off), and
+    the AmpConfig its functions are rewritten with."""
+    global _process_owner, _process_config
+    _process_owner, _process_config = get_owner, config
 
 
 def process_owner():
     """TFAMP_ENABLE's custom-loop scale owner, or None (not active, or no loss scaling)."""
     return _process_owner() if _process_owner is not None else None
+
+
+def process_config():
+    """The AmpConfig TFAMP_ENABLE rewrites functions with, or None (not active)."""
+    return _process_config
 
 
 def process_scaling_registered() -> bool:

@@ -392,7 +392,7 @@ def _patch_custom_loops(active: _Activation) -> None:
     from tfamp.keras import optimizer_tf_keras, step_scope
     from tfamp.keras.scale_update import is_loss_target, is_scaled, seed, unscale
 
-    step_scope.set_process_owner(process_scale_state)
+    step_scope.set_process_owner(process_scale_state, active.settings.config)
 
     original_gradient = tf.GradientTape.gradient
 
