@@ -346,6 +346,30 @@ def test_a_step_traced_again_is_checked_on_its_16bit_rewrite_too(monkeypatch):
     assert run["history"]["skipped_steps"] == 0
 
 
+def test_a_check_that_cannot_rewrite_leaves_the_float32_answer(monkeypatch):
+    # The check is extra: a rewrite of the probe's trace that raises must not cost
+    # the run its start scale (it would start at 2^15 with a warning).
+    from tfamp.runtime import runner
+
+    def planted(*args, **kwargs):
+        raise RuntimeError("planted: the rewrite failed")
+
+    monkeypatch.setattr(runner, "rewritten_graph_def", planted)
+    keras = patterns.keras_module("tf_keras")
+    found = {}
+
+    def two_per_call(model):
+        model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=2)
+        tfamp.enable(model, verbose=False)
+        found["model"] = model
+
+    patterns.train(keras, "sum_loss", before_fit=two_per_call)
+    chosen = found["model"]._tfamp_state.start_scale
+    assert isinstance(chosen, start_scale.StartScale), chosen
+    assert chosen.how == "a trace of its own" and chosen.checked == ""
+    assert chosen.scale < 2.0**15
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_non_finite_float32_gradients_in_the_steps_trace_are_the_answer(flavour,
                                                                          monkeypatch):

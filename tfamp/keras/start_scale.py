@@ -518,8 +518,13 @@ def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy,
     if seed_scale is not None and len(final) == 1:
         from tfamp.runtime.runner import rewritten_graph_def
 
-        found = _checked_on_16bit(found, concrete, final[0], (args, kwargs),
-                                  rewritten_graph_def(concrete, check_config),
+        try:
+            rewritten = rewritten_graph_def(concrete, check_config)
+        except Exception as err:  # the float32 probe's answer stands, as in the check
+            log.debug("tfamp: start-scale check: rewriting the probe's trace: %s: %s",
+                      type(err).__name__, err)
+            return found
+        found = _checked_on_16bit(found, concrete, final[0], (args, kwargs), rewritten,
                                   min_scale=min_scale, headroom_bits=headroom_bits)
     return found
 
