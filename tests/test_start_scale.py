@@ -323,11 +323,9 @@ def test_the_scale_is_checked_on_the_16bit_step(flavour, monkeypatch):
     assert "set by the float16 step" in message and "float32's max" in message
 
 
-def test_a_step_traced_again_is_checked_on_its_16bit_rewrite_too(monkeypatch):
-    # tf_keras running two batches per call: its step reads them inside a loop, so
-    # the probe traces the step itself and checks the scale on that trace's
-    # rewrite. Unchecked, the float32 choice skipped every step of the epoch.
-    keras = patterns.keras_module("tf_keras")
+def _enable_two_batches_per_call():
+    """A before-fit hook that compiles the model to run two batches per call (the
+    probe then traces the step itself) and enables it; the model lands in `found`."""
     found = {}
 
     def two_per_call(model):
@@ -335,6 +333,15 @@ def test_a_step_traced_again_is_checked_on_its_16bit_rewrite_too(monkeypatch):
         tfamp.enable(model, verbose=False)
         found["model"] = model
 
+    return two_per_call, found
+
+
+def test_a_step_traced_again_is_checked_on_its_16bit_rewrite_too(monkeypatch):
+    # tf_keras running two batches per call: its step reads them inside a loop, so
+    # the probe traces the step itself and checks the scale on that trace's
+    # rewrite. Unchecked, the float32 choice skipped every step of the epoch.
+    keras = patterns.keras_module("tf_keras")
+    two_per_call, found = _enable_two_batches_per_call()
     with monkeypatch.context() as patch:
         patch.setattr(start_scale, "_checked_on_16bit", lambda found, *args, **kw: found)
         unchecked = patterns.train(keras, "one_channel_norm", before_fit=two_per_call)
@@ -356,13 +363,7 @@ def test_a_check_that_cannot_rewrite_leaves_the_float32_answer(monkeypatch):
 
     monkeypatch.setattr(runner, "rewritten_graph_def", planted)
     keras = patterns.keras_module("tf_keras")
-    found = {}
-
-    def two_per_call(model):
-        model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=2)
-        tfamp.enable(model, verbose=False)
-        found["model"] = model
-
+    two_per_call, found = _enable_two_batches_per_call()
     patterns.train(keras, "sum_loss", before_fit=two_per_call)
     chosen = found["model"]._tfamp_state.start_scale
     assert isinstance(chosen, start_scale.StartScale), chosen
