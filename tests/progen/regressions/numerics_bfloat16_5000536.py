@@ -20,6 +20,7 @@ import tf_keras as K
 
 SEED = 5000536
 DTYPES = ("bfloat16",)  # where it failed (tests/test_generated.py reads this)
+HARNESS_CASE = True  # guards the judge: tests/test_generated.py runs it with the slow tests
 D = 16
 BATCH = 4
 ID_LENGTH = 8

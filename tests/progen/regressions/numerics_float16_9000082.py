@@ -23,6 +23,7 @@ import tf_keras as K
 
 SEED = 9000082
 DTYPES = ("float16",)  # where it failed (tests/test_generated.py reads this)
+HARNESS_CASE = True  # guards the judge: tests/test_generated.py runs it with the slow tests
 D = 32
 BATCH = 4
 ID_LENGTH = 8
