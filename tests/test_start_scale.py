@@ -46,9 +46,12 @@ def test_auto_start_skips_no_step_where_2_15_does(flavour, pattern):
     chosen = found["model"]._tfamp_state.start_scale
     assert run["history"]["skipped_steps"] == 0
     assert run["history"]["loss_scale"] == chosen.scale  # no growth in 6 steps
-    # The largest power of two keeping the measured max below 2**(16 - headroom).
+    # The largest power of two keeping the measured max below 2**(16 - headroom),
+    # halved at most twice more where no weight-gradient value underflows for it.
     limit = 2.0 ** (16 - start_scale.START_HEADROOM_BITS)
-    assert chosen.max_abs * chosen.scale < limit <= chosen.max_abs * chosen.scale * 2
+    room = chosen.max_abs * chosen.scale * 2**chosen.extra_room
+    assert room < limit <= room * 2
+    assert 0 <= chosen.extra_room <= start_scale.EXTRA_ROOM_BITS
     assert chosen.weight_max > 0 and chosen.seconds > 0
 
 
@@ -223,6 +226,59 @@ def test_choose_scale():
     assert start_scale.choose_scale(1e6, min_scale=1.0) == 1.0
 
 
+def test_extra_room_is_taken_only_where_no_weight_gradient_underflows_for_it():
+    assert start_scale.extra_room([0.0, 0.0], scale=2.0**17) == 2
+    assert start_scale.extra_room([0.0, 0.3], scale=2.0**17) == 1  # a tiny loss's second halving
+    assert start_scale.extra_room([0.3, 0.3], scale=2.0**24) == 0
+    assert start_scale.extra_room([0.0, start_scale.EXTRA_ROOM_UNDERFLOW * 2],
+                                  scale=2.0**10) == 1
+    assert start_scale.extra_room([0.0, 0.0], scale=2.0, min_scale=1.0) == 1  # the floor
+    assert start_scale.extra_room([], scale=2.0**17) == 0
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("extra_bits", [start_scale.EXTRA_ROOM_BITS, 0])
+def test_gradients_that_grow_after_adams_first_update_find_room(flavour, extra_bits,
+                                                                 monkeypatch):
+    """Adam's first update moves every weight by the learning rate; with a wide input
+    (tensorflow/docs's quickstart CNN: 21632 into a Dense) the next gradients grow past
+    the start's two doublings of room (here 2.7x, then 5.6x). The extra room, free of
+    underflow here, keeps every step; without it (the control) one is skipped."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(start_scale, "EXTRA_ROOM_BITS", extra_bits)
+    keras = patterns.keras_module(flavour)
+    keras.utils.set_random_seed(0)
+    rng = np.random.RandomState(1)
+    x = rng.rand(64, 4000).astype("float32")
+    y = rng.randint(0, 10, (64,)).astype("int32")
+    model = keras.Sequential([keras.Input((4000,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(10)])
+    tfamp.enable(model, verbose=False)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.Adam()
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    found = tfamp.calibrate_loss_scale(step, x[:16], y[:16], model=model)
+    for i in range(4):
+        step(x[16 * i:16 * i + 16], y[16 * i:16 * i + 16])
+    skipped = int(model._tfamp_state.scale_owner().skipped_steps.numpy())
+    assert found.extra_room == extra_bits
+    assert found.scale == start_scale.choose_scale(found.max_abs) / 2**extra_bits
+    if extra_bits:
+        assert skipped == 0
+        assert "halved twice more for room" in found.message()
+    else:
+        assert skipped >= 1
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_any_probe_failure_is_a_warning_and_fit_trains(flavour, monkeypatch):
     # Issue 28.1: on Keras 3 the warning read the loss-scale optimizer's scale
@@ -269,7 +325,7 @@ def test_fit_probes_from_the_steps_own_trace_with_the_same_answer(flavour, patte
     # counts every value the op lists may put there: never a smaller one.
     assert chosen.max_abs <= separate.max_abs * (1 + 1e-3)
     assert chosen.scale >= separate.scale
-    assert chosen.scale == start_scale.choose_scale(chosen.max_abs)
+    assert chosen.scale == start_scale.choose_scale(chosen.max_abs) / 2**chosen.extra_room
     assert chosen.checked.startswith("checked on the float16 step at 2^")
     assert run["history"]["skipped_steps"] == 0
 
@@ -317,7 +373,7 @@ def test_the_scale_is_checked_on_the_16bit_step(flavour, monkeypatch):
     assert chosen.checked.startswith("set by the float16 step"), chosen.checked
     assert "layer_normalization" in chosen.where and "moments" in chosen.where
     assert chosen.scale <= float32_choice.scale / 2**4
-    assert chosen.scale == start_scale.choose_scale(chosen.max_abs)
+    assert chosen.scale == start_scale.choose_scale(chosen.max_abs) / 2**chosen.extra_room
     message = chosen.message()
     assert "from the first batch's gradients" in message
     assert "set by the float16 step" in message and "float32's max" in message

@@ -545,7 +545,9 @@ class ModelPrecision:
                 # trace's rewrite
                 check_config=self.config,
                 headroom_bits=(start_scale.AFTER_FALLBACK_HEADROOM_BITS if again
-                               else start_scale.START_HEADROOM_BITS))
+                               else start_scale.START_HEADROOM_BITS),
+                # (after the fallback its six bits were measured as they are)
+                extra_bits=0 if again else None)
             owner = self.built_scale_owner()  # the probe may have built the model
             if again:  # the fallback's caller sets it (only ever up)
                 return found

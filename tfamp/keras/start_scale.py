@@ -22,8 +22,10 @@ tf.function in *probe mode*:
 The start scale is the largest power of two that keeps every recorded value
 times the scale below ``2**(16 - START_HEADROOM_BITS)`` = 16384, a quarter of
 float16's range (capped at 2**24,
-floored at the optimizer's ``min_scale``); dynamic scaling takes over from
-there. The scale owner is then marked as calibrated only by the steps it takes:
+floored at the optimizer's ``min_scale``), halved up to twice more where that
+sends no more weight-gradient values below float16's smallest subnormal
+(``extra_room``: gradients can grow past two doublings after the first update);
+dynamic scaling takes over from there. The scale owner is then marked as calibrated only by the steps it takes:
 an owner that has taken a step (``iterations`` or ``skipped_steps`` above 0,
 which a checkpoint restores) is never recalibrated.
 
@@ -75,6 +77,16 @@ START_HEADROOM_BITS = 2
 # epoch lost 4 more steps to halvings, none with 6; with 10, SimCLR's contrastive
 # step rose only from 1 to 2.
 AFTER_FALLBACK_HEADROOM_BITS = START_HEADROOM_BITS + 4
+# Where it costs nothing, the start takes up to two more halvings of room: those
+# that send no more than EXTRA_ROOM_UNDERFLOW of the weight-gradient values (the
+# probe's histogram of them) below float16's smallest subnormal. Measured
+# (BUILD_NOTES.md, session 31): TensorFlow's quickstart CNN under Adam grew its
+# largest gradient 12.6x on the second step, past the start's two bits (a skipped
+# step, update cosine 0.88 after 8 steps); at two more bits no weight-gradient
+# value underflowed more than at the first choice. A tiny loss keeps its scale:
+# there every halving loses values.
+EXTRA_ROOM_BITS = 2
+EXTRA_ROOM_UNDERFLOW = 1e-4
 # Ops that write a resource variable (their first input): the probe restores what
 # they wrote. A tf.random.Generator's state is one (tf_keras's random layers draw
 # from one: a probe that advanced it gave training other flips and crops than
@@ -109,6 +121,8 @@ class StartScale:
         backward values need, or a trace of the step of its own.
       checked: what the check on the float16 step found (``_checked_on_16bit``),
         or "" where it did not run (a trace of its own).
+      extra_room: halvings below ``choose_scale(max_abs)`` taken because they
+        lose no weight-gradient values (``extra_room``).
     """
 
     scale: float
@@ -120,10 +134,14 @@ class StartScale:
     batch_size: int | None = None
     how: str = "a trace of its own"  # or "the step's own trace" (no second trace)
     checked: str = ""
+    extra_room: int = 0
 
     def message(self) -> str:
         exponent = int(math.log2(self.scale))
         checked = f"; {self.checked}" if self.checked else ""
+        if self.extra_room:
+            times = {1: "once", 2: "twice"}.get(self.extra_room, f"{self.extra_room} times")
+            checked += f"; halved {times} more for room, which puts no more of them below it"
         source = "float32 gradients" if not self.checked else "gradients"
         return (f"tfamp: start loss scale 2^{exponent} ({self.scale:g}) from the first "
                 f"batch's {source} (max |g| {self.max_abs:.3g} in {self.where}; "
@@ -153,6 +171,27 @@ def choose_scale(max_abs: float, *, min_scale: float = 1.0,
         k = MAX_SCALE_EXP
     scale = 2.0 ** min(k, MAX_SCALE_EXP)
     return max(scale, 2.0 ** math.ceil(math.log2(min_scale)))
+
+
+def extra_room(rises, *, scale: float, min_scale: float = 1.0) -> int:
+    """How many of the halvings after `scale` to take: `rises[j - 1]` is the share
+    of weight-gradient values that underflow at ``scale / 2**j`` and not at
+    `scale` (largest over workers); each halving taken must stay within
+    EXTRA_ROOM_UNDERFLOW, and the scale above `min_scale`'s power of two.
+
+    Example:
+      >>> extra_room([0.0, 0.0], scale=2.0**17)
+      2
+      >>> extra_room([0.0, 0.3], scale=2.0**17)   # a tiny loss: the second halving loses 30%
+      1
+    """
+    floor = 2.0 ** math.ceil(math.log2(min_scale))
+    taken = 0
+    for j, rise in enumerate(rises, start=1):
+        if rise > EXTRA_ROOM_UNDERFLOW or scale / 2.0**j < floor:
+            break
+        taken = j
+    return taken
 
 
 # -- recording ------------------------------------------------------------------------
@@ -324,7 +363,8 @@ def _summaries(backward, weights, scale=None):
 def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
                op_lists=None, strategy=None, per_replica: bool = True,
                trace=None, rewritten=None, rewrite_config=None, check_config=None,
-               headroom_bits: int = START_HEADROOM_BITS) -> StartScale:
+               headroom_bits: int = START_HEADROOM_BITS,
+               extra_bits: int | None = None) -> StartScale:
     """Runs ``step(*args, **kwargs)`` once in probe mode; returns the chosen scale.
 
     Args:
@@ -360,6 +400,9 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         has no update and the probe's own summaries, so its rewrite is near the
         step's, not the same (which values it holds in 16 bits may differ).
       headroom_bits: ``choose_scale``'s room below float16's largest value.
+      extra_bits: at most this many more halvings, where they send no more
+        weight-gradient values below float16's smallest (``extra_room``; 0: none;
+        None: EXTRA_ROOM_BITS).
 
     Raises:
       ValueError: the step differentiated no float loss, or its float32
@@ -403,10 +446,22 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
     top, weight_max = float(agreed[:, 1].max()), float(agreed[:, 2].max())
     where = local.where if local.top >= top else "another replica or worker"
     scale = choose_scale(top, min_scale=min_scale, headroom_bits=headroom_bits)
+    # (every worker reaches this second agreement: the first raised on all or none)
+    # (no weight-gradient histogram: nothing says the room is free)
+    extra_bits = EXTRA_ROOM_BITS if extra_bits is None else extra_bits
+    # (a scale at the cap has that room already)
+    roomy = choose_scale(top, min_scale=min_scale, headroom_bits=headroom_bits + extra_bits)
+    extra_bits = min(extra_bits, round(math.log2(scale / roomy)))
+    rises = [local.underflow_share(scale / 2.0**j) - local.underflow_share(scale)
+             if local.weights is not None else math.inf for j in range(1, extra_bits + 1)]
+    if rises:
+        rises = replicas.agree_rows(strategy, np.asarray(rises, np.float64)).max(axis=0)
+    taken = extra_room(rises, scale=scale, min_scale=min_scale)
+    scale /= 2.0**taken
     return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
                       underflow_share=local.underflow_share(scale),
                       seconds=time.perf_counter() - start, batch_size=_rows(args), how=how,
-                      checked=local.checked)
+                      checked=local.checked, extra_room=taken)
 
 
 @dataclasses.dataclass(frozen=True)
