@@ -24,6 +24,32 @@ def test_function_that_only_calls_a_rewritten_one_is_not_rewritten_again(caplog)
     assert not np.array_equal(got.numpy(), (2.0 * tf.matmul(tf.ones((2, 4)), w)).numpy())
 
 
+def test_a_rewritten_function_called_in_another_trace_is_not_autograph_converted(
+        monkeypatch):
+    # A user's tf.function around a tfamp.function: autograph converted the call and,
+    # through it, the whole rewrite pass (this test took 25-40 s on 2 cores).
+    import inspect
+
+    import tfamp.runtime.runner as runner
+
+    frames = []
+    real = runner.rewrite_graph_def
+
+    def spy(*args, **kwargs):
+        # (a function autograph converted runs as tf__<name> from a generated file)
+        frames.extend((f.filename, f.function) for f in inspect.stack())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "rewrite_graph_def", spy)
+    w = tf.Variable(tf.ones((4, 4)))
+    inner = RewrittenFunction(tf.function(lambda x: tf.matmul(x, w)))
+    tf.function(lambda x: inner(x) * 2.0)(tf.ones((2, 4)))
+    assert frames, "the inner function was not rewritten"
+    assert any(name == "__call__" for _, name in frames)
+    converted = {name for path, name in frames if "__autograph_generated" in path}
+    assert not converted & {"tf____call__", "tf__spy"}, converted  # (spy: the pass)
+
+
 def test_function_with_its_own_matmul_around_a_rewritten_one_is_rewritten():
     w = tf.Variable(tf.ones((4, 4)))
     inner = RewrittenFunction(tf.function(lambda x: tf.matmul(x, w)))

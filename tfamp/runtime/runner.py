@@ -602,6 +602,10 @@ class RewrittenFunction(polymorphic_function.Function):
                                  before_new_trace_runs=self._before_new_trace_runs,
                                  float32_when_saving=self._float32_when_saving)
 
+    # Called inside another function's trace (a user's tf.function around a
+    # tfamp.function), autograph would otherwise convert this call and, through it,
+    # the whole rewrite pass: 25-40 s on the first trace of a two-op function.
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
         # A first call traces, rewrites and (under XLA) compiles: said in one line
         # when it takes long (runtime/progress.py).
