@@ -263,7 +263,7 @@ def test_gradients_that_grow_after_adams_first_update_find_room(flavour, extra_b
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
     found = tfamp.calibrate_loss_scale(step, x[:16], y[:16], model=model)

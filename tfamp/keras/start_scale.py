@@ -25,7 +25,8 @@ float16's range (capped at 2**24,
 floored at the optimizer's ``min_scale``), halved up to twice more where that
 sends no more weight-gradient values below float16's smallest subnormal
 (``extra_room``: gradients can grow past two doublings after the first update);
-dynamic scaling takes over from there. The scale owner is then marked as calibrated only by the steps it takes:
+dynamic scaling takes over from there. The scale owner is then marked as
+calibrated only by the steps it takes:
 an owner that has taken a step (``iterations`` or ``skipped_steps`` above 0,
 which a checkpoint restores) is never recalibrated.
 
@@ -446,22 +447,31 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
     top, weight_max = float(agreed[:, 1].max()), float(agreed[:, 2].max())
     where = local.where if local.top >= top else "another replica or worker"
     scale = choose_scale(top, min_scale=min_scale, headroom_bits=headroom_bits)
-    # (every worker reaches this second agreement: the first raised on all or none)
-    # (no weight-gradient histogram: nothing says the room is free)
-    extra_bits = EXTRA_ROOM_BITS if extra_bits is None else extra_bits
-    # (a scale at the cap has that room already)
-    roomy = choose_scale(top, min_scale=min_scale, headroom_bits=headroom_bits + extra_bits)
-    extra_bits = min(extra_bits, round(math.log2(scale / roomy)))
-    rises = [local.underflow_share(scale / 2.0**j) - local.underflow_share(scale)
-             if local.weights is not None else math.inf for j in range(1, extra_bits + 1)]
-    if rises:
-        rises = replicas.agree_rows(strategy, np.asarray(rises, np.float64)).max(axis=0)
-    taken = extra_room(rises, scale=scale, min_scale=min_scale)
+    taken = _extra_room_agreed(local, top, scale, strategy=strategy, min_scale=min_scale,
+                               headroom_bits=headroom_bits,
+                               extra_bits=EXTRA_ROOM_BITS if extra_bits is None else extra_bits)
     scale /= 2.0**taken
     return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
                       underflow_share=local.underflow_share(scale),
                       seconds=time.perf_counter() - start, batch_size=_rows(args), how=how,
                       checked=local.checked, extra_room=taken)
+
+
+def _extra_room_agreed(local, top: float, scale: float, *, strategy, min_scale: float,
+                       headroom_bits: int, extra_bits: int) -> int:
+    """``extra_room`` for `scale`, the same on every worker: each worker's rises of
+    the lost share, the largest of all (a second agreement, which every worker
+    reaches: the first raised on all of them or none)."""
+    # A scale at the 2**24 cap may have that room already.
+    roomy = choose_scale(top, min_scale=min_scale, headroom_bits=headroom_bits + extra_bits)
+    extra_bits = min(extra_bits, round(math.log2(scale / roomy)))
+    if extra_bits <= 0:
+        return 0
+    # No weight-gradient histogram: nothing says the room is free.
+    rises = [local.underflow_share(scale / 2.0**j) - local.underflow_share(scale)
+             if local.weights is not None else math.inf for j in range(1, extra_bits + 1)]
+    rises = replicas.agree_rows(strategy, np.asarray(rises, np.float64)).max(axis=0)
+    return extra_room(list(rises), scale=scale, min_scale=min_scale)
 
 
 @dataclasses.dataclass(frozen=True)
