@@ -50,6 +50,25 @@ def test_a_rewritten_function_called_in_another_trace_is_not_autograph_converted
     assert not converted & {"tf____call__", "tf__spy"}, converted  # (spy: the pass)
 
 
+def test_the_users_function_is_still_autograph_converted_inside_another_trace():
+    w = tf.Variable(tf.ones((4, 4)))
+
+    def body(x):
+        y = tf.matmul(x, w)
+        if tf.reduce_sum(y) > 0:  # a tensor condition: needs autograph in a graph
+            y = y * 2.0
+        else:
+            y = y - 1.0
+        for _ in tf.range(3):
+            y = y + 1.0
+        return y
+
+    inner = RewrittenFunction(tf.function(body))
+    outer = tf.function(lambda x: inner(x) + 0.0)
+    assert outer(tf.ones((2, 4))).numpy()[0, 0] == 11.0  # 4 * 2 + 3
+    assert outer(-tf.ones((2, 4))).numpy()[0, 0] == -2.0  # -4 - 1 + 3
+
+
 def test_function_with_its_own_matmul_around_a_rewritten_one_is_rewritten():
     w = tf.Variable(tf.ones((4, 4)))
     inner = RewrittenFunction(tf.function(lambda x: tf.matmul(x, w)))
