@@ -254,3 +254,49 @@ def test_disable_restores_the_float32_step(flavour):
     found = matmul_types(step.get_concrete_function(*data()))
     assert HALF not in [t for types in found.values() for t in types], found
     assert "call" not in model.__dict__
+
+
+def _gan_generator_update(flavour, tiny, enable):
+    """4 steps of a GAN custom loop (tensorflow/docs' dcgan shape: one tape per model,
+    the generator's loss computed by the discriminator); the generator's update."""
+    k = tf_keras if flavour == "tf_keras" else keras3
+    k.utils.set_random_seed(0)
+    gen = k.Sequential([k.Input((8,)), k.layers.Dense(16, activation="relu"), k.layers.Dense(4)])
+    disc = k.Sequential([k.Input((4,)), k.layers.Dense(16, activation="relu"), k.layers.Dense(1)])
+    if enable:
+        tfamp.enable(gen, verbose=False)
+        tfamp.enable(disc, verbose=False)
+    gen_opt, disc_opt = k.optimizers.SGD(0.1 / tiny), k.optimizers.SGD(0.1 / tiny)
+    bce = k.losses.BinaryCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(noise, real):
+        with tf.GradientTape() as gen_tape, tf.GradientTape() as disc_tape:
+            real_out = disc(real, training=True)
+            fake_out = disc(gen(noise, training=True), training=True)
+            gen_loss = bce(tf.ones_like(fake_out), fake_out) * tiny
+            disc_loss = (bce(tf.ones_like(real_out), real_out)
+                         + bce(tf.zeros_like(fake_out), fake_out)) * tiny
+        gen_grads = gen_tape.gradient(gen_loss, gen.trainable_variables)
+        disc_grads = disc_tape.gradient(disc_loss, disc.trainable_variables)
+        gen_opt.apply_gradients(zip(gen_grads, gen.trainable_variables, strict=True))
+        disc_opt.apply_gradients(zip(disc_grads, disc.trainable_variables, strict=True))
+
+    rng = np.random.RandomState(0)
+    before = np.concatenate([v.numpy().ravel() for v in gen.trainable_variables])
+    for _ in range(4):
+        step(rng.randn(16, 8).astype("float32"), rng.randn(16, 4).astype("float32"))
+    return np.concatenate([v.numpy().ravel() for v in gen.trainable_variables]) - before
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_gans_generator_loss_through_the_discriminator_is_scaled(flavour):
+    # The generator's loss reaches it only through the discriminator's rewritten
+    # call: the tape took the nearest model (the discriminator, whose variables it
+    # does not differentiate) and left the generator's gradient unscaled. With the
+    # loss x1e-6 its float16 backward flushed to zero: the generator did not move.
+    reference = _gan_generator_update(flavour, 1e-6, enable=False)
+    update = _gan_generator_update(flavour, 1e-6, enable=True)
+    cosine = update @ reference / (np.linalg.norm(update) * np.linalg.norm(reference) + 1e-30)
+    assert cosine > 0.99, cosine
+    assert 0.9 < np.linalg.norm(update) / np.linalg.norm(reference) < 1.1

@@ -225,9 +225,11 @@ def record_call(outputs, loop) -> None:
             table[name] = loop
 
 
-def loops_reached(target) -> list:
+def loops_reached(target, *, through: bool = False) -> list:
     """The loops (enabled models) whose rewritten call `target` (a tensor or a list
-    of them) depends on, in its graph."""
+    of them) depends on, in its graph: the nearest ones (a call's inputs are not
+    walked), or with `through` every one upstream too (a GAN's generator behind the
+    discriminator its loss is computed by)."""
     targets = tf.nest.flatten(target)
     graph = getattr(targets[0], "graph", None) if targets else None
     with _calls_lock:
@@ -244,7 +246,8 @@ def loops_reached(target) -> list:
         seen.add(op.name)
         if op.name in table:
             found[id(table[op.name])] = table[op.name]
-            continue
+            if not through:
+                continue
         pending.extend(t.op for t in op.inputs)
     return list(found.values())
 

@@ -60,14 +60,20 @@ def _custom_loop_owner(target, sources):
     depends on and whose variables are among the sources."""
     source_ids = variable_ids(sources)
     owners, loops = {}, []
-    for loop in step_scope.loops_reached(target):
-        model = loop.model_ref()
-        if model is None or not (variable_ids(model.trainable_variables) & source_ids):
-            continue
-        owner = loop.scale_owner()
-        if owner is not None:
-            owners[id(owner)] = owner
-            loops.append(loop)
+    # The nearest models first; where none of theirs is differentiated, the models
+    # behind them (a GAN's generator loss, computed by the discriminator: its
+    # gradient went unscaled, and with a small loss the generator did not train).
+    for through in (False, True):
+        for loop in step_scope.loops_reached(target, through=through):
+            model = loop.model_ref()
+            if model is None or not (variable_ids(model.trainable_variables) & source_ids):
+                continue
+            owner = loop.scale_owner()
+            if owner is not None:
+                owners[id(owner)] = owner
+                loops.append(loop)
+        if owners:
+            break
     if len(owners) > 1:
         warn_once("owners", "tfamp: one loss depends on enabled models with different "
                   "loss-scale optimizers and is differentiated for both; tfamp cannot "
