@@ -82,3 +82,14 @@ def verify_written_record(monkeypatch):
     from tfamp.rewrite import pipeline
 
     monkeypatch.setattr(pipeline, "insert_casts", checked_insert_casts(pipeline.insert_casts))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Marks slow the tests the default suite's time budget leaves to ``-m slow``
+    (tests/default_budget.py), before ``-m 'not slow'`` deselects."""
+    from tests.default_budget import SLOW_IN_DEFAULT
+
+    for item in items:
+        if f"{item.path.name}::{item.name}" in SLOW_IN_DEFAULT:
+            item.add_marker(pytest.mark.slow)

@@ -8,8 +8,9 @@ issue 17 apart: tf_keras ``enable`` + an overridden ``train_step`` left the tape
 unscaled (tiny loss: cosine 0.22 on the GAN, 0.69 on the VAE); TFAMP_ENABLE's
 tapes used a scale the optimizer never updated, so the sum-reduced loss skipped
 every step (normal size); Keras 3 crashed on a GAN compiled without an
-optimizer. Default suite: float16, both loss sizes, both Kerases, both modes;
-bfloat16 is marked slow.
+optimizer. Default suite: float16, enable on tf_keras with the tiny loss and
+TFAMP_ENABLE on Keras 3 at the normal size (tests/default_budget.py); the other float16
+runs and bfloat16 are marked slow.
 """
 
 from __future__ import annotations

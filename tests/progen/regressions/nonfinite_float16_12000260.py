@@ -26,6 +26,7 @@ import tf_keras as K
 
 SEED = 12000260
 DTYPES = ("float16",)  # where it failed (tests/test_generated.py reads this)
+HARNESS_CASE = True  # guards the judge: tests/test_generated.py runs it with the slow tests
 D = 32
 BATCH = 4
 ID_LENGTH = 8

@@ -25,6 +25,7 @@ import tf_keras as K
 
 SEED = 4000217
 DTYPES = ("bfloat16",)  # where it failed (tests/test_generated.py reads this)
+HARNESS_CASE = True  # guards the judge: tests/test_generated.py runs it with the slow tests
 D = 32
 BATCH = 4
 ID_LENGTH = 8

@@ -23,6 +23,7 @@ from tensorflow.python.ops import list_ops
 import tf_keras as K
 
 SEED = 12000569
+DTYPES = ("float16",)  # it failed in bfloat16 too, by the same missing XLA kernel: one dtype guards it
 D = 32
 BATCH = 4
 ID_LENGTH = 8
