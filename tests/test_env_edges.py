@@ -289,3 +289,42 @@ def test_tfamps_own_commands_give_no_exit_notice_under_tfamp_enable(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "MatMul" in result.stdout
     assert "TFAMP_ENABLE is on but" not in result.stderr, result.stderr[-2000:]
+
+
+TENSORBOARD_GRAPH = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+keras.utils.set_random_seed(0)
+x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                          keras.layers.Dense(1)])
+model.compile("adam", "mse")
+logs = sys.argv[1]
+history = model.fit(x, x[:, :1], epochs=1, batch_size=16, verbose=1,
+                    callbacks=[keras.callbacks.TensorBoard(log_dir=logs)])  # write_graph: per batch with a progress logger
+ops = set()
+for path in tf.io.gfile.glob(logs + "/train/events.out.tfevents.*"):
+    for event in tf.compat.v1.train.summary_iterator(path):
+        if event.graph_def:
+            graph = tf.compat.v1.GraphDef.FromString(event.graph_def)
+            ops |= {node.op for node in graph.node}
+            ops |= {node.op for f in graph.library.function for node in f.node_def}
+print(json.dumps({"loss": history.history["loss"], "ops": sorted(ops)}))
+"""
+
+
+def test_tf_keras_tensorboard_writes_the_train_graph(tmp_path):
+    """tf_keras's TensorBoard callback (write_graph, its default) reads the train
+    function's first trace (``_concrete_variable_creation_fn``) after the first batch:
+    under TFAMP_ENABLE that raised AttributeError and stopped fit (keras.io and
+    tensorflow/docs scripts that log to TensorBoard). It gets the step as traced, in
+    float32; ``tfamp inspect`` shows the rewrite."""
+    script = tmp_path / "board.py"  # not tensorboard.py: the import would find it
+    script.write_text(TENSORBOARD_GRAPH)
+    result = run([str(script), str(tmp_path / "logs")], tmp_path, TFAMP_ENABLE="1")
+    out = last_json(result)
+    assert "ops -> float16 (MatMul" in result.stderr
+    assert np.isfinite(out["loss"]).all()
+    assert "MatMul" in out["ops"], out["ops"]

@@ -384,14 +384,16 @@ def _called_names(node, library) -> list[str]:
     return [n for n in names if n in library]
 
 
-# The fields Function.__init__ sets (RewrittenFunction never runs it): read from
-# the wrapped tf.function.
+# The fields Function.__init__ sets (RewrittenFunction never runs it), and the first
+# trace's, which tf_keras's TensorBoard callback reads to write the train graph (the
+# step as traced, float32): read from the wrapped tf.function.
 _FUNCTION_FIELDS = frozenset({
     "_lock", "_python_function", "_function_type", "_default_values", "_function_cache",
     "_function_captures", "_attributes", "_is_pure", "_shared_rendezvous", "_autograph",
     "_experimental_autograph_options", "_reduce_retracing", "_jit_compile",
     "_created_variables", "_variable_creation_config", "_no_variable_creation_config",
     "_descriptor_cache", "_name", "_key_for_call_stats", "_omit_frequent_tracing_warning",
+    "_concrete_variable_creation_fn",
 })
 
 
