@@ -136,6 +136,36 @@ def test_a_scale_that_has_taken_steps_is_kept(flavour):
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_model_loaded_from_a_keras_file_without_its_scale_is_probed(flavour, tmp_path):
+    """The optimizer's iterations come back from a ``.keras`` file without tfamp's scale
+    (tf_keras saves the inner optimizer; ``tfamp.enable`` on a loaded model wraps it in a
+    new state): the resumed fit is probed and says where it starts. It kept a fresh
+    2^15 silently, taking the restored iterations for a restored scale (keras.io's
+    distributed-training guide, session 32: a tiny loss's 2^24 became 2^15)."""
+    keras = patterns.keras_module(flavour)
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    y = x[:, :1]
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    tfamp.enable(model, verbose=False)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    first = model._tfamp_state.start_scale
+    assert first and first.scale != 2.0**15  # (2^12 here)
+    model.save(tmp_path / "resumed.keras")
+
+    loaded = keras.models.load_model(tmp_path / "resumed.keras")
+    tfamp.enable(loaded, verbose=False)
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    owner = loaded._tfamp_state.scale_owner()
+    assert int(owner.iterations.numpy()) == 8  # restored, and 4 more steps
+    again = loaded._tfamp_state.start_scale
+    assert again, "the resumed fit was not probed"
+    assert float(scale_state.current_scale(owner).numpy()) == again.scale == first.scale
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_custom_loop_calibration(flavour):
     import tensorflow as tf
 

@@ -66,7 +66,7 @@ from tfamp.keras.scale_state import (
     DEFAULT_MIN_SCALE,
     RECORD_LENGTH,
     STUCK_PATIENCE,
-    has_stepped_counters,
+    scale_has_run,
     validate_settings,
     warn_stuck,
 )
@@ -226,8 +226,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.dynamic_scale.assign(value)
 
     def has_stepped(self) -> bool:
-        # Keras 3 does not count a skipped step in iterations.
-        return self.built and has_stepped_counters(self.iterations, self.skipped_steps)
+        return self.built and scale_has_run(self.dynamic_scale, float(self.initial_scale),
+                                            self.step_counter, self.skipped_steps)
 
     def ensure_built(self, variables) -> None:
         """Builds it (outside any trace) if it is not: its scale is a variable only then."""

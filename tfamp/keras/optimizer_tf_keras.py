@@ -20,7 +20,7 @@ from tfamp.keras.scale_state import (
     DEFAULT_MIN_SCALE,
     STUCK_PATIENCE,
     ScaleState,
-    has_stepped_counters,
+    scale_has_run,
     validate_settings,
     warn_stuck,
 )
@@ -155,8 +155,9 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         self._loss_scale.current_loss_scale.assign(value)
 
     def has_stepped(self) -> bool:
-        # tf_keras counts a skipped step in iterations too.
-        return has_stepped_counters(self.iterations, self.skipped_steps)
+        state = self._loss_scale
+        return scale_has_run(state.current_loss_scale, state.initial_loss_scale,
+                             state.counter, state.skipped_steps)
 
     def ensure_built(self, variables) -> None:  # the scale state exists from the start
         del variables

@@ -159,9 +159,27 @@ def step_log_values(owner) -> tuple[tf.Tensor, tf.Tensor]:
     return tf.cast(scale, tf.float64), skipped
 
 
+def scale_has_run(scale, initial: float, *counters) -> bool:
+    """Has this scale state been run: a step counter of its own (good or skipped
+    steps) above 0, or a scale moved from its `initial` value? A restored run keeps
+    its scale; a state that has not run is probed.
+
+    The optimizer's ``iterations`` are no evidence: a file can restore them without
+    the scale (tf_keras's ``.keras`` format saves the inner optimizer only, and
+    ``tfamp.enable`` on a model loaded from any file wraps its optimizer in a new
+    state), which left a resumed run at a fresh 2^15 and no line saying so. A state
+    restored right after its scale came back to exactly `initial` is probed again:
+    a measured scale, not a lost one.
+    """
+    try:
+        moved = float(np.asarray(scale.numpy() if hasattr(scale, "numpy") else scale)) != initial
+    except (TypeError, ValueError):
+        moved = False
+    return moved or has_stepped_counters(*counters)
+
+
 def has_stepped_counters(*counters) -> bool:
-    """True if any of the (checkpointed) step counters is above 0: a restored run
-    keeps its scale."""
+    """True if any of the (checkpointed) step counters is above 0."""
     for value in counters:
         if value is None:
             continue
