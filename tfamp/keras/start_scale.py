@@ -27,8 +27,9 @@ sends no more weight-gradient values below float16's smallest subnormal
 (``extra_room``: gradients can grow past two doublings after the first update);
 dynamic scaling takes over from there. The scale owner is then marked as
 calibrated only by the steps it takes:
-an owner that has taken a step (``iterations`` or ``skipped_steps`` above 0,
-which a checkpoint restores) is never recalibrated.
+an owner whose scale state has run (good or skipped steps above 0, or a scale
+moved from its initial value, which a checkpoint restores) is never recalibrated
+(``scale_state.scale_has_run``; the optimizer's ``iterations`` alone do not count).
 
 **At scale** (a tf.distribute strategy): the probe runs the way the step runs,
 once per replica in a replica context (``replicas.run_per_replica``: Keras's
