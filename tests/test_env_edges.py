@@ -302,8 +302,9 @@ model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="r
                           keras.layers.Dense(1)])
 model.compile("adam", "mse")
 logs = sys.argv[1]
+# write_graph (its default) runs in a batch hook: with a progress bar (verbose=1)
 history = model.fit(x, x[:, :1], epochs=1, batch_size=16, verbose=1,
-                    callbacks=[keras.callbacks.TensorBoard(log_dir=logs)])  # write_graph: per batch with a progress logger
+                    callbacks=[keras.callbacks.TensorBoard(log_dir=logs)])
 ops = set()
 for path in tf.io.gfile.glob(logs + "/train/events.out.tfevents.*"):
     for event in tf.compat.v1.train.summary_iterator(path):

@@ -15,7 +15,7 @@ from tensorflow.core.framework import types_pb2
 from tests.progen import grammar, invariants, longrun, shrink, source
 
 # The fixed-seed slice: programs 0..SLICE-1 of run 0; the default suite runs those under
-# 12 s (tests/default_budget.py), the slow tests all.
+# 9 s (tests/default_budget.py), the slow tests all.
 SLICE = 16
 LONG_COUNT = 1000
 LONG_SEED = 2
