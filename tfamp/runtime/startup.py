@@ -442,9 +442,10 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
     active.start_scale_sought = True
     state = _scale_state(active)
     # Kept: a scale set by calibrate_loss_scale, grown, or restored, and one that
-    # has skipped a step. (Eager steps before, in float32, count good steps only.)
-    if (float(state.current_loss_scale.numpy()) != scale_state.DEFAULT_INITIAL_SCALE
-            or scale_state.has_stepped_counters(state.skipped_steps)):
+    # has skipped a step. (Eager steps before, in float32, count good steps only:
+    # not asked.)
+    if scale_state.scale_has_run(state.current_loss_scale, scale_state.DEFAULT_INITIAL_SCALE,
+                                 state.skipped_steps):
         return
     name = getattr(tf_function, "__name__", "step")
     try:  # the loop must run whatever the probe meets
