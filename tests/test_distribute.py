@@ -249,12 +249,19 @@ def run_overflow():
     def step(xs, label):
         before_w = replica_weights(model)
         before = replica_state(model)
+        # float32 losses at the weights before the step: the whole batch, and each
+        # replica's half of it (which the logs hold when the other half overflowed)
+        half = len(xs) // 2
+        np_losses = {"batch": np_loss(model, xs, yb),
+                     "halves": [np_loss(model, xs[:half], yb[:half]),
+                                np_loss(model, xs[half:], yb[half:])]}
         logs = model.train_on_batch(xs, yb, return_dict=True)
         loss = float(logs["loss"])
         after_w = replica_weights(model)
         after = replica_state(model)
         steps.append({
             "label": label, "loss": loss, "before": before, "after": after,
+            "np_losses": np_losses,
             "logs": {k: float(v) for k, v in logs.items()},
             "unchanged": [all(np.array_equal(a, b) for a, b in zip(bw, aw))
                           for bw, aw in zip(before_w, after_w)],
@@ -519,7 +526,9 @@ def test_mirrored_overflow_is_skipped_once_on_every_replica(cross_device):
 
     scale, skipped = 2.0 ** 10, 0
     for bad in (bad_last, bad_first):  # one sample, so one replica, each time
-        assert not np.isfinite(bad["loss"]), bad["loss"]
+        # the rescued step's logs leave out the replica whose metrics it poisoned
+        # (test_mirrored_logs_report_the_loss_scale_once_not_per_replica)
+        assert np.isfinite(bad["loss"]), bad["loss"]
         skipped += 1
         scale /= 2
         # +1 in total and the same on each replica, not once per replica
@@ -574,6 +583,21 @@ def test_mirrored_logs_report_the_loss_scale_once_not_per_replica():
     for s in steps:
         assert s["logs"]["loss_scale"] == s["after"]["scale"][0]
         assert s["logs"]["skipped_steps"] == s["after"]["skipped"][0]
+    # The loss, a metric's result, once too: tf_keras sums the replicas' logs, and
+    # tfamp's choice of a metric's value after a step must not be made per replica
+    # (it was: every batch log, and train_on_batch's, read twice the loss).
+    good, bad_last, bad_first, good_after = steps
+    print("train_on_batch loss logs vs float32 at the weights before: " + "; ".join(
+        f"{s['label']}: {s['logs']['loss']:.5g} / batch {s['np_losses']['batch']:.5g}, "
+        f"halves {s['np_losses']['halves'][0]:.5g} {s['np_losses']['halves'][1]:.5g}"
+        for s in steps))
+    for s in (good, good_after):
+        assert s["logs"]["loss"] == pytest.approx(s["np_losses"]["batch"], rel=2e-2)
+    # An overflow on one replica: its part is left out, the other replica's stays.
+    assert bad_last["logs"]["loss"] == pytest.approx(bad_last["np_losses"]["halves"][0],
+                                                     rel=2e-2)
+    assert bad_first["logs"]["loss"] == pytest.approx(bad_first["np_losses"]["halves"][1],
+                                                      rel=2e-2)
 
 
 # --------------------------------------------------------------------------- MultiWorker

@@ -655,7 +655,8 @@ class ModelPrecision:
         skipped = getattr(owner, "skipped_steps", None) if owner is not None else None
         if skipped is None:
             return None
-        return step_metrics.StepGuard(self.model, skipped, self.nonfinite_skips)
+        return step_metrics.StepGuard(self.model, skipped, self.nonfinite_skips,
+                                      replica_logs_summed=self.flavour.sums_replica_logs)
 
     # -- after each train call -------------------------------------------------------------
 

@@ -25,7 +25,11 @@ just rescued. The rule (both Kerases, ``tfamp.enable`` and ``TFAMP_ENABLE``):
 In the graph: the metric variables are read before the step and, if the
 scale owner's skipped-step counter moved during it, assigned back (a select,
 no conditional); per replica, in the replica context (Keras's metric
-variables are sync-on-read: each replica keeps its own part).
+variables are sync-on-read: each replica keeps its own part). A log that is a
+metric's result is one value for every replica, and tf_keras sums the
+replicas' logs: it is chosen once for all of them (``_choose_once``), or every
+batch log would read the loss times the replicas, and a step rescued on one
+replica inf.
 """
 
 from __future__ import annotations
@@ -70,10 +74,15 @@ class StepGuard:
       skipped_steps: the scale owner's skipped-step counter (a variable), read
         now and after the step.
       nonfinite_skips: ``counter_variable`` of the model, or None.
+      replica_logs_summed: Keras sums the replicas' logs (tf_keras): a log that
+        is one value for every replica (a metric's result) is chosen once for
+        all of them, not once per replica, which the sum would multiply.
     """
 
-    def __init__(self, model, skipped_steps, nonfinite_skips=None):
+    def __init__(self, model, skipped_steps, nonfinite_skips=None, *,
+                 replica_logs_summed: bool = False):
         self._model = model
+        self._replica_logs_summed = replica_logs_summed
         self._skipped_steps = skipped_steps
         self._nonfinite_skips = nonfinite_skips
         self._metrics = _metrics_of_this_trace(model)
@@ -113,15 +122,24 @@ class StepGuard:
             items = result.items() if isinstance(result, dict) else [(metric.name, result)]
             for key, value in items:
                 fresh[key] = (put_back[id(metric)], value)
+        chosen = {}
+        for key, value in logs.items():
+            if key not in fresh or not _is_float_tensor(value):
+                continue
+            use_fresh, now = fresh[key]
+            now = tf.convert_to_tensor(now)
+            if now.shape == value.shape:
+                chosen[key] = (use_fresh, now, value)
+        once = {}
+        if (self._replica_logs_summed and tf.distribute.has_strategy()
+                and not tf.distribute.in_cross_replica_context()):
+            once = tf.distribute.get_replica_context().merge_call(
+                _choose_once, args=(chosen,))
         logs = dict(logs)
         with loss_scale_ops():
-            for key, value in list(logs.items()):
-                if key not in fresh or not _is_float_tensor(value):
-                    continue
-                use_fresh, now = fresh[key]
-                now = tf.convert_to_tensor(now)
-                if now.shape == value.shape:
-                    logs[key] = tf.where(use_fresh, tf.cast(now, value.dtype), value)
+            for key, (use_fresh, now, value) in chosen.items():
+                logs[key] = (once[key] if once.get(key) is not None
+                             else tf.where(use_fresh, tf.cast(now, value.dtype), value))
         return logs
 
     def _per_metric(self):
@@ -130,6 +148,23 @@ class StepGuard:
             count = len(metric.variables)
             yield metric, self._before[at:at + count]
             at += count
+
+
+def _choose_once(strategy, chosen):
+    """(merge_call) Each log that is one value for every replica, chosen once:
+    the fresh result where any replica put its metric back. None for a log that
+    differs per replica (a raw loss tensor): each replica chooses its own."""
+    once = {}
+    with loss_scale_ops():
+        for key, (use_fresh, now, value) in chosen.items():
+            if isinstance(value, tf.distribute.DistributedValues):
+                once[key] = None
+                continue
+            flags = strategy.experimental_local_results(use_fresh)
+            any_fresh = tf.reduce_any(tf.stack([tf.convert_to_tensor(f) for f in flags]))
+            now = strategy.experimental_local_results(now)[0]
+            once[key] = tf.where(any_fresh, tf.cast(now, value.dtype), value)
+    return once
 
 
 _trace_metrics: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
