@@ -552,18 +552,72 @@ def test_first_train_call_hands_back_what_it_read():
     np.testing.assert_array_equal(precision._pending_probe[0].numpy(), x[:16])
     np.testing.assert_array_equal(next(replay)[0].numpy(), x[:16])
 
-    # An iterator it cannot hand batches back through (a strategy's; here a Python
-    # one): nothing is read, a warning says so, and the scale stays where it was.
+    # A Python iterator (Keras 3's train_on_batch): its first element is read and
+    # handed back ahead of the rest.
+    batches = iter([(x[:16], x[:16, :1]), (x[16:32], x[16:32, :1])])
+    elements, replay = start_scale.read_ahead(batches, 1)
+    assert len(elements) == 1
+    np.testing.assert_array_equal(next(replay)[0], x[:16])
+    np.testing.assert_array_equal(next(replay)[0], x[16:32])
+
+    # An iterator it cannot hand batches back through (a strategy's): nothing is
+    # read, a warning says so, and the scale stays where it was.
     model = _bn_model(keras)
     tfamp.enable(model, verbose=False)
     precision = model._tfamp_state
-    batches = iter([(x[:16], x[:16, :1])])
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    batches = iter(strategy.experimental_distribute_dataset(data))
     precision.probe_first_step = True
-    with pytest.warns(UserWarning, match=r"no start scale from the gradients: fit reads its "
-                                         r"data through a list_iterator.*starts at 32768"):
+    with pytest.warns(UserWarning, match=r"no start scale from the gradients: training reads "
+                                         r"its data through a DistributedIterator.*starts at "
+                                         r"32768"):
         assert precision.before_first_train_call(batches) is batches
     assert precision.start_scale is False
-    assert next(batches)[0].shape == (16, 8)
+    np.testing.assert_array_equal(next(batches)[0].numpy(), x[:16])  # nothing was taken
+
+
+def _mse_model(keras):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_train_on_batch_and_the_class_fit_are_probed(flavour):
+    """Two ways to train that bypass the ``fit`` tfamp installs on the model:
+    ``train_on_batch``, and the class's fit called on the model
+    (``keras.Model.fit(model, ...)``). Each probes the batch of its first train call,
+    handed back to that call; both started at 2^15 unmeasured before (session 33)."""
+    keras = patterns.keras_module(flavour)
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    y = x[:, :1]
+
+    def on_batches(model):
+        return [model.train_on_batch(x[i:i + 16], y[i:i + 16], return_dict=True)
+                for i in (0, 16)]
+
+    def run(train, **kwargs):
+        model = _mse_model(keras)
+        tfamp.enable(model, verbose=False, **kwargs)
+        logs = train(model)
+        return model, logs, np.concatenate([w.ravel() for w in model.get_weights()])
+
+    model, logs, weights = run(on_batches)
+    found = model._tfamp_state.start_scale
+    assert found, "train_on_batch was not probed"
+    assert found.scale != 2.0**15 and [log["loss_scale"] for log in logs] == [found.scale] * 2
+    assert all(log["skipped_steps"] == 0 for log in logs)
+    # The probe took nothing from the steps: the same as that scale given as a number.
+    _, fixed_logs, fixed_weights = run(on_batches, initial_scale=found.scale)
+    assert [log["loss"] for log in logs] == [log["loss"] for log in fixed_logs]
+    np.testing.assert_array_equal(weights, fixed_weights)
+
+    model, history, _ = run(lambda m: keras.Model.fit(m, x, y, batch_size=16, epochs=1,
+                                                       verbose=0).history)
+    assert model._tfamp_state.start_scale, "the class's fit was not probed"
+    assert history["loss_scale"] == [model._tfamp_state.start_scale.scale]
 
 
 def _random_flip_fit(keras, **enable_kwargs):

@@ -129,6 +129,7 @@ class ModelPrecision:
         self._pending_probe = None  # fit's first batch, for the probe in the step's trace
         self.probe_first_step = False  # the probe waits for fit's first train call
         self._fit_data = None  # (args, kwargs) of that fit, while the probe waits
+        self._in_fit = False  # inside the model's fit hook (its probe is set up there)
         self._recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.loop = ModelLoop(model, self.cls.call, lambda: self.config, settings.check,
                               self.built_scale_owner)
@@ -191,12 +192,13 @@ class ModelPrecision:
             return result
 
         def fit(*args, **kwargs):
-            args, kwargs = self.before_fit(args, kwargs)
+            self._in_fit = True
             try:
+                args, kwargs = self.before_fit(args, kwargs)
                 return cls.fit(model, *args, **kwargs)
             finally:  # a probe waits for this fit's first step only
                 self.probe_first_step, self._pending_probe = False, None
-                self._fit_data = None
+                self._fit_data, self._in_fit = None, False
 
         def maker(attr):
             def make(force=False):
@@ -333,6 +335,11 @@ class ModelPrecision:
             made.set_after_call(self.after_train_call)
             for function in getattr(made, "rewritten", [made]):
                 function.set_on_trace(self._on_train_trace)
+        if (attr == "train_function" and made is not None and not self._in_fit
+                and not self.probe_first_step and self._owner_to_calibrate() is not None):
+            # Not fit's hook: train_on_batch, or the class's fit called past the
+            # hook (``keras.Model.fit(model, ...)``). The first call's batch is probed.
+            self.probe_first_step = True
         if attr == "train_function" and made is not None and self.probe_first_step:
             made = FirstTrainCall(self, made)
             object.__setattr__(self.model, attr, made)
@@ -441,7 +448,7 @@ class ModelPrecision:
         owner = self._owner_to_calibrate()
         if owner is None:
             return iterator
-        if not isinstance(iterator, tf.data.Iterator):
+        if not start_scale.can_read_ahead(iterator):
             if fit_data is not None:
                 # A strategy of one replica (MirroredStrategy on one GPU): fit's
                 # iterator is a distributed one, which cannot hand a batch back,
@@ -457,12 +464,13 @@ class ModelPrecision:
             self.start_scale = False
             start = self._scale_or_none(owner)
             warn(f"tfamp: model {self.model.name!r}: no start scale from the gradients: "
-                 f"fit reads its data through a {type(iterator).__name__}, whose batches "
+                 f"training reads its data through a {type(iterator).__name__}, whose batches "
                  f"tfamp cannot hand back to the step after reading one, so dynamic "
                  f"scaling starts at "
                  f"{'its initial scale' if start is None else format(start, 'g')} and may "
                  f"skip its first steps. Fix: pass initial_scale=<number> to tfamp.enable "
-                 f"(TFAMP_INITIAL_SCALE), or give fit arrays or a tf.data.Dataset.")
+                 f"(TFAMP_INITIAL_SCALE), or give the model's own fit arrays or a "
+                 f"tf.data.Dataset.")
             return iterator
         try:
             elements, replay = start_scale.read_ahead(

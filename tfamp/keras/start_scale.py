@@ -46,8 +46,10 @@ run, with the batch it was called with (``tfamp.runtime.startup``).
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import re
@@ -885,7 +887,8 @@ def _batch_sources(concrete, graph_def, batch, strategy) -> list[tuple[str, np.n
     rows of `batch`. (tf_keras under a strategy reads its batch inside a
     conditional: not cut here, the probe traces the step instead.)"""
     graph = concrete.graph
-    flat = [np.asarray(value) for value in tf.nest.flatten(batch)]
+    # (a None, train_on_batch's missing sample weights, is no tensor of the step)
+    flat = [np.asarray(value) for value in tf.nest.flatten(batch) if value is not None]
     local = len(strategy.extended.worker_devices) if replicas.is_distributed(strategy) else 1
     # The step's own arguments come first among its inputs (captures follow).
     count = len(tf.nest.flatten(concrete.structured_input_signature, expand_composites=True))
@@ -987,21 +990,37 @@ def first_batch(flavour, args, kwargs, *, dataset: bool = True):
     return None
 
 
+def can_read_ahead(iterator) -> bool:
+    """Can `read_ahead` take batches from `iterator` and hand them back? A
+    ``tf.data.Iterator`` (fit's own, tf_keras's ``train_on_batch``) or a plain
+    Python iterator (Keras 3's ``train_on_batch``); not a distributed one."""
+    if isinstance(iterator, tf.data.Iterator):
+        return True
+    return (isinstance(iterator, collections.abc.Iterator)
+            and not isinstance(iterator, tf.distribute.DistributedIterator))
+
+
 def read_ahead(iterator, steps: int):
-    """The elements one train call would take from fit's `iterator`, and a
+    """The elements one train call would take from `iterator`, and a
     one-shot iterator of them for that call.
 
-    The one-shot iterator has `iterator`'s element spec (e.g. a batch dimension
-    of None), so the train function is not traced again for it; `iterator` is
-    left just past the elements, so fit trains on exactly the batches, in the
-    order, it would have. Returns ([], `iterator`) when it has none left.
+    For a ``tf.data.Iterator`` the one-shot iterator has `iterator`'s element
+    spec (e.g. a batch dimension of None), so the train function is not traced
+    again for it; `iterator` is left just past the elements, so fit trains on
+    exactly the batches, in the order, it would have. A Python iterator is
+    handed back as the elements followed by the rest of it. Returns
+    ([], `iterator`) when it has none left.
 
     Args:
-      iterator: a ``tf.data.Iterator`` (fit's own).
+      iterator: one that ``can_read_ahead``.
       steps: elements one call takes (Keras's ``steps_per_execution``).
     """
+    steps = max(1, int(steps))
+    if not isinstance(iterator, tf.data.Iterator):
+        elements = list(itertools.islice(iterator, steps))
+        return elements, itertools.chain(elements, iterator) if elements else iterator
     elements = []
-    for _ in range(max(1, int(steps))):
+    for _ in range(steps):
         optional = iterator.get_next_as_optional()
         if not optional.has_value():
             break
