@@ -319,3 +319,19 @@ def test_a_step_that_calls_only_the_models_parts_says_so_once(keras_name):
     assert "'encoder'" in said[0] and "TFAMP_ENABLE=1" in said[0], said[0]
     tfamp.disable(model)
     assert "call" not in model.encoder.__dict__ and "call" not in model.decoder.__dict__
+
+
+def test_train_on_batch_returns_what_float32_returns():
+    """``train_on_batch`` (return_dict=False) gives float32's number or list, without
+    tfamp's log keys (a script's ``"%f" % loss`` failed on a list, session 33); a dict
+    keeps them."""
+    x, y = data()
+    want = small_model().train_on_batch(x, y)
+    model = small_model()
+    tfamp.enable(model, verbose=False)
+    loss = model.train_on_batch(x, y)
+    assert isinstance(loss, float) and loss == pytest.approx(want, rel=1e-2)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert set(logs) == {"loss", "loss_scale", "skipped_steps"}
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    assert len(model.train_on_batch(x, y)) == 2  # loss, mae

@@ -277,3 +277,55 @@ def test_bfloat16_moving_statistics_keep_moving_like_float32():
     got = _moving_mean_after_fit(enable=True)
     assert want.min() > 2.6  # (the channels' means moved most of the way to ~2.9)
     np.testing.assert_allclose(got, want, rtol=5e-3)
+
+
+def _keras2_style_gan(amp: bool):
+    """eriklindernoren/Keras-GAN's dcgan, in small: the discriminator compiled (and, as
+    ``TFAMP_ENABLE`` does at compile, enabled) while trainable, then frozen, and the
+    combined model compiled with the same optimizer; trained with train_on_batch."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    shared = keras.optimizers.Adam(1e-2, 0.5)
+    discriminator = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(1, activation="sigmoid")])
+    discriminator.compile(optimizer=shared, loss="binary_crossentropy", metrics=["accuracy"])
+    if amp:
+        tfamp.enable(discriminator, verbose=False)
+    generator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)])
+    discriminator.trainable = False
+    z = keras.Input((2,))
+    combined = keras.Model(z, discriminator(generator(z)))
+    combined.compile(optimizer=shared, loss="binary_crossentropy")
+    if amp:
+        tfamp.enable(combined, verbose=False)
+    before = [w.copy() for w in generator.get_weights() + discriminator.get_weights()]
+    images, noise = rng.normal(size=(16, 4)), rng.normal(size=(16, 2))
+    ones = np.ones((16, 1))
+    logs = {"d": discriminator.train_on_batch(images, ones),
+            "g": [combined.train_on_batch(noise, ones) for _ in range(3)]}
+    after = generator.get_weights() + discriminator.get_weights()
+    return logs, [a - b for a, b in zip(after, before, strict=True)], combined
+
+
+def test_models_sharing_one_optimizer_train_as_in_float32():
+    """Keras 3 builds an optimizer at its first apply (here the combined model's, with the
+    generator's variables). tfamp built it at compile with the discriminator's, and the
+    combined model's first step failed: "Unknown variable" (session 33). And
+    train_on_batch returned tfamp's log keys too, so the script's ``"%f" % g_loss``
+    failed on a list."""
+    want_logs, want, _ = _keras2_style_gan(amp=False)
+    logs, got, combined = _keras2_style_gan(amp=True)
+    assert isinstance(combined.optimizer, LossScaleOptimizer)
+    # The values float32 returns, as float32 returns them: a number for a loss alone.
+    assert all(isinstance(loss, float) for loss in logs["g"])
+    assert len(logs["d"]) == len(want_logs["d"]) == 2
+    np.testing.assert_allclose(logs["g"], want_logs["g"], rtol=2e-2)
+    # Keras 3 trains only the generator (the frozen discriminator does not train, in
+    # float32 either); its update matches float32's.
+    for delta in want[2:] + got[2:]:
+        assert not delta.any()
+    want_flat = np.concatenate([d.ravel() for d in want[:2]])
+    got_flat = np.concatenate([d.ravel() for d in got[:2]])
+    cosine = want_flat @ got_flat / np.linalg.norm(want_flat) / np.linalg.norm(got_flat)
+    assert cosine > 0.99 and np.linalg.norm(got_flat) == pytest.approx(
+        np.linalg.norm(want_flat), rel=0.05)

@@ -114,6 +114,15 @@ class KerasFlavour:
         """tf_keras sums the logs of the replicas (so tfamp reads its values once)."""
         return not self.is_keras3
 
+    def flatten_logs(self, model, logs: dict):
+        """`logs` as ``train_on_batch(return_dict=False)`` returns them: values in
+        the model's metric order, a single one as itself."""
+        if self.is_keras3:
+            return model._flatten_metrics_in_order(logs)
+        from tf_keras.src.engine.training import flatten_metrics_in_order
+
+        return flatten_metrics_in_order(logs, model.metrics_names)
+
     def unpack_batch(self, batch):
         """(x, y, sample_weight) of a batch, as Keras unpacks it."""
         if self.is_keras3:

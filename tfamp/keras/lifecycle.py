@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import threading
 import weakref
@@ -200,6 +201,9 @@ class ModelPrecision:
                 self.probe_first_step, self._pending_probe = False, None
                 self._fit_data, self._in_fit = None, False
 
+        def train_on_batch(*args, **kwargs):
+            return self.train_on_batch(args, kwargs)
+
         def maker(attr):
             def make(force=False):
                 return self.make_function(attr, force)
@@ -210,6 +214,7 @@ class ModelPrecision:
             "call": call_hook(model, self.loop),
             "compile": compile,
             "fit": fit,
+            "train_on_batch": train_on_batch,
             "train_step": self.train_step,
             self.flavour.metrics_method: lambda logs: self.epoch_results(base_metrics, logs),
             "make_train_function": maker("train_function"),
@@ -244,9 +249,13 @@ class ModelPrecision:
         """The model's optimizer in tfamp's loss-scale optimizer (unchanged without scaling).
 
         Made in the model's tf.distribute scope (as if ``enable`` had been called
-        inside ``strategy.scope()``), and, on Keras 3, built now when the model is,
-        as Keras's loader builds the optimizer it compiles, so that
+        inside ``strategy.scope()``), and, on Keras 3, built now where the optimizer
+        is (Keras's loader builds the optimizer it compiles), so that
         ``load_weights`` right after ``enable`` finds every variable to restore.
+        An optimizer not built yet is left to build where Keras builds it (its
+        first step, BackupAndRestore, the loader): one shared by several models
+        (a GAN's) must be built with the variables of the model that first
+        trains, not of the first compiled.
         """
         optimizer = self.model.optimizer
         settings = self.settings
@@ -268,8 +277,8 @@ class ModelPrecision:
             wrapped = tfamp_class(
                 optimizer, settings.loss_scale, initial_scale=settings.initial_scale,
                 growth_interval=settings.growth_interval, min_scale=settings.min_scale)
-            if (self.flavour.is_keras3 and self.model.built
-                    and self.model.trainable_variables):
+            if (self.flavour.is_keras3 and getattr(optimizer, "built", False)
+                    and self.model.built and self.model.trainable_variables):
                 wrapped.ensure_built(self.model.trainable_variables)
         return wrapped
 
@@ -490,6 +499,8 @@ class ModelPrecision:
         owner = self.scale_owner()
         if owner is None or not owner.is_dynamic:
             return None
+        if _fully_built(self.model) and not self.model.trainable_variables:
+            return None  # nothing to train now (a frozen GAN discriminator): no gradient
         return owner
 
     def _probe_in_step_possible(self) -> bool:
@@ -615,6 +626,27 @@ class ModelPrecision:
         scale = self.read_scale()
         self.epoch_skipped_at = scale[1] if scale is not None else 0
         self.epoch_calls = 0
+
+    # -- train_on_batch ------------------------------------------------------------------
+
+    def train_on_batch(self, args, kwargs):
+        """Keras's ``train_on_batch``. Its list (``return_dict=False``, the default) is
+        float32's, without tfamp's log keys: a model with only a loss gets its loss
+        as a number, as scripts print it (``"%f" % loss``); a dict keeps them."""
+        cls, model = self.cls, self.model
+        try:
+            bound = inspect.signature(cls.train_on_batch).bind(model, *args, **kwargs)
+        except TypeError:  # Keras's own call says what is wrong
+            return cls.train_on_batch(model, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments.get("return_dict", True):  # asked for (or not Keras's)
+            return cls.train_on_batch(model, *args, **kwargs)
+        bound.arguments["return_dict"] = True
+        logs = cls.train_on_batch(*bound.args, **bound.kwargs)
+        if not isinstance(logs, dict):
+            return logs
+        return self.flavour.flatten_logs(
+            model, {k: v for k, v in logs.items() if k not in LOG_KEYS})
 
     # -- around each step ---------------------------------------------------------------
 

@@ -152,7 +152,19 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def build(self, var_list):
         if self.built:
             return
-        super().build(var_list)
+        inner = self.inner_optimizer
+        if var_list or inner.built:
+            super().build(var_list)
+        else:
+            # Nothing to train now (a GAN's discriminator, frozen, compiled with the
+            # optimizer its combined model shares): the inner optimizer is left to
+            # build at its first apply, as Keras builds it. Built with no variables,
+            # it would refuse every variable it is given later.
+            object.__setattr__(inner, "build", lambda variables: None)
+            try:
+                super().build(var_list)
+            finally:
+                del inner.__dict__["build"]
         zeros = keras.initializers.Zeros()
         self.skipped_steps = self.add_variable(
             shape=(), dtype="int64", initializer=zeros, aggregation="none",
