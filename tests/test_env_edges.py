@@ -198,6 +198,74 @@ def test_tf_keras_own_loss_scale_optimizer_is_kept_and_scales_once(tmp_path):
     assert cosine > 0.99 and 0.9 < np.linalg.norm(got) / np.linalg.norm(want) < 1.1
 
 
+LEGACY_OPTIMIZERS = textwrap.dedent("""
+    import json
+    import numpy as np
+    import tf_keras as keras
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 8)).astype("float32")
+    y = x[:, :1]
+
+    def mlp():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(1)])
+
+    def flat(model):
+        return np.concatenate([w.ravel() for w in model.get_weights()])
+
+    out = {}
+    for name, optimizer in [
+            ("legacy", keras.optimizers.legacy.Adam(1e-2)),
+            ("keras_lso", keras.mixed_precision.LossScaleOptimizer(
+                keras.optimizers.legacy.SGD(0.1)))]:
+        model = mlp()
+        model.compile(optimizer=optimizer, loss="mse")
+        before = flat(model)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        out[name] = (flat(model) - before).tolist()
+        out[name + "_scale"] = float(getattr(model.optimizer, "loss_scale", 0))
+    # One legacy optimizer compiled into two models (a GAN's discriminator and its
+    # combined model, as Keras 2 scripts do), trained with train_on_batch.
+    shared = keras.optimizers.legacy.Adam(1e-3)
+    first, second = mlp(), mlp()
+    first.compile(optimizer=shared, loss="mse")
+    second.compile(optimizer=shared, loss="mse", metrics=["mae"])
+    out["shared_logs"] = [first.train_on_batch(x[:32], y[:32]),
+                          second.train_on_batch(x[:32], y[:32])]
+    out["shared_one_optimizer"] = first.optimizer is second.optimizer
+    print(json.dumps(out))
+""")
+
+
+def test_tf_keras_legacy_optimizers_train_under_keras_loss_scaling(tmp_path):
+    """tf_keras's legacy optimizers (``keras.optimizers.legacy.*``), which tfamp's
+    loss-scale optimizer does not take: an unmodified script stopped with a TypeError at
+    compile (eriklindernoren/Keras-GAN's dcgan, session 33). Keras's own
+    LossScaleOptimizer now scales them, once; a legacy one the script wrapped itself was
+    scaled a second time by the tape patch (2^30: every step skipped)."""
+    script = tmp_path / "legacy.py"
+    script.write_text(LEGACY_OPTIMIZERS)
+    plain = last_json(run([str(script)], tmp_path))
+    amp_result = run([str(script)], tmp_path, TFAMP_ENABLE="1")
+    amp = last_json(amp_result)
+    assert "has tf_keras's legacy optimizer Adam" in amp_result.stderr
+    assert "ops -> float16 (MatMul" in amp_result.stderr
+    for name in ("legacy", "keras_lso"):
+        want, got = np.array(plain[name]), np.array(amp[name])
+        cosine = float(want @ got / np.linalg.norm(want) / np.linalg.norm(got))
+        ratio = float(np.linalg.norm(got) / np.linalg.norm(want))
+        print(f"{name}: cosine {cosine:.5f}, norm ratio {ratio:.4f}, "
+              f"scale {amp[name + '_scale']:g}")
+        assert cosine > 0.99 and 0.9 < ratio < 1.1, name
+        assert amp[name + "_scale"] == 2.0**15  # no step skipped (each would halve it)
+    # As float32 returns them: the loss as a number; a list with a metric.
+    assert isinstance(amp["shared_logs"][0], float)
+    assert len(amp["shared_logs"][1]) == len(plain["shared_logs"][1]) == 2
+    np.testing.assert_allclose(amp["shared_logs"][0], plain["shared_logs"][0], rtol=1e-2)
+    assert amp["shared_one_optimizer"]  # one scale for the optimizer they share
+
+
 EAGER_THEN_TRACED = """
 import sys
 import numpy as np

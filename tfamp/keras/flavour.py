@@ -89,6 +89,14 @@ class KerasFlavour:
     def optimizer_base(self) -> type:
         return self.keras.optimizers.Optimizer
 
+    def is_legacy_optimizer(self, optimizer) -> bool:
+        """Is `optimizer` one of tf_keras's legacy optimizers
+        (``keras.optimizers.legacy.*``), which tfamp's loss-scale optimizer does
+        not take and Keras's own does? (Keras 3 has none.)"""
+        if self.is_keras3:
+            return False
+        return isinstance(optimizer, self.keras.optimizers.legacy.Optimizer)
+
     @property
     def keras_loss_scale_optimizer(self) -> type:
         """Keras's own LossScaleOptimizer class."""

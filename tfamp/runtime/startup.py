@@ -187,10 +187,13 @@ def _patch_tf_keras(active: _Activation) -> None:
     # The loss Keras's own tf_keras LossScaleOptimizer scales is marked, so the
     # custom-loop tape patch does not scale it again (tfamp's subclass marks too).
     # `LossScaleOptimizer(opt)` builds a LossScaleOptimizerV3 for a new-style
-    # optimizer, which is not a subclass: patch both.
+    # optimizer and a LossScaleOptimizer of that module for a legacy one, neither
+    # a subclass of the public class (their base): patch all three. (The legacy
+    # one unpatched, its scaled loss was scaled again, 2^30: every step skipped.)
     from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso_module
 
     for lso_class in (tf_keras.mixed_precision.LossScaleOptimizer,
+                      keras_lso_module.LossScaleOptimizer,
                       keras_lso_module.LossScaleOptimizerV3):
         _mark_scaled_losses(lso_class, loss_scale_ops, mark_scaled)
 
