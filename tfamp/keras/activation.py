@@ -140,8 +140,9 @@ def enable_for_compile(model, *, config: AmpConfig, loss_scale, initial_scale, r
         log.info("tfamp: model %r has tf_keras's legacy optimizer %s, which tfamp's "
                  "loss-scale optimizer does not take: tfamp rewrites its graphs, and "
                  "Keras's own LossScaleOptimizer scales its loss (%s, no start-scale "
-                 "probe, no float32 fallback). For tfamp's, compile with "
-                 "keras.optimizers.%s.", model.name, type(optimizer).__name__,
+                 "probe: TFAMP_INITIAL_SCALE sets the start; no float32 fallback). For "
+                 "tfamp's, compile with keras.optimizers.%s.", model.name,
+                 type(optimizer).__name__,
                  _scale_words(model.optimizer), type(optimizer).__name__)
         return
     if keras_lso or flavour.mixed_policy(model) is not None:
