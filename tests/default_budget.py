@@ -27,8 +27,13 @@ SLOW_IN_DEFAULT = {
     "back_alike": 59,
     "test_lifecycle_at_scale.py::test_mirrored_on_one_device_probes_and_falls_back[keras3]": 44,
     "test_distribute.py::test_mirrored_fit_matches_single_replica[reduce_to_one_device]": 22,
+    # the scale scenario (an overflow on one replica, then growth): default keeps
+    # reduce_to_one_device, whose run test_mirrored_logs_report_... needs anyway (session
+    # 33: one scenario run fewer)
     "test_distribute.py::test_mirrored_overflow_is_skipped_once_on_every_replica"
-    "[reduce_to_one_device]": 19,
+    "[default]": 33,
+    "test_distribute.py::test_mirrored_loss_scale_doubles_once_per_growth_interval"
+    "[default]": 1,
     # an unmodified fit under TFAMP_ENABLE: default keeps tf_keras here, and Keras 3's fit
     # in test_training_patterns (every pattern) and test_env_edges
     "test_env_activation.py::test_unmodified_keras_fit_runs_mixed_precision[keras3]": 29,
@@ -64,6 +69,7 @@ SLOW_IN_DEFAULT = {
     "test_start_scale.py::test_probe_changes_nothing_but_the_scale[keras3]": 9,
     "test_start_scale.py::test_probe_leaves_fits_data_order_alone[tf_keras-1]": 6,
     "test_start_scale.py::test_probe_leaves_fits_data_order_alone[keras3-2]": 5,
+    "test_start_scale.py::test_train_on_batch_and_the_class_fit_are_probed[tf_keras]": 13,
     # the loss vector's scaling: default keeps Keras 3 under TFAMP_ENABLE, tf_keras enable
     "test_step_scaling.py::test_per_example_loss_vector_is_scaled[tf_keras-TFAMP_ENABLE]": 16,
     "test_step_scaling.py::test_per_example_loss_vector_is_scaled[keras3-enable]": 9,
