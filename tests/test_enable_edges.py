@@ -335,3 +335,25 @@ def test_train_on_batch_returns_what_float32_returns():
     assert set(logs) == {"loss", "loss_scale", "skipped_steps"}
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     assert len(model.train_on_batch(x, y)) == 2  # loss, mae
+
+
+def test_a_sequential_model_without_an_input_shape_trains():
+    """A tf_keras Sequential with no Input builds at its first call, inside fit's first
+    trace; tfamp asked for its variables before that, and fit stopped: "Weights for model
+    'sequential' have not yet been created" (keras-hub / Model Garden helper, session 33;
+    ``enable`` and ``TFAMP_ENABLE`` alike)."""
+    x, y = data()
+
+    def run(amp):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        if amp:
+            tfamp.enable(model, verbose=False)
+        return model, model.fit(x, y, batch_size=8, epochs=1, verbose=0).history
+
+    _, want = run(False)
+    model, got = run(True)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-2)
+    assert got["skipped_steps"] == [0] and model._tfamp_state.start_scale  # probed

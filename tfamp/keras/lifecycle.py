@@ -311,7 +311,7 @@ class ModelPrecision:
         """``scale_owner`` with its variables made (for a step being traced)."""
         owner = self.scale_owner()
         if owner is not None:
-            owner.ensure_built(self.model.trainable_variables)
+            owner.ensure_built(_trainable_variables_so_far(self.model))
         return owner
 
     def read_scale(self) -> tuple[float, int] | None:
@@ -945,6 +945,15 @@ def _fit_callback_class(base: type) -> type:
             self._precision.on_epoch_begin()
 
     return FitCallback
+
+
+def _trainable_variables_so_far(model) -> list:
+    """`model`'s trainable variables; none yet for a tf_keras Sequential without an
+    input shape, which raises until its first call (inside fit's first trace) builds it."""
+    try:
+        return list(model.trainable_variables)
+    except ValueError:
+        return []
 
 
 def _fully_built(model) -> bool:
