@@ -97,6 +97,14 @@ def _bn_model(keras):
     return model
 
 
+def _mse_model(keras):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_probe_changes_nothing_but_the_scale(flavour):
     keras = patterns.keras_module(flavour)
@@ -143,12 +151,9 @@ def test_a_model_loaded_from_a_keras_file_without_its_scale_is_probed(flavour, t
     2^15 silently, taking the restored iterations for a restored scale (keras.io's
     distributed-training guide, session 32: a tiny loss's 2^24 became 2^15)."""
     keras = patterns.keras_module(flavour)
-    keras.utils.set_random_seed(0)
     x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
     y = x[:, :1]
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    model = _mse_model(keras)
     tfamp.enable(model, verbose=False)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
     first = model._tfamp_state.start_scale
@@ -574,14 +579,6 @@ def test_first_train_call_hands_back_what_it_read():
         assert precision.before_first_train_call(batches) is batches
     assert precision.start_scale is False
     np.testing.assert_array_equal(next(batches)[0].numpy(), x[:16])  # nothing was taken
-
-
-def _mse_model(keras):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
-    return model
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
