@@ -635,7 +635,7 @@ class ModelPrecision:
         as a number, as scripts print it (``"%f" % loss``); a dict keeps them."""
         cls, model = self.cls, self.model
         try:
-            bound = inspect.signature(cls.train_on_batch).bind(model, *args, **kwargs)
+            bound = _signature(cls.train_on_batch).bind(model, *args, **kwargs)
         except TypeError:  # Keras's own call says what is wrong
             return cls.train_on_batch(model, *args, **kwargs)
         bound.apply_defaults()
@@ -945,6 +945,12 @@ def _fit_callback_class(base: type) -> type:
             self._precision.on_epoch_begin()
 
     return FitCallback
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(function) -> inspect.Signature:
+    """`function`'s signature, read once (``train_on_batch`` is called every step)."""
+    return inspect.signature(function)
 
 
 def _trainable_variables_so_far(model) -> list:

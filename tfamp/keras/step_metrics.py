@@ -139,7 +139,7 @@ class StepGuard:
         with loss_scale_ops():
             for key, (use_fresh, now, value) in chosen.items():
                 logs[key] = (once[key] if once.get(key) is not None
-                             else tf.where(use_fresh, tf.cast(now, value.dtype), value))
+                             else _choose(use_fresh, now, value))
         return logs
 
     def _per_metric(self):
@@ -148,6 +148,11 @@ class StepGuard:
             count = len(metric.variables)
             yield metric, self._before[at:at + count]
             at += count
+
+
+def _choose(use_fresh, now, value):
+    """The metric's fresh result where `use_fresh`, else the step's logged `value`."""
+    return tf.where(use_fresh, tf.cast(now, value.dtype), value)
 
 
 def _choose_once(strategy, chosen):
@@ -163,7 +168,7 @@ def _choose_once(strategy, chosen):
             flags = strategy.experimental_local_results(use_fresh)
             any_fresh = tf.reduce_any(tf.stack([tf.convert_to_tensor(f) for f in flags]))
             now = strategy.experimental_local_results(now)[0]
-            once[key] = tf.where(any_fresh, tf.cast(now, value.dtype), value)
+            once[key] = _choose(any_fresh, now, value)
     return once
 
 
