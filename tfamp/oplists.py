@@ -231,6 +231,21 @@ STATISTIC_REDUCTIONS = frozenset({
     "Mean", "Sum", "Prod", "EuclideanNorm", "L2Loss",
 })
 
+# Ops that read rows of a table (their first input) by index: an embedding
+# lookup, on a variable's read (GatherV2) or on its handle (ResourceGather).
+EMBEDDING_LOOKUPS = frozenset({"Gather", "GatherV2", "ResourceGather"})
+
+# Matrix products that can read an embedding table as a weight: a tied output
+# layer computes hidden @ table^T (keras-hub's ReversibleEmbedding), and its
+# input gradient d(logits) @ table (coloring: _tied_vocabulary_products).
+TABLE_PRODUCTS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+
+# Ops that pass a weight on with its values unchanged (a tied layer reads its
+# table transposed, and Tensordot reshapes it).
+WEIGHT_VIEWS = frozenset({
+    "Identity", "Snapshot", "Transpose", "Reshape", "ExpandDims", "Squeeze", "Cast",
+})
+
 # Ops that read only a tensor's shape, not its data.
 METADATA_OPS = frozenset({"Shape", "ShapeN", "Rank", "Size"})
 

@@ -52,6 +52,7 @@ from tfamp.oplists import (
     BROADCAST_OPS,
     CENTRING_OPS,
     DATA_BOUND_OPS,
+    EMBEDDING_LOOKUPS,
     FLOAT32_ACCUMULATING_ON_GPU,
     FLOAT32_ACCUMULATING_UNDER_XLA,
     FUSED_NORMALISATION_OPS,
@@ -64,6 +65,8 @@ from tfamp.oplists import (
     SENTINEL_CARRIERS,
     SIZE_KEEPING_COPIES,
     STATISTIC_REDUCTIONS,
+    TABLE_PRODUCTS,
+    WEIGHT_VIEWS,
 )
 from tfamp.rewrite import boundaries, compiled, kernels, runtime_cost, scopes
 from tfamp.rewrite import reasons as rk
@@ -126,6 +129,9 @@ _MOVING_AVERAGE_OPS = 6
 # rules after a statistic hold what needs float32); it only tells the small
 # tensors that stay float32 with a statistic from the big ones that read it.
 _STATISTIC_RATIO = 2
+# Most WEIGHT_VIEWS between a variable's read and the product that reads it
+# (a tied layer's Transpose and Tensordot's Reshape: two).
+_VIEW_DEPTH = 6
 
 
 class Decision(NamedTuple):
@@ -416,6 +422,7 @@ class _BodyColoring:
         attr_blocks = self._attr_blocks
         positions: dict[str, bool] = {}  # node -> computes from positions only?
         sentinel_readers = self._sentinel_readers(float(dtypes.as_dtype(self.target).max))
+        tied = self._tied_vocabulary_products() if self.target == DT_BFLOAT16 else {}
         no_block = ("", "")
         for name, node in self.body.nodes.items():
             list_name = list_of(node.op)
@@ -459,6 +466,15 @@ class _BodyColoring:
                             f"embedding's angles; {self.target_name} would round positions "
                             f"above {_EXACT_INTEGERS[self.target]} and the angles' phase",
                             rk.KIND_POSITIONS)
+                    if not block[0] and list_name == "allow" and name in tied:
+                        block = (
+                            f"stays float32: multiplies by the embedding table that "
+                            f"{tied[name]!r} looks up (a tied output layer, hidden @ "
+                            f"table^T, or its gradient); the gradient it carries back "
+                            f"is a small difference of large sums, which bfloat16's "
+                            f"rounding of the table and the logits' gradient spoils, "
+                            f"and Keras's bfloat16 policy computes it in float32 too",
+                            rk.KIND_TIED_VOCABULARY)
                 if block[0]:
                     blocked[slot] = block
                     # Blocks boundaries.solve may lift for a whole group: a
@@ -529,6 +545,64 @@ class _BodyColoring:
                                 reached.append(out)
             frontier = reached
         return readers, carrying
+
+    def _tied_vocabulary_products(self) -> dict[str, str]:
+        """The matrix products (oplists.TABLE_PRODUCTS) that read a variable an
+        embedding lookup (oplists.EMBEDDING_LOOKUPS) reads too: node -> the lookup.
+
+        That is a tied output layer, logits = hidden @ table^T (keras-hub's
+        ReversibleEmbedding: T5, GPT-2, Llama, Gemma, BART), and the product
+        in its gradient that reads the table, d(hidden) = d(logits) @ table.
+        Held float32 in bfloat16 (not float16, whose 3 more bits suffice:
+        gradient cosine 0.99999 on keras-hub's T5 either way): d(hidden) is
+        sum_v p_v * table_v - table_label, two nearly equal sums on a tied
+        layer, so bfloat16's 2^-9 rounding of the table and of d(logits) came
+        out as 4.7% error in T5's d(hidden), a gradient cosine of 0.988 against
+        float32 and a weight update of 0.77 after 16 Adam steps (0.99995 and
+        0.9998 held). Keras's own bfloat16 policy computes it in float32 (its
+        Embedding table is not autocast, and bfloat16 @ float32 promotes). The
+        weight gradient, hidden^T @ d(logits), sums no such difference: it
+        stays bfloat16. BUILD_NOTES.md, session 34.
+        """
+        ops = self.body.ops
+        if not (ops & EMBEDDING_LOOKUPS and ops & TABLE_PRODUCTS):
+            return {}
+        nodes = self.body.nodes
+        tables: dict[str, str] = {}
+        for name, node in nodes.items():
+            if node.op in EMBEDDING_LOOKUPS and node.data_inputs:
+                ref = node.data_inputs[0][0]
+                key = (self._variable_key(ref) if node.op == "ResourceGather"
+                       else self._table_key(ref))
+                if key is not None:
+                    tables.setdefault(key, name)
+        if not tables:
+            return {}
+        products: dict[str, str] = {}
+        for name, node in nodes.items():
+            if node.op in TABLE_PRODUCTS:
+                lookup = next((tables[key] for key in map(self._table_key, (
+                    ref for ref, _ in node.data_inputs)) if key in tables), None)
+                if lookup is not None:
+                    products[name] = lookup
+        return products
+
+    def _table_key(self, ref: TensorRef) -> str | None:
+        """Which variable `ref` is the value of, through oplists.WEIGHT_VIEWS
+        and its read (_variable_key's answer); None: not a variable's value."""
+        nodes = self.body.nodes
+        for _ in range(_VIEW_DEPTH):
+            node = None if ref.is_arg else nodes.get(ref.node)
+            if node is None:
+                return None
+            if node.op in ("VariableV2", "Variable"):  # a TF1 reference variable
+                return f"{ref.node}:{ref.index}"
+            if node.op not in WEIGHT_VIEWS | {"ReadVariableOp"} or not node.data_inputs:
+                return None
+            if node.op == "ReadVariableOp":
+                return self._variable_key(node.data_inputs[0][0])
+            ref = node.data_inputs[0][0]
+        return None
 
     def _copies(self, node) -> bool:
         """Does a reduction keep its input's size (it reduces no axis, or only

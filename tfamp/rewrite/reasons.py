@@ -33,6 +33,7 @@ KIND_OFF_DEVICE = "placed off the target device"  # pinned to another device typ
 KIND_NO_KERNEL = "no 16-bit kernel"  # OpDef or (its device's) kernels refuse 16-bit
 KIND_USER_OVERRIDE = "user override"  # name matches AmpConfig.keep_fp32
 KIND_POSITIONS = "positions and constants"  # allow op on no float data: RoPE's angles
+KIND_TIED_VOCABULARY = "tied output layer"  # bfloat16: hidden @ table^T, table looked up too
 KIND_BEYOND_RANGE = "reads a value past the 16-bit range"  # a mask's -1e9 sentinel
 KIND_LOSS_SCALE = "loss-scale machinery"  # seed, unscaling, finiteness check, scale update
 KIND_GRAPH_OUTPUT = "graph output"  # callers rely on the output's dtype
