@@ -85,7 +85,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("attention", "attention", 1, ("plain", "causal", "einsum", "padded", "bias")),
     Kind("softmax", "attention", 1, ("softmax", "log_softmax")),
     Kind("bmm", "attention", 2),
-    Kind("embedding", "embedding", 1, ("gather", "lookup", "one_hot", "keras")),
+    Kind("embedding", "embedding", 1, ("gather", "lookup", "one_hot", "keras", "tied")),
     Kind("int_ops", "int_edge", 1, ("rsqrt_size", "positions", "argmax_one_hot",
                                     "segment_sum", "range_mask")),
     Kind("reduce", "reduction", 1, ("sum", "mean", "max", "min", "logsumexp", "l2",

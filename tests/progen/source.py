@@ -464,6 +464,12 @@ class _Writer:
             self.setup.append(f"L_{o} = layer({self.key()}, K.layers.Embedding({VOCAB}, {e}), "
                               f"(None, {t}))")
             emb = f"L_{o}({ids})"
+        elif variant == "tied":  # a tied output layer: the looked-up table, transposed
+            self.setup.append(f"E_{o} = var({self.key()}, ({VOCAB}, {e}), den=8)")
+            return [f"logits_{o} = tf.matmul(tf.reshape({a}, [-1, {t}, {e}]), E_{o}, "
+                    f"transpose_b=True)",
+                    f"back_{o} = tf.matmul(tf.nn.softmax(logits_{o}), E_{o})",
+                    f"{o} = {a} + tf.reshape(tf.gather(E_{o}, {ids}) + back_{o}, [-1, {d}])"]
         else:
             self.setup.append(f"E_{o} = var({self.key()}, ({VOCAB}, {e}), den=8)")
             emb = {"gather": f"tf.gather(E_{o}, {ids})",
