@@ -468,12 +468,12 @@ class _BodyColoring:
                             rk.KIND_POSITIONS)
                     if not block[0] and list_name == "allow" and name in tied:
                         block = (
-                            f"stays float32: multiplies by the embedding table that "
-                            f"{tied[name]!r} looks up (a tied output layer, hidden @ "
-                            f"table^T, or its gradient); the gradient it carries back "
-                            f"is a small difference of large sums, which bfloat16's "
-                            f"rounding of the table and the logits' gradient spoils, "
-                            f"and Keras's bfloat16 policy computes it in float32 too",
+                            f"stays float32: a product of a tied output layer, whose "
+                            f"table {tied[name]!r} also looks up (hidden @ table^T, or "
+                            f"one of its gradients); the gradient it carries back is a "
+                            f"small difference of large sums, which bfloat16's rounding "
+                            f"of the table and the logits' gradient spoils, and Keras's "
+                            f"bfloat16 policy computes it in float32 too",
                             rk.KIND_TIED_VOCABULARY)
                 if block[0]:
                     blocked[slot] = block
@@ -547,22 +547,28 @@ class _BodyColoring:
         return readers, carrying
 
     def _tied_vocabulary_products(self) -> dict[str, str]:
-        """The matrix products (oplists.TABLE_PRODUCTS) that read a variable an
-        embedding lookup (oplists.EMBEDDING_LOOKUPS) reads too: node -> the lookup.
+        """The products of a tied output layer: node -> the embedding lookup
+        (oplists.EMBEDDING_LOOKUPS) whose table they multiply by.
 
-        That is a tied output layer, logits = hidden @ table^T (keras-hub's
-        ReversibleEmbedding: T5, GPT-2, Llama, Gemma, BART), and the product
-        in its gradient that reads the table, d(hidden) = d(logits) @ table.
+        A tied output layer computes logits = hidden @ table^T with the table
+        the model's input looks up (keras-hub's ReversibleEmbedding: T5, GPT-2,
+        Llama, Gemma, BART). Its products (oplists.TABLE_PRODUCTS) are those
+        that read the table, the forward one and d(hidden) = d(logits) @
+        table in its gradient, and the gradient product that reads only what
+        they read, the weight gradient hidden^T @ d(logits).
+
         Held float32 in bfloat16 (not float16, whose 3 more bits suffice:
         gradient cosine 0.99999 on keras-hub's T5 either way): d(hidden) is
-        sum_v p_v * table_v - table_label, two nearly equal sums on a tied
-        layer, so bfloat16's 2^-9 rounding of the table and of d(logits) came
-        out as 4.7% error in T5's d(hidden), a gradient cosine of 0.988 against
-        float32 and a weight update of 0.77 after 16 Adam steps (0.99995 and
-        0.9998 held). Keras's own bfloat16 policy computes it in float32 (its
-        Embedding table is not autocast, and bfloat16 @ float32 promotes). The
-        weight gradient, hidden^T @ d(logits), sums no such difference: it
-        stays bfloat16. BUILD_NOTES.md, session 34.
+        sum_v p_v * table_v - table_label, two sums much larger than their
+        difference on T5, so bfloat16's 2^-9 rounding of the table and of
+        d(logits) came out as 4.7% error in d(hidden), a gradient cosine of
+        0.988 against float32 and a weight update of 0.77 after 16 Adam steps.
+        The weight gradient is held with them so that d(logits) has no 16-bit
+        reader: under XLA the views it passes through went 16-bit for it, and
+        d(hidden) read d(logits) rounded (cosine 0.9897 instead of 0.9999).
+        Keras's own bfloat16 policy computes all three in float32 (its
+        Embedding table is not autocast, and bfloat16 @ float32 promotes).
+        BUILD_NOTES.md, session 34.
         """
         ops = self.body.ops
         if not (ops & EMBEDDING_LOOKUPS and ops & TABLE_PRODUCTS):
@@ -579,13 +585,35 @@ class _BodyColoring:
         if not tables:
             return {}
         products: dict[str, str] = {}
+        operands: dict[TensorRef, str] = {}  # what held products read besides the table
         for name, node in nodes.items():
-            if node.op in TABLE_PRODUCTS:
-                lookup = next((tables[key] for key in map(self._table_key, (
-                    ref for ref, _ in node.data_inputs)) if key in tables), None)
-                if lookup is not None:
-                    products[name] = lookup
+            if node.op not in TABLE_PRODUCTS:
+                continue
+            keys = [self._table_key(ref) for ref, _ in node.data_inputs]
+            lookup = next((tables[key] for key in keys if key in tables), None)
+            if lookup is None:
+                continue
+            products[name] = lookup
+            for (ref, _), key in zip(node.data_inputs, keys, strict=True):
+                if key not in tables:
+                    operands.setdefault(self._before_views(ref), lookup)
+        for name, node in nodes.items():
+            if (node.op in TABLE_PRODUCTS and name not in products and node.data_inputs
+                    and scopes.is_gradient(name)):
+                sources = [self._before_views(ref) for ref, _ in node.data_inputs]
+                if all(ref in operands for ref in sources):
+                    products[name] = operands[sources[0]]
         return products
+
+    def _before_views(self, ref: TensorRef) -> TensorRef:
+        """The tensor `ref` is a view of (through oplists.WEIGHT_VIEWS)."""
+        nodes = self.body.nodes
+        for _ in range(_VIEW_DEPTH):
+            node = None if ref.is_arg else nodes.get(ref.node)
+            if node is None or node.op not in WEIGHT_VIEWS or not node.data_inputs:
+                break
+            ref = node.data_inputs[0][0]
+        return ref
 
     def _table_key(self, ref: TensorRef) -> str | None:
         """Which variable `ref` is the value of, through oplists.WEIGHT_VIEWS
