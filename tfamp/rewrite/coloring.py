@@ -568,6 +568,10 @@ class _BodyColoring:
         d(hidden) read d(logits) rounded (cosine 0.9897 instead of 0.9999).
         Keras's own bfloat16 policy computes all three in float32 (its
         Embedding table is not autocast, and bfloat16 @ float32 promotes).
+        Only where the body differentiates through the table: in a graph
+        without that gradient (serving), the forward product's rounding is a
+        16-bit head's like any other, and ``tfamp export`` can store the
+        table, often the model's largest weight, in 16 bits.
         BUILD_NOTES.md, session 34.
         """
         ops = self.body.ops
@@ -597,6 +601,8 @@ class _BodyColoring:
             for (ref, _), key in zip(node.data_inputs, keys, strict=True):
                 if key not in tables:
                     operands.setdefault(self._before_views(ref), lookup)
+        if not any(map(scopes.is_gradient, products)):
+            return {}  # no gradient through the table here: an inference graph
         for name, node in nodes.items():
             if (node.op in TABLE_PRODUCTS and name not in products and node.data_inputs
                     and scopes.is_gradient(name)):
