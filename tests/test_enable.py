@@ -159,6 +159,27 @@ def test_bad_arguments(kwargs, error, message):
         tfamp.enable(mlp(), **kwargs)
 
 
+def test_a_legacy_optimizer_is_refused_with_the_three_fixes_and_nothing_lost():
+    """tfamp's loss scaling takes tf_keras's optimizers, not its legacy ones; the
+    error names the class received and the fixes, and the model is left as it was:
+    bfloat16 (no loss scaling) then trains it."""
+    model = mlp()
+    optimizer = keras.optimizers.legacy.Adam(1e-3)
+    model.compile(optimizer=optimizer, loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(TypeError, match=r"not a legacy one; the model has "
+                                        r"tf_keras\.src\.optimizers\.legacy\.adam\.Adam\. "
+                                        r"Compile with keras\.optimizers\.Adam .*"
+                                        r"loss_scale=None .*TFAMP_ENABLE=1"):
+        tfamp.enable(model)
+    assert model.optimizer is optimizer
+    assert all((a == b).all() for a, b in zip(before, model.get_weights(), strict=True))
+    tfamp.enable(model, dtype="bfloat16")
+    x, y = data(64)
+    history = model.fit(x, y, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][-1])
+
+
 def test_not_a_keras_model():
     with pytest.raises(TypeError, match="expects a Keras model.*tf_keras.Model.*received "
                                         "builtins.str"):

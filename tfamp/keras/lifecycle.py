@@ -269,9 +269,19 @@ class ModelPrecision:
                 "the optimizer itself. Compile with the inner optimizer "
                 "(optimizer.inner_optimizer), or pass loss_scale=None to tfamp.enable.")
         if not isinstance(optimizer, self.flavour.optimizer_base):
+            kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+            if self.flavour.is_legacy_optimizer(optimizer):
+                raise TypeError(
+                    f"tfamp loss scaling needs one of {self.flavour.label}'s optimizers "
+                    f"(keras.optimizers.*), not a legacy one; the model has {kind}. "
+                    f"Compile with keras.optimizers.{type(optimizer).__name__} (same "
+                    f"arguments), or pass loss_scale=None (bfloat16 needs no loss "
+                    f"scaling), or leave the script as it is and run it with "
+                    f"TFAMP_ENABLE=1, which gives a legacy optimizer Keras's own "
+                    f"LossScaleOptimizer.")
             raise TypeError(
                 f"tfamp loss scaling needs a {self.flavour.label} optimizer "
-                f"(keras.optimizers.*), the model has {type(optimizer).__name__}; compile "
+                f"(keras.optimizers.*), the model has {kind}; compile "
                 f"with e.g. keras.optimizers.Adam(), or pass loss_scale=None.")
         with self.strategy().scope():
             wrapped = tfamp_class(
