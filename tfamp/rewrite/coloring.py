@@ -468,12 +468,12 @@ class _BodyColoring:
                             rk.KIND_POSITIONS)
                     if not block[0] and list_name == "allow" and name in tied:
                         block = (
-                            f"stays float32: a product of a tied output layer, whose "
-                            f"table {tied[name]!r} also looks up (hidden @ table^T, or "
-                            f"one of its gradients); the gradient it carries back is a "
-                            f"small difference of large sums, which bfloat16's rounding "
-                            f"of the table and the logits' gradient spoils, and Keras's "
-                            f"bfloat16 policy computes it in float32 too",
+                            f"stays float32: a product of a tied output layer "
+                            f"(hidden @ table^T, or one of its gradients), whose table "
+                            f"{tied[name]!r} also reads; the gradient it carries back is "
+                            f"a small difference of large sums, which bfloat16's "
+                            f"rounding of the table and the logits' gradient spoils, "
+                            f"and Keras's bfloat16 policy computes it in float32 too",
                             rk.KIND_TIED_VOCABULARY)
                 if block[0]:
                     blocked[slot] = block
