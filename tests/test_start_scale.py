@@ -202,6 +202,38 @@ def test_custom_loop_calibration(flavour):
                for a, v in zip(before, model.trainable_variables, strict=True))
 
 
+@pytest.mark.parametrize("input_scale, warned", [(1.0, False), (1e-11, True)])
+def test_weight_gradients_below_float16s_normals_name_bfloat16(input_scale, warned):
+    """A backward pass that spans more range than float16 holds at one scale: the
+    loss's gradient is large (the scale must stay low), the first layer's weight
+    gradients are tiny (inputs of 1e-11). Most of those sit below float16's
+    smallest normal at the scale chosen, and the start-scale line says so and
+    names bfloat16; with inputs of 1 it says nothing of the kind."""
+    import tensorflow as tf
+
+    keras = patterns.keras_module("keras3")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(1e-6)
+    tfamp.enable(model, verbose=False)
+    x = input_scale * np.random.default_rng(0).normal(size=(32, 16)).astype("float32")
+    y = np.full((32, 1), 100.0, "float32")
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(xb) - yb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    found = tfamp.calibrate_loss_scale(step, x, y, model=model)
+    assert (found.subnormal_share >= start_scale.SUBNORMAL_WARNING) is warned, found
+    assert ("Note:" in found.message() and "bfloat16" in found.message()) is warned, \
+        found.message()
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("calibrate", [False, True], ids=["own_loop", "calibrated"])
 def test_a_custom_loop_is_told_where_its_scale_starts(flavour, calibrate, caplog):

@@ -91,6 +91,13 @@ AFTER_FALLBACK_HEADROOM_BITS = START_HEADROOM_BITS + 4
 # there every halving loses values.
 EXTRA_ROOM_BITS = 2
 EXTRA_ROOM_UNDERFLOW = 1e-4
+# The start-scale line adds a note when at least this share of the weight-gradient
+# values sits below float16's smallest normal at the scale chosen (see
+# StartScale._subnormal_warning). Measured (BUILD_NOTES.md, session 34): under
+# 0.5% on keras-hub's T5, GPT-2, BERT, ResNet, ViT and Llama and on Keras-GAN's
+# cgan and lsgan; 16% on Keras-GAN's wgan, whose generator drifts past float32's
+# own noise in float16 and not in bfloat16.
+SUBNORMAL_WARNING = 0.1
 # Ops that write a resource variable (their first input): the probe restores what
 # they wrote. A tf.random.Generator's state is one (tf_keras's random layers draw
 # from one: a probe that advanced it gave training other flips and crops than
@@ -119,6 +126,9 @@ class StartScale:
       weight_max: the largest |weight gradient|.
       underflow_share: share of nonzero weight-gradient values still below
         float16's smallest subnormal at `scale`.
+      subnormal_share: share of them below float16's smallest normal (2^-14)
+        at `scale`, where float16 keeps fewer significant bits: from
+        SUBNORMAL_WARNING on the line names bfloat16.
       seconds: wall time of the probe (trace + run + restore).
       batch_size: rows of the batch the probe ran on (None if unknown).
       how: what ran: the step's own first trace, cut down to what the
@@ -139,6 +149,7 @@ class StartScale:
     how: str = "a trace of its own"  # or "the step's own trace" (no second trace)
     checked: str = ""
     extra_room: int = 0
+    subnormal_share: float = 0.0
 
     def message(self) -> str:
         exponent = int(math.log2(self.scale))
@@ -152,7 +163,18 @@ class StartScale:
                 f"weight gradients max {self.weight_max:.3g}, "
                 f"{100 * self.underflow_share:.2g}% of their values below float16's "
                 f"smallest at this scale{checked}); probe cost {self.seconds:.2f} s (on "
-                f"{self.how}). initial_scale=<number> (TFAMP_INITIAL_SCALE) skips the probe.")
+                f"{self.how}). initial_scale=<number> (TFAMP_INITIAL_SCALE) skips the probe."
+                f"{self._subnormal_warning()}")
+
+    def _subnormal_warning(self) -> str:
+        if self.subnormal_share < SUBNORMAL_WARNING:
+            return ""
+        return (f" Note: {100 * self.subnormal_share:.0f}% of the weight-gradient values "
+                f"sit below float16's smallest normal (6.1e-5) at this scale, where it "
+                f"keeps fewer significant bits: this backward pass spans more range than "
+                f"float16 holds at one scale (its largest value {self.max_abs:.3g}, the "
+                f"largest weight gradient {self.weight_max:.3g}). bfloat16 "
+                f"(TFAMP_DTYPE=bfloat16, or dtype='bfloat16') has float32's range.")
 
 
 def choose_scale(max_abs: float, *, min_scale: float = 1.0,
@@ -456,6 +478,7 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
     scale /= 2.0**taken
     return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
                       underflow_share=local.underflow_share(scale),
+                      subnormal_share=local.subnormal_share(scale),
                       seconds=time.perf_counter() - start, batch_size=_rows(args), how=how,
                       checked=local.checked, extra_room=taken)
 
@@ -489,6 +512,9 @@ class _Found:
 
     def underflow_share(self, scale: float) -> float:
         return self.weights.underflow_share(scale) if self.weights is not None else 0.0
+
+    def subnormal_share(self, scale: float) -> float:
+        return self.weights.subnormal_share(scale) if self.weights is not None else 0.0
 
 
 def _found(names, maxes, weight_names, weight_maxes, counts, weight_mask=None) -> _Found:
