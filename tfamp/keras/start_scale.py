@@ -93,11 +93,11 @@ EXTRA_ROOM_BITS = 2
 EXTRA_ROOM_UNDERFLOW = 1e-4
 # The start-scale line adds a note when at least this share of the weight-gradient
 # values sits below float16's smallest normal at the scale chosen (see
-# StartScale._subnormal_warning). Measured (BUILD_NOTES.md, session 34): under
+# StartScale._subnormal_note). Measured (BUILD_NOTES.md, session 34): under
 # 0.5% on keras-hub's T5, GPT-2, BERT, ResNet, ViT and Llama and on Keras-GAN's
 # cgan and lsgan; 16% on Keras-GAN's wgan, whose generator drifts past float32's
 # own noise in float16 and not in bfloat16.
-SUBNORMAL_WARNING = 0.1
+SUBNORMAL_NOTE = 0.1
 # Ops that write a resource variable (their first input): the probe restores what
 # they wrote. A tf.random.Generator's state is one (tf_keras's random layers draw
 # from one: a probe that advanced it gave training other flips and crops than
@@ -128,7 +128,7 @@ class StartScale:
         float16's smallest subnormal at `scale`.
       subnormal_share: share of them below float16's smallest normal (2^-14)
         at `scale`, where float16 keeps fewer significant bits: from
-        SUBNORMAL_WARNING on the line names bfloat16.
+        SUBNORMAL_NOTE on the line names bfloat16.
       seconds: wall time of the probe (trace + run + restore).
       batch_size: rows of the batch the probe ran on (None if unknown).
       how: what ran: the step's own first trace, cut down to what the
@@ -164,17 +164,24 @@ class StartScale:
                 f"{100 * self.underflow_share:.2g}% of their values below float16's "
                 f"smallest at this scale{checked}); probe cost {self.seconds:.2f} s (on "
                 f"{self.how}). initial_scale=<number> (TFAMP_INITIAL_SCALE) skips the probe."
-                f"{self._subnormal_warning()}")
+                f"{self._subnormal_note()}")
 
-    def _subnormal_warning(self) -> str:
-        if self.subnormal_share < SUBNORMAL_WARNING:
+    def _subnormal_note(self) -> str:
+        if self.subnormal_share < SUBNORMAL_NOTE:
             return ""
+        from tfamp.numerics.ranges import MAX_SCALE_EXP
+
+        if self.scale * 2.0**EXTRA_ROOM_BITS >= 2.0**MAX_SCALE_EXP:
+            why = (f"the gradients are that small even at the largest start scales "
+                   f"(up to 2^{MAX_SCALE_EXP})")
+        else:
+            why = (f"this backward pass spans more range than float16 holds at one scale "
+                   f"(its largest value {self.max_abs:.3g}, the largest weight gradient "
+                   f"{self.weight_max:.3g})")
         return (f" Note: {100 * self.subnormal_share:.0f}% of the weight-gradient values "
                 f"sit below float16's smallest normal (6.1e-5) at this scale, where it "
-                f"keeps fewer significant bits: this backward pass spans more range than "
-                f"float16 holds at one scale (its largest value {self.max_abs:.3g}, the "
-                f"largest weight gradient {self.weight_max:.3g}). bfloat16 "
-                f"(TFAMP_DTYPE=bfloat16, or dtype='bfloat16') has float32's range.")
+                f"keeps fewer significant bits: {why}. bfloat16 (TFAMP_DTYPE=bfloat16, or "
+                f"dtype='bfloat16') has float32's range.")
 
 
 def choose_scale(max_abs: float, *, min_scale: float = 1.0,
