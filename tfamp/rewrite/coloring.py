@@ -583,7 +583,7 @@ class _BodyColoring:
             if node.op in EMBEDDING_LOOKUPS and node.data_inputs:
                 ref = node.data_inputs[0][0]
                 key = (self._variable_key(ref) if node.op == "ResourceGather"
-                       else self._table_key(ref))
+                       else self._variable_of(self._source(ref, WEIGHT_VIEWS, _VIEW_DEPTH)))
                 if key is not None:
                     tables.setdefault(key, name)
         if not tables:
@@ -593,49 +593,37 @@ class _BodyColoring:
         for name, node in nodes.items():
             if node.op not in TABLE_PRODUCTS:
                 continue
-            keys = [self._table_key(ref) for ref, _ in node.data_inputs]
+            sources = [self._source(ref, WEIGHT_VIEWS, _VIEW_DEPTH)
+                       for ref, _ in node.data_inputs]
+            keys = [self._variable_of(ref) for ref in sources]
             lookup = next((tables[key] for key in keys if key in tables), None)
             if lookup is None:
                 continue
             products[name] = lookup
-            for (ref, _), key in zip(node.data_inputs, keys, strict=True):
+            for ref, key in zip(sources, keys, strict=True):
                 if key not in tables:
-                    operands.setdefault(self._before_views(ref), lookup)
+                    operands.setdefault(ref, lookup)
         if not any(map(scopes.is_gradient, products)):
             return {}  # no gradient through the table here: an inference graph
         for name, node in nodes.items():
             if (node.op in TABLE_PRODUCTS and name not in products and node.data_inputs
                     and scopes.is_gradient(name)):
-                sources = [self._before_views(ref) for ref, _ in node.data_inputs]
+                sources = [self._source(ref, WEIGHT_VIEWS, _VIEW_DEPTH)
+                           for ref, _ in node.data_inputs]
                 if all(ref in operands for ref in sources):
                     products[name] = operands[sources[0]]
         return products
 
-    def _before_views(self, ref: TensorRef) -> TensorRef:
-        """The tensor `ref` is a view of (through oplists.WEIGHT_VIEWS)."""
-        nodes = self.body.nodes
-        for _ in range(_VIEW_DEPTH):
-            node = None if ref.is_arg else nodes.get(ref.node)
-            if node is None or node.op not in WEIGHT_VIEWS or not node.data_inputs:
-                break
-            ref = node.data_inputs[0][0]
-        return ref
-
-    def _table_key(self, ref: TensorRef) -> str | None:
-        """Which variable `ref` is the value of, through oplists.WEIGHT_VIEWS
-        and its read (_variable_key's answer); None: not a variable's value."""
-        nodes = self.body.nodes
-        for _ in range(_VIEW_DEPTH):
-            node = None if ref.is_arg else nodes.get(ref.node)
-            if node is None:
-                return None
-            if node.op in ("VariableV2", "Variable"):  # a TF1 reference variable
-                return f"{ref.node}:{ref.index}"
-            if node.op not in WEIGHT_VIEWS | {"ReadVariableOp"} or not node.data_inputs:
-                return None
-            if node.op == "ReadVariableOp":
-                return self._variable_key(node.data_inputs[0][0])
-            ref = node.data_inputs[0][0]
+    def _variable_of(self, ref: TensorRef) -> str | None:
+        """_variable_key of the variable `ref` reads (a ReadVariableOp's output, or
+        a TF1 reference variable itself); None for any other tensor."""
+        node = None if ref.is_arg else self.body.nodes.get(ref.node)
+        if node is None:
+            return None
+        if node.op in ("VariableV2", "Variable"):
+            return f"{ref.node}:{ref.index}"
+        if node.op == "ReadVariableOp" and node.data_inputs:
+            return self._variable_key(node.data_inputs[0][0])
         return None
 
     def _copies(self, node) -> bool:
@@ -721,13 +709,19 @@ class _BodyColoring:
     def _through_copies(self, ref: TensorRef, depth: int = 8):
         """The node that computes `ref`'s value, through ops that only copy it
         (at most `depth` of them); None for an argument."""
-        producer = None if ref.is_arg else self.body.nodes.get(ref.node)
+        ref = self._source(ref, NO_COPY_OPS, depth)
+        return None if ref.is_arg else self.body.nodes.get(ref.node)
+
+    def _source(self, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorRef:
+        """The tensor `ref` passes on through `ops` (their first input; at most
+        `depth` of them)."""
+        nodes = self.body.nodes
         for _ in range(depth):
-            if producer is None or producer.op not in NO_COPY_OPS or not producer.data_inputs:
+            node = None if ref.is_arg else nodes.get(ref.node)
+            if node is None or node.op not in ops or not node.data_inputs:
                 break
-            ref = producer.data_inputs[0][0]
-            producer = None if ref.is_arg else self.body.nodes.get(ref.node)
-        return producer
+            ref = node.data_inputs[0][0]
+        return ref
 
     def _bounded_exp(self, node) -> bool:
         """Is `node` (an Exp) the exponential of minus something never negative
