@@ -5,7 +5,8 @@
 STRATEGY: ``single`` (no strategy), ``mirrored`` (MirroredStrategy on two logical CPUs),
 ``mirrored1`` (MirroredStrategy on one device, as on a machine with one GPU: fit's
 iterator is a distributed one) or ``multiworker`` (MultiWorkerMirroredStrategy;
-TF_CONFIG from the environment). FLAVOUR: ``tf_keras`` or ``keras3``. MODE: ``enable``
+TF_CONFIG from the environment). FLAVOUR: ``tf_keras``, ``tf_keras_legacy`` (compiled
+with its legacy Adam, ``keras.optimizers.legacy``) or ``keras3``. MODE: ``enable``
 (``tfamp.enable`` after compile), ``env`` (run under ``TFAMP_ENABLE=1``: the script
 never imports tfamp) or ``float32`` (no tfamp: the reference).
 Prints one line, ``SCENARIO_RESULT {json}``: per scenario, what the tests compare.
@@ -99,18 +100,18 @@ def backward_data(worker: int):
     return x, y
 
 
-def probe_model(k):
+def probe_model(k, adam):
     k.utils.set_random_seed(0)
     small = k.initializers.RandomNormal(stddev=1e-3)  # hidden ~1 on inputs ~300
     model = k.Sequential([k.Input((16,)),
                           k.layers.Dense(32, activation="relu", name="hidden",
                                          kernel_initializer=small),
                           k.layers.Dense(1, name="head")], name="probe")
-    model.compile(optimizer=k.optimizers.Adam(1e-3), loss="mse")
+    model.compile(optimizer=adam(1e-3), loss="mse")
     return model
 
 
-def forward_model(k):
+def forward_model(k, adam):
     """A frozen projection (outputs ~2e5 on large inputs) -> x1e-5 -> a small head."""
     k.utils.set_random_seed(0)
     inputs = k.Input((16,))
@@ -120,11 +121,11 @@ def forward_model(k):
     h = k.layers.Rescaling(1e-5, name="rescale")(frozen(inputs))
     h = k.layers.Dense(16, activation="relu", name="hidden")(h)
     model = k.Model(inputs, k.layers.Dense(1, name="head")(h), name="pipe")
-    model.compile(optimizer=k.optimizers.Adam(3e-3), loss="mse")
+    model.compile(optimizer=adam(3e-3), loss="mse")
     return model
 
 
-def backward_model(k):
+def backward_model(k, adam):
     """Dense 'wide' on inputs ~1000: its kernel gradient x^T g exceeds 65504 at scale 1."""
     k.utils.set_random_seed(0)
     inputs = k.Input((16,))
@@ -132,7 +133,7 @@ def backward_model(k):
                        kernel_initializer=k.initializers.RandomNormal(stddev=1e-4))(inputs)
     model = k.Model(inputs, k.layers.Dense(1, name="head", kernel_initializer="ones")(h),
                     name="grad")
-    model.compile(optimizer=k.optimizers.Adam(1e-3), loss="mse")
+    model.compile(optimizer=adam(1e-3), loss="mse")
     return model
 
 
@@ -173,10 +174,12 @@ def summary(strategy, model, history, x, y) -> dict:
 def run(strategy_kind: str, flavour: str, mode: str, scenarios: list[str], *,
         backup: str | None, interrupt: bool, epochs: int) -> dict:
     strategy = _strategy(strategy_kind)
-    if flavour == "tf_keras":
+    if flavour.startswith("tf_keras"):
         import tf_keras as k
     else:
         import keras as k
+    # tf_keras_legacy: compiled with tf_keras's legacy Adam (keras.optimizers.legacy).
+    adam = k.optimizers.legacy.Adam if flavour == "tf_keras_legacy" else k.optimizers.Adam
     enable = None
     if mode == "enable":
         import tfamp
@@ -193,7 +196,7 @@ def run(strategy_kind: str, flavour: str, mode: str, scenarios: list[str], *,
         build, data = builders[scenario]
         x, y = data()
         with strategy.scope():
-            model = build(k)
+            model = build(k, adam)
             if enable is not None:
                 enable(model)
         callbacks = []
@@ -223,7 +226,7 @@ def run(strategy_kind: str, flavour: str, mode: str, scenarios: list[str], *,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("strategy", choices=["single", "mirrored", "mirrored1", "multiworker"])
-    parser.add_argument("flavour", choices=["tf_keras", "keras3"])
+    parser.add_argument("flavour", choices=["tf_keras", "tf_keras_legacy", "keras3"])
     parser.add_argument("mode", choices=["enable", "env", "float32"])
     parser.add_argument("scenarios", nargs="+", choices=["probe", "forward", "backward",
                                                           "resume"])

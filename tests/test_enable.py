@@ -159,25 +159,115 @@ def test_bad_arguments(kwargs, error, message):
         tfamp.enable(mlp(), **kwargs)
 
 
-def test_a_legacy_optimizer_is_refused_with_the_three_fixes_and_nothing_lost():
-    """tfamp's loss scaling takes tf_keras's optimizers, not its legacy ones; the
-    error names the class received and the fixes, and the model is left as it was:
-    bfloat16 (no loss scaling) then trains it."""
+def _tiny_loss(y, pred):
+    # Unscaled, float16 gradients of this loss underflow (~1e-5 and below).
+    return 1e-5 * tf.reduce_mean(tf.square(y - pred))
+
+
+def _update(model, optimizer, loop, calibrate=False):
+    """The weight change of 8 steps of `model` on the tiny loss: fit, or a custom
+    loop (calibrated first: its start scale probed from the first batch)."""
+    x, y = data(256)
+    before = np.concatenate([w.ravel() for w in model.get_weights()])
+    if loop:
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = _tiny_loss(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        if calibrate:
+            tfamp.calibrate_loss_scale(step, x[:32], y[:32], model=model)
+        for i in range(8):
+            step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)])
+    else:
+        model.compile(optimizer=optimizer, loss=_tiny_loss)
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    return np.concatenate([w.ravel() for w in model.get_weights()]) - before
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["fit", "custom_loop"])
+def test_a_legacy_optimizer_gets_tfamps_loss_scaling(loop):
+    """tf_keras's legacy optimizers (keras.optimizers.legacy.*, the Keras 2 API many
+    scripts compile with) get tfamp's own loss scaling: the start scale probed from
+    the model's gradients, a skipped step counted. On a loss whose unscaled float16
+    gradients underflow, 8 Adam steps move the weights as float32's do.
+
+    Before: enable refused them (fit), and in a custom loop the start-scale probe's
+    trace applied its gradients, a hidden extra Adam step (update cosine 0.976)."""
+    want = _update(mlp(), keras.optimizers.legacy.Adam(1e-3), loop)
     model = mlp()
+    tfamp.enable(model)
     optimizer = keras.optimizers.legacy.Adam(1e-3)
-    model.compile(optimizer=optimizer, loss="mse")
-    before = [w.copy() for w in model.get_weights()]
-    with pytest.raises(TypeError, match=r"not a legacy one; the model has "
-                                        r"tf_keras\.src\.optimizers\.legacy\.adam\.Adam\. "
-                                        r"Compile with keras\.optimizers\.Adam .*"
-                                        r"loss_scale=None .*TFAMP_ENABLE=1"):
-        tfamp.enable(model)
-    assert model.optimizer is optimizer
-    assert all((a == b).all() for a, b in zip(before, model.get_weights(), strict=True))
-    tfamp.enable(model, dtype="bfloat16")
-    x, y = data(64)
-    history = model.fit(x, y, epochs=1, verbose=0)
-    assert np.isfinite(history.history["loss"][-1])
+    got = _update(model, optimizer, loop, calibrate=True)
+    cosine = float(want @ got / np.linalg.norm(want) / np.linalg.norm(got))
+    assert cosine > 0.999 and 0.99 < np.linalg.norm(got) / np.linalg.norm(want) < 1.01, cosine
+    assert int(optimizer.iterations.numpy()) == 8  # the probe applied nothing
+    owner = model._tfamp_state.scale_owner()
+    if not loop:
+        assert type(model.optimizer).__name__ == "LegacyLossScaleOptimizer"
+        assert model.optimizer.inner_optimizer is optimizer
+    # Probed, not 2^15 (the tiny loss takes a larger one); no step skipped.
+    assert float(owner.scale_tensor()) >= 2.0**20
+    assert int(owner.skipped_steps.numpy()) == 0
+
+
+def test_a_legacy_optimizers_non_finite_step_is_skipped_in_a_custom_loop():
+    """A step whose scaled gradients overflow float16 leaves the weights and the
+    legacy optimizer's slots as they were, and halves the scale."""
+    model = mlp()
+    tfamp.enable(model, initial_scale=2.0**10)
+    optimizer = keras.optimizers.legacy.Adam(1e-3)
+    x, y = data(32)
+
+    @tf.function
+    def step(xb, yb, factor):
+        with tf.GradientTape() as tape:
+            loss = factor * tf.reduce_mean(tf.square(yb - model(xb, training=True)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    step(x, y, tf.constant(1.0))
+    weights = [w.copy() for w in model.get_weights()]
+    slots = [v.numpy().copy() for v in optimizer.variables()]
+    step(x, y, tf.constant(1e6))  # 1e6 x 2^10 overflows float16
+    owner = model._tfamp_state.scale_owner()
+    assert int(owner.skipped_steps.numpy()) == 1
+    assert float(owner.scale_tensor()) == 2.0**9
+    for a, b in zip(weights, model.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    after = [v.numpy() for v in optimizer.variables()]
+    assert int(after[0]) == 2  # iterations still count the skipped batch
+    for a, b in zip(slots[1:], after[1:], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("legacy", [True, False], ids=["legacy", "optimizer"])
+def test_one_optimizer_compiled_into_two_models_shares_one_wrapper(legacy):
+    """A Keras 2 GAN compiles its discriminator and its combined model with one
+    optimizer; tf_keras wraps an optimizer once, so both get the same tfamp wrapper
+    and scale (enable used to stop at the second model with tf_keras's "already
+    wrapped" ValueError). Different loss-scale settings are refused by name.
+    (tf_keras's non-legacy optimizers update one set of variables: in float32 too,
+    the second model could not train with it.)"""
+    shared = (keras.optimizers.legacy.Adam if legacy else keras.optimizers.Adam)(1e-3)
+    first, second, third = mlp(), mlp(1), mlp(2)
+    first.compile(optimizer=shared, loss="mse")
+    second.compile(optimizer=shared, loss="mse")
+    tfamp.enable(first)
+    tfamp.enable(second)
+    assert first.optimizer is second.optimizer
+    assert first.optimizer.inner_optimizer is shared
+    x, y = data(32)
+    assert np.isfinite(first.train_on_batch(x, y))
+    if legacy:
+        assert np.isfinite(second.train_on_batch(x, y))
+    third.compile(optimizer=shared, loss="mse")
+    with pytest.raises(ValueError, match=rf"model '{third.name}' is compiled with an optimizer "
+                                         r"\(Adam\) that another enabled model also uses.*"
+                                         r"enable them with the same settings"):
+        tfamp.enable(third, loss_scale=128)
+    assert third.optimizer is shared
 
 
 def test_not_a_keras_model():

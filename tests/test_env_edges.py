@@ -225,6 +225,8 @@ LEGACY_OPTIMIZERS = textwrap.dedent("""
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
         out[name] = (flat(model) - before).tolist()
         out[name + "_scale"] = float(getattr(model.optimizer, "loss_scale", 0))
+        skipped = getattr(model.optimizer, "skipped_steps", None)
+        out[name + "_skipped"] = None if skipped is None else int(skipped.numpy())
     # One legacy optimizer compiled into two models (a GAN's discriminator and its
     # combined model, as Keras 2 scripts do), trained with train_on_batch.
     shared = keras.optimizers.legacy.Adam(1e-3)
@@ -234,22 +236,28 @@ LEGACY_OPTIMIZERS = textwrap.dedent("""
     out["shared_logs"] = [first.train_on_batch(x[:32], y[:32]),
                           second.train_on_batch(x[:32], y[:32])]
     out["shared_one_optimizer"] = first.optimizer is second.optimizer
+    out["shared_class"] = type(first.optimizer).__name__
     print(json.dumps(out))
 """)
 
 
-def test_tf_keras_legacy_optimizers_train_under_keras_loss_scaling(tmp_path):
-    """tf_keras's legacy optimizers (``keras.optimizers.legacy.*``), which tfamp's
-    loss-scale optimizer does not take: an unmodified script stopped with a TypeError at
-    compile (eriklindernoren/Keras-GAN's dcgan, session 33). Keras's own
-    LossScaleOptimizer now scales them, once; a legacy one the script wrapped itself was
-    scaled a second time by the tape patch (2^30: every step skipped)."""
+def test_tf_keras_legacy_optimizers_train_under_tfamps_loss_scaling(tmp_path):
+    """tf_keras's legacy optimizers (``keras.optimizers.legacy.*``) stopped an
+    unmodified script with a TypeError at compile (eriklindernoren/Keras-GAN's dcgan,
+    session 33); then Keras's own LossScaleOptimizer scaled them, from 2^15, with no
+    start-scale probe and no fallback (Keras-GAN's infogan skipped 7 of its first 12
+    discriminator steps, session 34). tfamp's own loss-scale optimizer takes them now:
+    probed start, no step skipped. A legacy one the script wrapped in Keras's
+    LossScaleOptimizer keeps Keras's scaling, applied once (the tape patch once scaled
+    it a second time: 2^30, every step skipped)."""
     script = tmp_path / "legacy.py"
     script.write_text(LEGACY_OPTIMIZERS)
     plain = last_json(run([str(script)], tmp_path))
     amp_result = run([str(script)], tmp_path, TFAMP_ENABLE="1")
     amp = last_json(amp_result)
-    assert "has tf_keras's legacy optimizer Adam" in amp_result.stderr
+    assert "legacy optimizer" not in amp_result.stderr
+    assert "tfamp: start loss scale 2^" in amp_result.stderr
+    assert "uses Keras's own LossScaleOptimizer" in amp_result.stderr
     assert "ops -> float16 (MatMul" in amp_result.stderr
     for name in ("legacy", "keras_lso"):
         want, got = np.array(plain[name]), np.array(amp[name])
@@ -258,12 +266,15 @@ def test_tf_keras_legacy_optimizers_train_under_keras_loss_scaling(tmp_path):
         print(f"{name}: cosine {cosine:.5f}, norm ratio {ratio:.4f}, "
               f"scale {amp[name + '_scale']:g}")
         assert cosine > 0.99 and 0.9 < ratio < 1.1, name
-        assert amp[name + "_scale"] == 2.0**15  # no step skipped (each would halve it)
+    assert amp["legacy_skipped"] == 0  # tfamp's counter: no step skipped
+    assert amp["keras_lso_skipped"] is None
+    assert amp["keras_lso_scale"] == 2.0**15  # Keras's: no step skipped (each halves it)
     # As float32 returns them: the loss as a number; a list with a metric.
     assert isinstance(amp["shared_logs"][0], float)
     assert len(amp["shared_logs"][1]) == len(plain["shared_logs"][1]) == 2
     np.testing.assert_allclose(amp["shared_logs"][0], plain["shared_logs"][0], rtol=1e-2)
     assert amp["shared_one_optimizer"]  # one scale for the optimizer they share
+    assert amp["shared_class"] == "LegacyLossScaleOptimizer"
 
 
 EAGER_THEN_TRACED = """

@@ -35,11 +35,13 @@ def pipeline_data(scale: float = 1000.0, n: int = 512):
     return x, y.astype("float32")
 
 
-def pipeline_model(k, frozen_std: float = 30.0, batch_norm: bool = False):
+def pipeline_model(k, frozen_std: float = 30.0, batch_norm: bool = False,
+                   legacy: bool = False):
     """A frozen projection (outputs ~2e5: inf in float16) -> x1e-5 (or a BatchNorm) ->
     a small trainable head.
 
     With ``frozen_std=1e10`` and inputs ~1e30 the projection overflows float32 too.
+    ``legacy``: compiled with tf_keras's legacy Adam (``keras.optimizers.legacy``).
     """
     k.utils.set_random_seed(0)
     inputs = k.Input((16,))
@@ -51,7 +53,8 @@ def pipeline_model(k, frozen_std: float = 30.0, batch_norm: bool = False):
     h = scale(frozen(inputs))
     h = k.layers.Dense(16, activation="relu", name="hidden")(h)
     model = k.Model(inputs, k.layers.Dense(1, name="head")(h), name="pipe")
-    model.compile(optimizer=k.optimizers.Adam(3e-3), loss="mse")
+    adam = k.optimizers.legacy.Adam if legacy else k.optimizers.Adam
+    model.compile(optimizer=adam(3e-3), loss="mse")
     return model
 
 
@@ -169,16 +172,17 @@ def test_region_grows_to_the_next_layer_when_its_input_cast_overflows_and_is_cap
 
 # -- training -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flavour", sorted(KERASES))
+@pytest.mark.parametrize("flavour", [*sorted(KERASES), "tf_keras_legacy"])
 def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, monkeypatch):
-    k = KERASES[flavour]
+    legacy = flavour == "tf_keras_legacy"  # keras.optimizers.legacy.Adam
+    k = KERASES["tf_keras" if legacy else flavour]
     x, y = pipeline_data()
-    reference = pipeline_model(k)
+    reference = pipeline_model(k, legacy=legacy)
     _fit(reference, x, y)
     want = reference.evaluate(x, y, verbose=0)
 
     # Without the fallback every step is skipped and the epoch's loss is NaN.
-    stalled = tfamp.enable(pipeline_model(k), verbose=False)
+    stalled = tfamp.enable(pipeline_model(k, legacy=legacy), verbose=False)
     with monkeypatch.context() as patch:
         patch.setattr(lifecycle.ModelPrecision, "_fallback_after_call", lambda *args: False)
         history = _fit(stalled, x, y, epochs=1)
@@ -186,7 +190,7 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     assert history.history["skipped_steps"][-1] == len(x) // BATCH
 
     caplog.set_level(logging.INFO, logger="tfamp")
-    model = tfamp.enable(pipeline_model(k), verbose=False)
+    model = tfamp.enable(pipeline_model(k, legacy=legacy), verbose=False)
     history = _fit(model, x, y)
     got = model.evaluate(x, y, verbose=0)
     assert np.isfinite(got) and abs(got - want) <= 0.1 * want, (got, want)

@@ -149,6 +149,21 @@ def test_mirrored_tf_keras_enable_probes_per_replica_and_falls_back_alike():
     assert "replica_1/pipe/frozen/MatMul" in line
 
 
+def test_mirrored_tf_keras_legacy_optimizer_under_env_probes_and_falls_back_alike():
+    """An unmodified tf_keras script compiled with a legacy optimizer
+    (``keras.optimizers.legacy.Adam``) under MirroredStrategy and TFAMP_ENABLE gets
+    tfamp's loss scaling: the probe, then the fallback. (Session 35: the probe's
+    trace made the legacy optimizer's lazily created ``iterations`` in a replica's
+    context: the probe gave up, and every step after it failed, "beta1_power is not
+    a scalar".)"""
+    run = run_process("mirrored", "tf_keras_legacy", "env", "probe", "forward")
+    assert run["probe"]["replicas"] == 2
+    assert run["probe"]["optimizer"].endswith(".LegacyLossScaleOptimizer")
+    check_probe(run)
+    assert not tfamp_lines(run["stderr"], "no start scale"), run["stderr"][-2000:]
+    check_fallback(run, "forward", "frozen")
+
+
 @pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
 def test_mirrored_on_one_device_probes_and_falls_back(flavour):
     """MirroredStrategy with one replica (a machine with one GPU). Before session

@@ -121,9 +121,8 @@ def enable_for_compile(model, *, config: AmpConfig, loss_scale, initial_scale, r
     A model that runs a Keras mixed policy is left to Keras (the start-up hook
     says so when it builds its functions); a model compiled with Keras's own
     ``LossScaleOptimizer`` keeps it (its graphs are rewritten, its loss scaling
-    stays Keras's: one line says so); so does one compiled with a tf_keras legacy
-    optimizer, which tfamp's loss-scale optimizer does not take: Keras's own
-    wraps it (one line says so); any other is enabled once.
+    stays Keras's: one line says so); any other is enabled once (a tf_keras
+    legacy optimizer too: tfamp has a loss-scale optimizer for those).
     """
     if is_enabled(model) or mixed_policy_name(model) is not None:
         return
@@ -131,20 +130,6 @@ def enable_for_compile(model, *, config: AmpConfig, loss_scale, initial_scale, r
     optimizer = getattr(model, "optimizer", None)
     keras_lso = (isinstance(optimizer, flavour.keras_loss_scale_optimizer)
                  and not type(optimizer).__module__.startswith("tfamp."))
-    if (loss_scale is not None and not keras_lso
-            and flavour.is_legacy_optimizer(optimizer)):
-        # tfamp's loss-scale optimizer takes tf_keras's new optimizers only; an
-        # unmodified script must not stop for it: Keras's own wraps the legacy one.
-        model.optimizer = _keras_loss_scale_optimizer(flavour, optimizer, loss_scale,
-                                                      initial_scale)
-        log.info("tfamp: model %r has tf_keras's legacy optimizer %s, which tfamp's "
-                 "loss-scale optimizer does not take: tfamp rewrites its graphs, and "
-                 "Keras's own LossScaleOptimizer scales its loss (%s, no start-scale "
-                 "probe: TFAMP_INITIAL_SCALE sets the start; no float32 fallback). For "
-                 "tfamp's, compile with keras.optimizers.%s.", model.name,
-                 type(optimizer).__name__,
-                 _scale_words(model.optimizer), type(optimizer).__name__)
-        return
     if keras_lso or flavour.mixed_policy(model) is not None:
         # Keras's own loss scaling (the user's, or restored by load_model from a
         # SavedModel), or its global mixed policy.
@@ -154,32 +139,6 @@ def enable_for_compile(model, *, config: AmpConfig, loss_scale, initial_scale, r
         return
     enable(model, config=config, loss_scale=loss_scale, ranges=ranges,
            initial_scale=initial_scale)
-
-
-def _keras_loss_scale_optimizer(flavour, optimizer, loss_scale, initial_scale):
-    """Keras's own LossScaleOptimizer around `optimizer`, with tfamp's settings where
-    Keras has them (a fixed scale; a dynamic one's initial scale when a number).
-
-    One per optimizer: models compiled with one optimizer (a GAN's discriminator
-    and combined model) share its scale, as Keras wraps an optimizer only once.
-    """
-    made = optimizer.__dict__.get("_tfamp_keras_lso")
-    if made is not None:
-        return made
-    if loss_scale == "dynamic":
-        start = initial_scale if isinstance(initial_scale, (int, float)) else None
-        made = flavour.keras_loss_scale_optimizer(optimizer, initial_scale=start)
-    else:
-        made = flavour.keras_loss_scale_optimizer(optimizer, dynamic=False,
-                                                  initial_scale=float(loss_scale))
-    object.__setattr__(optimizer, "_tfamp_keras_lso", made)
-    return made
-
-
-def _scale_words(optimizer) -> str:
-    if getattr(optimizer, "dynamic", True):
-        return f"dynamic from {float(optimizer.initial_scale):g}"
-    return f"fixed at {float(optimizer.initial_scale):g}"
 
 
 def mixed_policy_name(model) -> str | None:

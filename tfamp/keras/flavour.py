@@ -91,8 +91,8 @@ class KerasFlavour:
 
     def is_legacy_optimizer(self, optimizer) -> bool:
         """Is `optimizer` one of tf_keras's legacy optimizers
-        (``keras.optimizers.legacy.*``), which tfamp's loss-scale optimizer does
-        not take and Keras's own does? (Keras 3 has none.)"""
+        (``keras.optimizers.legacy.*``), which tfamp wraps in its
+        ``LegacyLossScaleOptimizer``? (Keras 3 has none.)"""
         if self.is_keras3:
             return False
         return isinstance(optimizer, self.keras.optimizers.legacy.Optimizer)

@@ -92,13 +92,26 @@ class Settings:
     auto_start: bool = False  # initial_scale="auto": the first fit probes the gradients
 
 
-def _optimizer_class(flavour) -> type:
-    """tfamp's loss-scale optimizer class for the model's Keras."""
+# On a tf_keras optimizer: (weakref to tfamp's wrapper around it, its settings).
+_WRAPPER = "_tfamp_loss_scale_optimizer"
+
+
+def _optimizer_classes(flavour) -> tuple[type, ...]:
+    """tfamp's loss-scale optimizer classes for the model's Keras."""
     if flavour.is_keras3:
         from tfamp.keras.optimizer_keras3 import LossScaleOptimizer
-    else:
-        from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
-    return LossScaleOptimizer
+        return (LossScaleOptimizer,)
+    from tfamp.keras.optimizer_tf_keras import LegacyLossScaleOptimizer, LossScaleOptimizer
+    return (LossScaleOptimizer, LegacyLossScaleOptimizer)
+
+
+def _optimizer_class_for(flavour, optimizer) -> type:
+    """tfamp's loss-scale optimizer class that wraps `optimizer`."""
+    if flavour.is_keras3:
+        from tfamp.keras.optimizer_keras3 import LossScaleOptimizer
+        return LossScaleOptimizer
+    from tfamp.keras.optimizer_tf_keras import loss_scale_optimizer_class
+    return loss_scale_optimizer_class(optimizer)
 
 
 class ModelPrecision:
@@ -159,9 +172,10 @@ class ModelPrecision:
             if part is not None:
                 part.__dict__.pop("call", None)
         optimizer = getattr(model, "optimizer", None)
-        if isinstance(optimizer, _optimizer_class(self.flavour)):
+        if isinstance(optimizer, _optimizer_classes(self.flavour)):
             inner = optimizer.inner_optimizer
             inner.__dict__.pop(step_scope.INNER_MARK, None)
+            inner.__dict__.pop(_WRAPPER, None)
             if not self.flavour.is_keras3:
                 inner._is_wrapped_by_loss_scale_optimizer = False
             model.optimizer = inner
@@ -259,37 +273,57 @@ class ModelPrecision:
         """
         optimizer = self.model.optimizer
         settings = self.settings
-        tfamp_class = _optimizer_class(self.flavour)
-        if settings.loss_scale is None or optimizer is None or isinstance(optimizer,
-                                                                          tfamp_class):
+        if settings.loss_scale is None or optimizer is None or isinstance(
+                optimizer, _optimizer_classes(self.flavour)):
             return optimizer
         if isinstance(optimizer, self.flavour.keras_loss_scale_optimizer):
             raise ValueError(
                 "the model's optimizer is already a Keras LossScaleOptimizer; tfamp wraps "
                 "the optimizer itself. Compile with the inner optimizer "
                 "(optimizer.inner_optimizer), or pass loss_scale=None to tfamp.enable.")
-        if not isinstance(optimizer, self.flavour.optimizer_base):
+        if not (isinstance(optimizer, self.flavour.optimizer_base)
+                or self.flavour.is_legacy_optimizer(optimizer)):
             kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
-            if self.flavour.is_legacy_optimizer(optimizer):
-                raise TypeError(
-                    f"tfamp loss scaling needs one of {self.flavour.label}'s optimizers "
-                    f"(keras.optimizers.*), not a legacy one; the model has {kind}. "
-                    f"Compile with keras.optimizers.{type(optimizer).__name__} (same "
-                    f"arguments), or pass loss_scale=None (bfloat16 needs no loss "
-                    f"scaling), or leave the script as it is and run it with "
-                    f"TFAMP_ENABLE=1, which gives a legacy optimizer Keras's own "
-                    f"LossScaleOptimizer.")
             raise TypeError(
                 f"tfamp loss scaling needs a {self.flavour.label} optimizer "
                 f"(keras.optimizers.*), the model has {kind}; compile "
                 f"with e.g. keras.optimizers.Adam(), or pass loss_scale=None.")
+        wanted = (settings.loss_scale, settings.initial_scale, settings.growth_interval,
+                  settings.min_scale)
+        shared = self._shared_wrapper(optimizer, wanted)
+        if shared is not None:
+            return shared
         with self.strategy().scope():
-            wrapped = tfamp_class(
+            wrapped = _optimizer_class_for(self.flavour, optimizer)(
                 optimizer, settings.loss_scale, initial_scale=settings.initial_scale,
                 growth_interval=settings.growth_interval, min_scale=settings.min_scale)
             if (self.flavour.is_keras3 and getattr(optimizer, "built", False)
                     and self.model.built and self.model.trainable_variables):
                 wrapped.ensure_built(self.model.trainable_variables)
+        if not self.flavour.is_keras3:
+            object.__setattr__(optimizer, _WRAPPER, (weakref.ref(wrapped), wanted))
+        return wrapped
+
+    def _shared_wrapper(self, optimizer, wanted):
+        """tfamp's wrapper already around `optimizer` (tf_keras), or None.
+
+        tf_keras wraps an optimizer once: a GAN's discriminator and combined model,
+        compiled with one optimizer as Keras 2 scripts do, share one wrapper and so
+        one scale (as under Keras's own policy). Its settings must be this model's.
+        """
+        record = optimizer.__dict__.get(_WRAPPER)
+        wrapped = record[0]() if record is not None else None
+        if wrapped is None or not getattr(optimizer, "_is_wrapped_by_loss_scale_optimizer",
+                                          False):
+            return None
+        if record[1] != wanted:
+            raise ValueError(
+                f"model {self.model.name!r} is compiled with an optimizer "
+                f"({type(optimizer).__name__}) that another enabled model also uses, with "
+                f"other loss-scale settings (loss_scale, initial_scale, growth_interval, "
+                f"min_scale): {record[1]} there, {wanted} here. tf_keras wraps an "
+                f"optimizer once, so the models share one scale: enable them with the same "
+                f"settings, or compile this model with an optimizer of its own.")
         return wrapped
 
     # -- the scale ------------------------------------------------------------------
@@ -300,7 +334,7 @@ class ModelPrecision:
     def loss_scale_optimizer(self):
         """The model's tfamp loss-scale optimizer, or None."""
         optimizer = getattr(self.model, "optimizer", None)
-        return optimizer if isinstance(optimizer, _optimizer_class(self.flavour)) else None
+        return optimizer if isinstance(optimizer, _optimizer_classes(self.flavour)) else None
 
     def scale_owner(self):
         """What keeps the model's scale: its loss-scale optimizer, else a scale state

@@ -1,4 +1,11 @@
-"""tfamp's loss-scale optimizer for tf_keras (``tfamp.LossScaleOptimizer``).
+"""tfamp's loss-scale optimizers for tf_keras (``tfamp.LossScaleOptimizer``).
+
+Two classes with one behaviour (``_TfampScaling``): ``LossScaleOptimizer`` wraps
+tf_keras's optimizers (``keras.optimizers.*``), on tf_keras's
+``LossScaleOptimizerV3``; ``LegacyLossScaleOptimizer`` wraps its legacy ones
+(``keras.optimizers.legacy.*``, the Keras 2 API many scripts still compile
+with), on tf_keras's ``LossScaleOptimizer``. ``LossScaleOptimizer(inner)`` gives
+whichever fits `inner`, as tf_keras's own class does.
 
 The scaling algorithm (dynamic by default, or fixed) is ``ScaleState``'s: see
 ``tfamp/keras/scale_state.py``.
@@ -11,6 +18,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_lso
+from tf_keras.src.optimizers.legacy.optimizer_v2 import OptimizerV2
 from tf_keras.src.saving import object_registration
 
 from tfamp.keras import step_scope
@@ -29,27 +37,10 @@ from tfamp.keras.scale_update import loss_scale_ops, mark_scaled
 log = logging.getLogger("tfamp")
 
 
-class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
-    """Wraps a tf_keras optimizer with loss scaling (see the module docstring).
-
-    Args:
-      inner_optimizer: a tf_keras ``Optimizer`` (e.g. ``keras.optimizers.Adam()``).
-      loss_scale: "dynamic" (default) or a positive number for a fixed scale.
-      initial_scale: the starting dynamic scale (2**15).
-      growth_interval: good steps before the dynamic scale doubles (2000).
-      min_scale: the floor of the dynamic scale (1).
-
-    Saved models record it as tf_keras's ``LossScaleOptimizer`` (same config
-    keys), so a process without tfamp loads them.
-
-    Example:
-      >>> opt = LossScaleOptimizer(keras.optimizers.Adam(), growth_interval=100)
-      >>> model.compile(optimizer=opt, loss="mse")
-    """
-
-    # Serialize under tf_keras's public name: a .keras file must load without tfamp.
-    _keras_api_names = ("keras.mixed_precision.LossScaleOptimizer",)
-    _keras_api_names_v1 = ("keras.mixed_precision.LossScaleOptimizer",)
+class _TfampScaling:
+    """tfamp's loss scaling on a tf_keras loss-scale optimizer class (see the
+    module docstring): its own scale state, the start-scale probe's pass-through,
+    the skip record, and what every scale owner answers (scale_state.py)."""
 
     def __init__(self, inner_optimizer, loss_scale="dynamic", *,
                  initial_scale: float = DEFAULT_INITIAL_SCALE,
@@ -129,7 +120,7 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         if step_scope.current_probe() is not None:
-            return self.iterations  # the start-scale probe applies nothing
+            return step_scope.probe_apply_result(self)
         pending = step_scope.take_pending()
         if pending is not None:
             # tfamp's tape hook scaled and unscaled (a custom loop); this optimizer
@@ -182,7 +173,55 @@ class LossScaleOptimizer(keras_lso.LossScaleOptimizerV3):
         return True
 
 
+class LossScaleOptimizer(_TfampScaling, keras_lso.LossScaleOptimizerV3):
+    """Wraps a tf_keras optimizer with loss scaling (see the module docstring).
+
+    Args:
+      inner_optimizer: a tf_keras optimizer (e.g. ``keras.optimizers.Adam()``); a
+        legacy one (``keras.optimizers.legacy.Adam()``) gives a
+        ``LegacyLossScaleOptimizer``, which behaves the same.
+      loss_scale: "dynamic" (default) or a positive number for a fixed scale.
+      initial_scale: the starting dynamic scale (2**15).
+      growth_interval: good steps before the dynamic scale doubles (2000).
+      min_scale: the floor of the dynamic scale (1).
+
+    Saved models record it as tf_keras's ``LossScaleOptimizer`` (same config
+    keys), so a process without tfamp loads them.
+
+    Example:
+      >>> opt = LossScaleOptimizer(keras.optimizers.Adam(), growth_interval=100)
+      >>> model.compile(optimizer=opt, loss="mse")
+    """
+
+    # Serialize under tf_keras's public name: a .keras file must load without tfamp.
+    _keras_api_names = ("keras.mixed_precision.LossScaleOptimizer",)
+    _keras_api_names_v1 = ("keras.mixed_precision.LossScaleOptimizer",)
+
+    def __new__(cls, inner_optimizer=None, *args, **kwargs):
+        # As tf_keras's own LossScaleOptimizer: the class that fits the inner one.
+        if cls is LossScaleOptimizer and isinstance(inner_optimizer, OptimizerV2):
+            return LegacyLossScaleOptimizer(inner_optimizer, *args, **kwargs)
+        return super().__new__(cls)
+
+
+class LegacyLossScaleOptimizer(_TfampScaling, keras_lso.LossScaleOptimizer):
+    """``LossScaleOptimizer`` for tf_keras's legacy optimizers
+    (``keras.optimizers.legacy.*``): same arguments, same behaviour."""
+
+    _keras_api_names = ("keras.mixed_precision.LossScaleOptimizer",)
+    _keras_api_names_v1 = ("keras.mixed_precision.LossScaleOptimizer",)
+
+
+def loss_scale_optimizer_class(inner_optimizer) -> type:
+    """tfamp's class for wrapping `inner_optimizer` (legacy or not)."""
+    if isinstance(inner_optimizer, OptimizerV2):
+        return LegacyLossScaleOptimizer
+    return LossScaleOptimizer
+
+
 # Legacy SavedModel metadata names an optimizer by get_registered_name(its class).
-# Give tfamp's class tf_keras's own name so such a file loads without tfamp, as
-# tf_keras's LossScaleOptimizerV3 (same config keys, same checkpoint layout).
+# Give tfamp's classes tf_keras's own names so such a file loads without tfamp, as
+# tf_keras's LossScaleOptimizerV3 and LossScaleOptimizer (same config keys, same
+# checkpoint layout).
 object_registration._GLOBAL_CUSTOM_NAMES[LossScaleOptimizer] = "LossScaleOptimizerV3"
+object_registration._GLOBAL_CUSTOM_NAMES[LegacyLossScaleOptimizer] = "LossScaleOptimizer"

@@ -365,7 +365,10 @@ def apply_gradients_if_finite(optimizer, original: Callable, grads_and_vars, arg
     variables = [v for _, v in grads_and_vars]
     if not (getattr(optimizer, "built", False) or getattr(optimizer, "_built", False)):
         with tf.init_scope():
-            optimizer.build(variables)
+            if hasattr(optimizer, "build"):
+                optimizer.build(variables)
+            else:  # a legacy optimizer (keras.optimizers.legacy.*): creates what is missing
+                optimizer._create_all_weights(variables)
 
     def apply(grads):
         original(optimizer, list(zip(grads, variables, strict=True)), *args, **kwargs)

@@ -281,6 +281,17 @@ def process_scaling_registered() -> bool:
     return _process_owner is not None
 
 
+def probe_apply_result(optimizer):
+    """What a tf_keras ``apply_gradients`` returns in the start-scale probe, which
+    applies nothing: the optimizer's ``iterations``, where it exists. A legacy
+    optimizer makes it lazily, and must not make it in the probe's trace (under
+    MirroredStrategy, a replica's: it could not be lifted, and broke the steps after)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "_iterations", None) is None:
+        return tf.no_op()
+    return optimizer.iterations
+
+
 def is_inner_optimizer(optimizer) -> bool:
     """Wrapped by a loss-scale optimizer (tfamp's or Keras's), which reports its updates."""
     return bool(getattr(optimizer, INNER_MARK, False)

@@ -11,11 +11,12 @@ there (``step_scope.py``):
   model's in its train step (``StepScope``), else the one of the enabled model
   whose rewritten call the loss depends on (a custom loop). During the
   start-scale probe the tape records instead (``step_scope.current_probe``).
-* The tf_keras ``apply_gradients`` and Keras 3 ``apply`` of any optimizer that
-  is not tfamp's own: the next update after a pending scaled step checks
-  finiteness (all-reduced over replicas), skips a non-finite step and updates
-  that owner's scale (``scale_update.apply_*_if_finite``); tfamp's loss-scale
-  optimizers do so themselves.
+* The tf_keras ``apply_gradients`` (its legacy optimizers' too) and Keras 3
+  ``apply`` of any optimizer that is not tfamp's own: the next update after a
+  pending scaled step checks finiteness (all-reduced over replicas), skips a
+  non-finite step and updates that owner's scale
+  (``scale_update.apply_*_if_finite``); tfamp's loss-scale optimizers do so
+  themselves.
 """
 
 from __future__ import annotations
@@ -159,13 +160,17 @@ def _patch_tf_keras_optimizer() -> None:
         import tf_keras
     except ImportError:
         return
-    optimizer_class = tf_keras.optimizers.Optimizer
-    original = optimizer_class.apply_gradients
+    # Its optimizers and its legacy ones (keras.optimizers.legacy.*): same contract.
+    for optimizer_class in (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer):
+        optimizer_class.apply_gradients = _tf_keras_apply_gradients(
+            optimizer_class.apply_gradients)
 
+
+def _tf_keras_apply_gradients(original):
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         if step_scope.current_probe() is not None:
-            return self.iterations  # the start-scale probe applies nothing
+            return step_scope.probe_apply_result(self)
         if is_tfamp_optimizer(self):
             return original(self, grads_and_vars, *args, **kwargs)
         owner = step_scope.take_pending()
@@ -177,7 +182,7 @@ def _patch_tf_keras_optimizer() -> None:
             self, original, grads_and_vars, args, kwargs,
             functools.partial(_update, owner), skipped_steps=owner.skipped_steps)
 
-    optimizer_class.apply_gradients = apply_gradients
+    return apply_gradients
 
 
 def _patch_keras3_optimizer() -> None:
