@@ -199,8 +199,9 @@ class LossScaleOptimizer(_TfampScaling, keras_lso.LossScaleOptimizerV3):
 
     def __new__(cls, inner_optimizer=None, *args, **kwargs):
         # As tf_keras's own LossScaleOptimizer: the class that fits the inner one.
-        if cls is LossScaleOptimizer and isinstance(inner_optimizer, OptimizerV2):
-            return LegacyLossScaleOptimizer(inner_optimizer, *args, **kwargs)
+        fits = loss_scale_optimizer_class(inner_optimizer)
+        if cls is LossScaleOptimizer and fits is not cls:
+            return fits(inner_optimizer, *args, **kwargs)
         return super().__new__(cls)
 
 
