@@ -337,6 +337,29 @@ def test_train_on_batch_returns_what_float32_returns():
     assert len(model.train_on_batch(x, y)) == 2  # loss, mae
 
 
+def test_train_on_batch_behind_a_plain_wrapper_returns_what_float32_returns(monkeypatch):
+    """Another library's wrapper of ``train_on_batch`` without ``functools.wraps``
+    (``(*args, **kwargs)``) hid the ``return_dict`` tfamp asks for, and the list came
+    back with tfamp's loss scale and skip count: a Keras-GAN script's ``"%f" % loss``
+    stopped with a TypeError (session 35, a helper's profiling wrapper)."""
+    original = keras.Model.train_on_batch
+
+    def wrapper(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "train_on_batch", wrapper)
+    x, y = data()
+    want = small_model().train_on_batch(x, y)
+    model = small_model()
+    tfamp.enable(model, verbose=False)
+    loss = model.train_on_batch(x, y)
+    assert isinstance(loss, float) and loss == pytest.approx(want, rel=1e-2)
+    assert set(model.train_on_batch(x, y, return_dict=True)) == {
+        "loss", "loss_scale", "skipped_steps"}
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    assert len(model.train_on_batch(x, y)) == 2  # loss, mae
+
+
 def test_a_sequential_model_without_an_input_shape_trains():
     """A tf_keras Sequential with no Input builds at its first call, inside fit's first
     trace; tfamp asked for its variables before that, and fit stopped: "Weights for model

@@ -678,15 +678,23 @@ class ModelPrecision:
         float32's, without tfamp's log keys: a model with only a loss gets its loss
         as a number, as scripts print it (``"%f" % loss``); a dict keeps them."""
         cls, model = self.cls, self.model
-        try:
-            bound = _signature(cls.train_on_batch).bind(model, *args, **kwargs)
-        except TypeError:  # Keras's own call says what is wrong
-            return cls.train_on_batch(model, *args, **kwargs)
-        bound.apply_defaults()
-        if bound.arguments.get("return_dict", True):  # asked for (or not Keras's)
-            return cls.train_on_batch(model, *args, **kwargs)
-        bound.arguments["return_dict"] = True
-        logs = cls.train_on_batch(*bound.args, **bound.kwargs)
+        signature = _signature(cls.train_on_batch)
+        if _passes_keywords_on(signature):
+            # A wrapper of Keras's method (a decorator without functools.wraps: a
+            # profiler's, a logger's) that hands its keywords on: ask it by keyword.
+            if kwargs.get("return_dict", False) or len(args) > 5:
+                return cls.train_on_batch(model, *args, **kwargs)
+            logs = cls.train_on_batch(model, *args, **{**kwargs, "return_dict": True})
+        else:
+            try:
+                bound = signature.bind(model, *args, **kwargs)
+            except TypeError:  # Keras's own call says what is wrong
+                return cls.train_on_batch(model, *args, **kwargs)
+            bound.apply_defaults()
+            if bound.arguments.get("return_dict", True):  # asked for (or not Keras's)
+                return cls.train_on_batch(model, *args, **kwargs)
+            bound.arguments["return_dict"] = True
+            logs = cls.train_on_batch(*bound.args, **bound.kwargs)
         if not isinstance(logs, dict):
             return logs
         return self.flavour.flatten_logs(
@@ -995,6 +1003,14 @@ def _fit_callback_class(base: type) -> type:
 def _signature(function) -> inspect.Signature:
     """`function`'s signature, read once (``train_on_batch`` is called every step)."""
     return inspect.signature(function)
+
+
+def _passes_keywords_on(signature: inspect.Signature) -> bool:
+    """``(*args, **kwargs)`` and no ``return_dict`` of its own: a plain wrapper."""
+    parameters = signature.parameters
+    return ("return_dict" not in parameters
+            and any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+            and any(p.kind is p.VAR_POSITIONAL for p in parameters.values()))
 
 
 def _trainable_variables_so_far(model) -> list:
