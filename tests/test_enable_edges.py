@@ -321,10 +321,20 @@ def test_a_step_that_calls_only_the_models_parts_says_so_once(keras_name):
     assert "call" not in model.encoder.__dict__ and "call" not in model.decoder.__dict__
 
 
-def test_train_on_batch_returns_what_float32_returns():
+@pytest.mark.parametrize("wrapped", [False, True], ids=["keras", "plain_wrapper"])
+def test_train_on_batch_returns_what_float32_returns(wrapped, monkeypatch):
     """``train_on_batch`` (return_dict=False) gives float32's number or list, without
     tfamp's log keys (a script's ``"%f" % loss`` failed on a list, session 33); a dict
-    keeps them."""
+    keeps them. ``plain_wrapper``: behind another library's ``(*args, **kwargs)``
+    wrapper without ``functools.wraps``, which hid the ``return_dict`` tfamp asks for
+    (a Keras-GAN script's ``"%f" % loss`` stopped with a TypeError, session 35)."""
+    if wrapped:
+        original = keras.Model.train_on_batch
+
+        def wrapper(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(keras.Model, "train_on_batch", wrapper)
     x, y = data()
     want = small_model().train_on_batch(x, y)
     model = small_model()
@@ -333,29 +343,6 @@ def test_train_on_batch_returns_what_float32_returns():
     assert isinstance(loss, float) and loss == pytest.approx(want, rel=1e-2)
     logs = model.train_on_batch(x, y, return_dict=True)
     assert set(logs) == {"loss", "loss_scale", "skipped_steps"}
-    model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-    assert len(model.train_on_batch(x, y)) == 2  # loss, mae
-
-
-def test_train_on_batch_behind_a_plain_wrapper_returns_what_float32_returns(monkeypatch):
-    """Another library's wrapper of ``train_on_batch`` without ``functools.wraps``
-    (``(*args, **kwargs)``) hid the ``return_dict`` tfamp asks for, and the list came
-    back with tfamp's loss scale and skip count: a Keras-GAN script's ``"%f" % loss``
-    stopped with a TypeError (session 35, a helper's profiling wrapper)."""
-    original = keras.Model.train_on_batch
-
-    def wrapper(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(keras.Model, "train_on_batch", wrapper)
-    x, y = data()
-    want = small_model().train_on_batch(x, y)
-    model = small_model()
-    tfamp.enable(model, verbose=False)
-    loss = model.train_on_batch(x, y)
-    assert isinstance(loss, float) and loss == pytest.approx(want, rel=1e-2)
-    assert set(model.train_on_batch(x, y, return_dict=True)) == {
-        "loss", "loss_scale", "skipped_steps"}
     model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     assert len(model.train_on_batch(x, y)) == 2  # loss, mae
 
