@@ -36,7 +36,7 @@ def pipeline_data(scale: float = 1000.0, n: int = 512):
 
 
 def pipeline_model(k, frozen_std: float = 30.0, batch_norm: bool = False,
-                   legacy: bool = False):
+                   legacy: bool = False, name: str = "pipe"):
     """A frozen projection (outputs ~2e5: inf in float16) -> x1e-5 (or a BatchNorm) ->
     a small trainable head.
 
@@ -52,7 +52,7 @@ def pipeline_model(k, frozen_std: float = 30.0, batch_norm: bool = False,
              else k.layers.Rescaling(1e-5, name="rescale"))
     h = scale(frozen(inputs))
     h = k.layers.Dense(16, activation="relu", name="hidden")(h)
-    model = k.Model(inputs, k.layers.Dense(1, name="head")(h), name="pipe")
+    model = k.Model(inputs, k.layers.Dense(1, name="head")(h), name=name)
     adam = k.optimizers.legacy.Adam if legacy else k.optimizers.Adam
     model.compile(optimizer=adam(3e-3), loss="mse")
     return model
@@ -75,6 +75,19 @@ def test_record_round_trips_and_refuses_what_does_not_fit():
     assert fallback.decode(values) == patterns and fallback.decode([0] * 8) == ()
     with pytest.raises(ValueError, match=r"holds 512 bytes.*need 600"):
         fallback.encode(("x" * 600,))
+
+
+def test_each_model_sharing_a_record_keeps_and_reads_its_own_lines():
+    # An older record's lines have no model name: every model's.
+    old = fallback.encode(("pipe/frozen/",))
+    assert fallback.recorded_for(old, "gan") == ("pipe/frozen/",)
+    shared = fallback.record_with(old, "pipe", ("pipe/frozen/", "pipe/hidden/"))
+    shared = fallback.record_with(shared, "gan", ("gan/frozen/",))
+    assert fallback.decode(shared) == ("pipe\tpipe/frozen/", "pipe\tpipe/hidden/",
+                                       "gan\tgan/frozen/")
+    assert fallback.recorded_for(shared, "pipe") == ("pipe/frozen/", "pipe/hidden/")
+    assert fallback.recorded_for(shared, "gan") == ("gan/frozen/",)
+    assert fallback.recorded_for(shared, "other") == ()
 
 
 # -- deciding (nothing changes) -------------------------------------------------------
@@ -203,8 +216,42 @@ def test_overflowing_layer_falls_back_and_trains_like_float32(flavour, caplog, m
     assert "frozen" in pattern and f"now keeping '{pattern}' float32" in line
     assert f"TFAMP_KEEP_FP32='{pattern}'" in line and "AmpConfig(keep_fp32=" in line
     assert model._tfamp_state.config.keep_fp32 == (pattern,)
-    assert fallback.decode(model._tfamp_state.record_variable().numpy()) == (
-        pattern,)
+    record = model._tfamp_state.record_variable().numpy()
+    assert fallback.decode(record) == (f"pipe\t{pattern}",)
+    assert fallback.recorded_for(record, "pipe") == (pattern,)
+
+
+@pytest.mark.parametrize("flavour", [*sorted(KERASES), "tf_keras_legacy"])
+def test_a_train_on_batch_loop_falls_back_on_the_calls_own_batch(flavour, caplog):
+    """A GAN's loop of ``train_on_batch`` calls has no fit data to re-read: the
+    fallback looks at the call's own batch (it used to say "no batch" and every
+    step after was skipped at the floor, nothing trained)."""
+    legacy = flavour == "tf_keras_legacy"
+    k = KERASES["tf_keras" if legacy else flavour]
+    x, y = pipeline_data()
+
+    def loop(model, passes=EPOCHS):
+        for _ in range(passes):
+            for start in range(0, len(x), BATCH):
+                logs = model.train_on_batch(x[start:start + BATCH], y[start:start + BATCH],
+                                            return_dict=True)
+        return logs
+
+    reference = pipeline_model(k, legacy=legacy)
+    loop(reference)
+    want = reference.evaluate(x, y, verbose=0)
+
+    caplog.set_level(logging.INFO, logger="tfamp")
+    model = tfamp.enable(pipeline_model(k, legacy=legacy), verbose=False)
+    logs = loop(model)
+    got = model.evaluate(x, y, verbose=0)
+    assert np.isfinite(got) and abs(got - want) <= 0.1 * want, (got, want)
+    assert float(logs["skipped_steps"]) <= 3
+    [line] = _messages(caplog, "float32 fallback")
+    [pattern] = model._tfamp_state.fallback.moved
+    assert "frozen" in pattern and f"now keeping '{pattern}' float32" in line
+    # The call's batch is not kept after the call.
+    assert "_tfamp_fit_batch" not in model.__dict__
 
 
 @pytest.mark.parametrize("flavour", sorted(KERASES))
@@ -275,6 +322,51 @@ def test_float32_overflow_is_said_once_and_never_rewritten_again(flavour, caplog
     assert len(calls) == 2
     [stuck] = _messages(caplog, "stuck at its floor")
     assert "float32 too" in stuck and "TFAMP_KEEP_FP32" not in stuck
+
+
+def test_models_sharing_one_optimizer_keep_their_own_fallback_across_a_resume(tmp_path, caplog):
+    """A Keras 2 GAN's models share one tf_keras optimizer, so one tfamp wrapper and one
+    record: each model's moved layers are kept in it (the second model's used to
+    overwrite the first's), and a resumed run's first train_on_batch call re-applies
+    each model's own, with no step lost to the overflow again."""
+    import tensorflow as tf
+
+    x, y = pipeline_data()
+
+    def pair():
+        first = pipeline_model(tf_keras, legacy=True, name="pipe")
+        second = pipeline_model(tf_keras, legacy=True, name="pipe2")
+        second.compile(optimizer=first.optimizer, loss="mse")
+        tfamp.enable(first, verbose=False)
+        tfamp.enable(second, verbose=False)
+        assert first.optimizer is second.optimizer
+        return first, second
+
+    def train(models, calls=4):
+        for start in range(0, calls * BATCH, BATCH):
+            for model in models:
+                model.train_on_batch(x[start:start + BATCH], y[start:start + BATCH])
+
+    first, second = pair()
+    train((first, second))
+    assert first._tfamp_state.fallback.moved == ("pipe/frozen/",)
+    assert second._tfamp_state.fallback.moved == ("pipe2/frozen/",)
+    record = first._tfamp_state.record_variable().numpy()
+    assert fallback.decode(record) == ("pipe\tpipe/frozen/", "pipe2\tpipe2/frozen/")
+    skipped = int(first.optimizer.skipped_steps.numpy())
+    path = tf.train.Checkpoint(optimizer=first.optimizer).save(str(tmp_path / "ckpt"))
+
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="tfamp")
+    first, second = pair()
+    tf.train.Checkpoint(optimizer=first.optimizer).restore(path)
+    train((first, second), calls=2)
+    assert first._tfamp_state.config.keep_fp32 == ("pipe/frozen/",)
+    assert second._tfamp_state.config.keep_fp32 == ("pipe2/frozen/",)
+    assert first._tfamp_state.fallback.decisions == []  # restored, not decided again
+    assert int(first.optimizer.skipped_steps.numpy()) == skipped
+    lines = _messages(caplog, "float32 fallback")
+    assert len(lines) == 2 and all("restored from the checkpoint" in line for line in lines)
 
 
 @pytest.mark.parametrize("flavour", sorted(KERASES))

@@ -13,7 +13,8 @@ Algorithm (an enabled model with loss scaling, after each train call)::
                  or the scale is at its floor):
         reset inf/nan in BatchNorm moving statistics (the skipped steps' forward
             passes wrote them; undone unless layers move)
-        decision = decide(model, config, first batch of fit's data)
+        decision = decide(model, config, fit's first batch, or the batch of the
+                          train_on_batch call that skipped)
         MOVED:     config.keep_fp32 += decision.patterns; rebuild the step
                    functions; write the patterns into the checkpointed record;
                    one log line naming them and the permanent fix
@@ -59,8 +60,12 @@ variable ``fallback_fp32`` of the model's loss-scale state, so whatever saves
 the optimizer saves them (``tf.train.Checkpoint``, tf_keras ``BackupAndRestore``
 and TF-format ``save_weights``, Keras 3 ``save_weights`` / ``BackupAndRestore`` /
 ``.keras``). At the start of every ``fit`` (after ``BackupAndRestore`` restored,
-before the first step) the record is read and any pattern not yet applied is
-(on every worker: each restores the same record).
+before the first step), and at a model's first ``train_on_batch`` call, the
+record is read and any pattern not yet applied is (on every worker: each
+restores the same record). Each line is ``<model name>\t<pattern>``: models
+compiled with one optimizer (a Keras 2 GAN's, on tf_keras) share one wrapper and
+so one record, and each re-applies its own lines only (a line without a name,
+as older records hold, is every model's).
 
 This module decides and says; the lifecycle (``lifecycle.py``) asks it after
 each train call and applies what it decides.
@@ -103,7 +108,7 @@ OVERFLOWS_IN_FP32 = "overflows in float32 too"
 NOT_COVERED = "pattern does not cover the op"
 # Still non-finite after MAX_MOVED layers.
 CAP_REACHED = "too many layers"
-# No batch to look at (train_on_batch, a generator fit cannot re-read).
+# No batch to look at (a generator fit cannot re-read).
 NO_BATCH = "no batch"
 # Finding the op failed (the warning says why).
 FAILED = "failed"
@@ -312,6 +317,31 @@ def decode(values) -> tuple[str, ...]:
     """The patterns a record holds (() for an empty one)."""
     data = bytes(int(v) for v in values if int(v) > 0)
     return tuple(p for p in data.decode(errors="replace").split("\n") if p)
+
+
+def recorded_for(values, model_name: str) -> tuple[str, ...]:
+    """The patterns the record `values` holds for the model named `model_name`."""
+    found = []
+    for line in decode(values):
+        name, tab, pattern = line.rpartition("\t")
+        if (not tab or name == model_name) and pattern not in found:
+            found.append(pattern)
+    return tuple(found)
+
+
+def record_with(values, model_name: str, patterns: tuple[str, ...]) -> list[int]:
+    """The record `values` with the lines of `model_name` set to `patterns` (other
+    models' lines kept; a line without a name that `patterns` holds is replaced).
+
+    Raises:
+      ValueError: it does not fit in ``RECORD_LENGTH`` bytes.
+    """
+    others = []
+    for line in decode(values):
+        name, tab, pattern = line.rpartition("\t")
+        if name != model_name and not (not tab and pattern in patterns):
+            others.append(line)
+    return encode((*others, *(f"{model_name}\t{p}" for p in patterns)))
 
 
 def known_cause(state) -> str | None:

@@ -37,8 +37,10 @@ point                             what happens
                                   of the metrics (``step_metrics.py``), the logs'
                                   ``loss_scale`` / ``skipped_steps``
 ``after_train_call``              the float32 fallback (``fallback.py``: when
-                                  to look, decide per replica, agree, apply);
-                                  else the stuck-at-floor warning
+                                  to look, decide per replica, agree, apply;
+                                  on fit's first batch, or on a
+                                  ``train_on_batch`` call's own); else the
+                                  stuck-at-floor warning
 ``epoch_results``                 the epoch's metrics with tfamp's keys set
                                   aside; NaN for a metric nothing finite reached
 ``state_dict`` / ``load_state_dict``  the scale, skipped steps and moved layers as
@@ -53,6 +55,7 @@ worker is agreed there before it is applied.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -144,6 +147,7 @@ class ModelPrecision:
         self.probe_first_step = False  # the probe waits for fit's first train call
         self._fit_data = None  # (args, kwargs) of that fit, while the probe waits
         self._in_fit = False  # inside the model's fit hook (its probe is set up there)
+        self._record_read_on_batch = False  # the first train_on_batch read the record
         self._recorders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.loop = ModelLoop(model, self.cls.call, lambda: self.config, settings.check,
                               self.built_scale_owner)
@@ -654,7 +658,7 @@ class ModelPrecision:
         variable = self.record_variable()
         if variable is None:
             return
-        recorded = fallback.decode(variable.numpy())
+        recorded = fallback.recorded_for(variable.numpy(), self.model.name)
         missing = tuple(p for p in recorded if p not in self.fallback.moved)
         if missing:
             self.apply_fallback(missing)
@@ -676,7 +680,18 @@ class ModelPrecision:
     def train_on_batch(self, args, kwargs):
         """Keras's ``train_on_batch``. Its list (``return_dict=False``, the default) is
         float32's, without tfamp's log keys: a model with only a loss gets its loss
-        as a number, as scripts print it (``"%f" % loss``); a dict keeps them."""
+        as a number, as scripts print it (``"%f" % loss``); a dict keeps them.
+        The call's batch is the one the float32 fallback and the stuck warning
+        look at while the call runs (a GAN's loop of ``train_on_batch`` calls has
+        no fit data to re-read). The first call re-applies a restored fallback
+        record, as each fit's start does."""
+        if not self._record_read_on_batch and self.settings.loss_scale is not None:
+            self._record_read_on_batch = True
+            self.on_train_begin()
+        with _batch_of_this_call(self.model, args, kwargs):
+            return self._train_on_batch(args, kwargs)
+
+    def _train_on_batch(self, args, kwargs):
         cls, model = self.cls, self.model
         signature = _signature(cls.train_on_batch)
         if _passes_keywords_on(signature):
@@ -873,7 +888,8 @@ class ModelPrecision:
         if variable is None:
             return
         try:
-            variable.assign(fallback.encode(state.moved))
+            variable.assign(fallback.record_with(variable.numpy(), self.model.name,
+                                                 state.moved))
         except ValueError as err:
             log.warning("tfamp: %s A resumed run will not keep the fallback: make it "
                         "permanent with keep_fp32.", err)
@@ -963,6 +979,27 @@ class FirstTrainCall:
 
 
 _recorders_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _batch_of_this_call(model, args, kwargs):
+    """``model._tfamp_fit_batch`` is `train_on_batch`'s own batch while the call runs
+    (x, y, sample_weight: the first three parameters in both Kerases; no copy, the
+    caller's arrays are only read during the call); fit's, if any, afterwards."""
+    x, y, sample_weight = (args[i] if len(args) > i else kwargs.get(name)
+                           for i, name in enumerate(("x", "y", "sample_weight")))
+    batch = (x if y is None and sample_weight is None
+             else (x, y) if sample_weight is None else (x, y, sample_weight))
+    had = "_tfamp_fit_batch" in model.__dict__
+    previous = model.__dict__.get("_tfamp_fit_batch")
+    object.__setattr__(model, "_tfamp_fit_batch", lambda: batch)
+    try:
+        yield
+    finally:
+        if had:
+            object.__setattr__(model, "_tfamp_fit_batch", previous)
+        else:
+            model.__dict__.pop("_tfamp_fit_batch", None)
 
 
 def _read_once(read):

@@ -168,9 +168,10 @@ def own_step_gradients(model, train_step, batch):
 
 
 def diagnose_keras_model(model) -> str | None:
-    """For the stuck-at-floor warning: localise on the first batch ``fit`` was given.
+    """For the stuck-at-floor warning: localise on the batch tfamp kept.
 
-    Uses the batch ``tfamp.enable``'s fit hook kept, the model's tfamp config
+    Uses the batch ``tfamp.enable``'s hooks kept (fit's first, or the running
+    ``train_on_batch`` call's), the model's tfamp config
     and the optimizer's current loss scale. Returns a sentence, or None when no
     batch is known.
     """
@@ -185,6 +186,7 @@ def diagnose_keras_model(model) -> str | None:
     found = locate_keras_nonfinite(model, x, y, sample_weight, loss_scale=scale,
                                    strategy=flavour_of(model).distribute_strategy(model))
     if found is None:
-        return (f"re-running the first batch of fit's data at loss scale {scale:g} gave no "
-                f"inf/nan, so the failing batches differ (check the data).")
+        return (f"re-running the batch tfamp kept (fit's first, or this train_on_batch "
+                f"call's) at loss scale {scale:g} gave no inf/nan, so the failing "
+                f"batches differ (check the data).")
     return found.describe()
