@@ -183,6 +183,64 @@ def test_a_custom_loop_starts_at_a_scale_from_its_own_gradients(tmp_path, flavou
             in fixed.stderr), fixed.stderr[-2000:]
 
 
+COMPILED_OPTIMIZER_LOOP = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    flavour, which = sys.argv[1], sys.argv[2]
+    if flavour == "tf_keras":
+        import tf_keras as keras
+    else:
+        keras = tf.keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    optimizer = model.optimizer if which == "compiled" else keras.optimizers.SGD(0.01)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 16)).astype("float32")
+    y = 8.0 * rng.normal(size=(256, 1)).astype("float32")
+    before = [w.copy() for w in model.get_weights()]
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    for i in range(8):
+        step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)])
+    from tfamp.runtime import startup
+    print(json.dumps({
+        "optimizer": type(optimizer).__name__,
+        "skipped": int(startup.process_scale_state().skipped_steps.numpy()),
+        "update": [(a - b).ravel().tolist() for a, b in zip(model.get_weights(), before)]}))
+""")
+
+
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+def test_a_custom_loop_with_the_compiled_optimizer_halves_the_scale_it_seeds_with(
+        tmp_path, flavour):
+    """The compiled model's optimizer (tfamp's loss-scale optimizer under TFAMP_ENABLE)
+    in a custom loop: the tape seeds with the process-wide scale, so that scale must
+    be the one that halves when a step overflows. (It used to halve its own, unused,
+    scale: the process scale stayed at 2^15 and 7 of 8 steps were skipped, update
+    cosine 0.31 against float32's.) Same skips and update as with a plain optimizer."""
+    script = tmp_path / "loop.py"
+    script.write_text(COMPILED_OPTIMIZER_LOOP)
+    runs = {which: last_json(run([str(script), flavour, which], tmp_path, TFAMP_ENABLE="1",
+                                 TFAMP_INITIAL_SCALE="32768"))
+            for which in ("compiled", "own")}
+    compiled, own = runs["compiled"], runs["own"]
+    assert compiled["optimizer"] == "LossScaleOptimizer" and own["optimizer"] == "SGD"
+    assert 1 <= own["skipped"] <= 3  # 2^15 overflows here; halving fixes it
+    assert compiled["skipped"] == own["skipped"]
+    for got, want in zip(compiled["update"], own["update"], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-9)
+
+
 ONE_CHANNEL_NORM_LOOP = textwrap.dedent("""
     import json, sys
     import tensorflow as tf

@@ -213,6 +213,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         variables = (list(trainable_variables) if trainable_variables is not None
                      else list(self._trainable_variables))
         scaled_here = step_scope.consume_scaled_loss(self)
+        update, skipped_steps = self._update_state, self.skipped_steps
+        if pending is None and not scaled_here and step_scope.take_process_scaled():
+            # TFAMP_ENABLE's custom-loop tape scaled these gradients with its
+            # process-wide scale (and unscaled them): that scale's owner checks
+            # and adapts, or it would never halve while this one did, unused.
+            process = step_scope.process_owner()
+            if process is not None and process is not self:
+                pending = process
+                update, skipped_steps = process.update_from_flags, process.skipped_steps
         step_scope.note_update(pending, scaled=pending is not None or scaled_here)
         if scaled_here:
             scale = self.dynamic_scale
@@ -221,7 +230,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._variable_names = [v.path for g, v in zip(grads, variables, strict=True)
                                 if g is not None]
         apply_if_finite(grads, lambda g: self.inner_optimizer.apply(g, trainable_variables),
-                        self._update_state, skipped_steps=self.skipped_steps)
+                        update, skipped_steps=skipped_steps)
 
     # -- what every scale owner answers (scale_state.py) ---------------------
 

@@ -32,7 +32,7 @@ from tfamp.keras.scale_state import (
     validate_settings,
     warn_stuck,
 )
-from tfamp.keras.scale_update import loss_scale_ops, mark_scaled
+from tfamp.keras.scale_update import apply_gradients_if_finite, loss_scale_ops, mark_scaled
 
 log = logging.getLogger("tfamp")
 
@@ -122,6 +122,16 @@ class _TfampScaling:
         if step_scope.current_probe() is not None:
             return step_scope.probe_apply_result(self)
         pending = step_scope.take_pending()
+        process = _process_scaled_for(self, pending)
+        if process is not None:
+            # TFAMP_ENABLE's custom-loop tape scaled these gradients with its
+            # process-wide scale (and unscaled them): that scale's owner checks
+            # and adapts, or it would never halve while this one did, unused.
+            self._loss_has_been_scaled = self._gradients_have_been_unscaled = True
+            step_scope.note_update(process, scaled=True)
+            return apply_gradients_if_finite(
+                self.inner_optimizer, _inner_apply_gradients, grads_and_vars, args, kwargs,
+                process.update_from_flags, skipped_steps=process.skipped_steps)
         if pending is not None:
             # tfamp's tape hook scaled and unscaled (a custom loop); this optimizer
             # checks finiteness itself. Keeps tf_keras's "you forgot" warning quiet.
@@ -211,6 +221,19 @@ class LegacyLossScaleOptimizer(_TfampScaling, keras_lso.LossScaleOptimizer):
 
     _keras_api_names = ("keras.mixed_precision.LossScaleOptimizer",)
     _keras_api_names_v1 = ("keras.mixed_precision.LossScaleOptimizer",)
+
+
+def _process_scaled_for(optimizer, pending):
+    """TFAMP_ENABLE's process-wide scale owner where it scaled the gradients this
+    update applies (and no tape of an enabled model did), else None."""
+    if pending is not None or not step_scope.take_process_scaled():
+        return None
+    owner = step_scope.process_owner()
+    return None if owner is None or owner is optimizer else owner
+
+
+def _inner_apply_gradients(inner, grads_and_vars, *args, **kwargs):
+    return inner.apply_gradients(grads_and_vars, *args, **kwargs)
 
 
 def loss_scale_optimizer_class(inner_optimizer) -> type:

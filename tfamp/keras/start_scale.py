@@ -868,8 +868,9 @@ def _checked_on_16bit(found: _Found, concrete, recorder: Recorder, batch, rewrit
     if not np.all(np.isfinite(maxes)):
         return dataclasses.replace(found, checked=(
             f"the float16 step overflowed at {', '.join(powers)}: no loss scale helps "
-            f"there (an overflow in the forward pass, whose layer tfamp then moves to "
-            f"float32)"))
+            f"there (an overflow in the forward pass: fit and train_on_batch then move "
+            f"its layer to float32; a custom loop keeps it float32 with keep_fp32 / "
+            f"TFAMP_KEEP_FP32, or runs in bfloat16)"))
     sixteen = np.where(mask, maxes, 0.0)
     k = int(np.argmax(sixteen))
     overflowed = f"; it overflowed at {', '.join(powers[:-1])}" if len(tried) > 1 else ""

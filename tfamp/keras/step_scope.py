@@ -15,7 +15,10 @@ and write it; it imports nothing of theirs.
   by the model's one scale, and the updates are counted (scaled or not).
 * **Pending scaled steps** (``push_pending`` / ``take_pending``): a tape scaled
   a loss with an owner's scale; the next optimizer update in the trace
-  checks finiteness and updates that owner's scale.
+  checks finiteness and updates that owner's scale. ``push_process_scaled`` /
+  ``take_process_scaled``: the same for TFAMP_ENABLE's process-wide scale, so
+  that a tfamp loss-scale optimizer applying those gradients (a custom loop
+  with the compiled model's optimizer) updates that scale, not its own.
 * **Losses a loss-scale optimizer scaled itself** (tf_keras ``get_scaled_loss``:
   ``note_scaled_loss`` / ``take_scaled_loss``; Keras 3 ``scale_loss``:
   ``mark_scaled_loss`` / ``consume_scaled_loss``, per optimizer).
@@ -179,6 +182,27 @@ def take_pending():
         return None
     pending = _per_graph("pending").get(tf.compat.v1.get_default_graph())
     return pending.pop(0) if pending else None
+
+
+def push_process_scaled() -> None:
+    """TFAMP_ENABLE's custom-loop tape scaled a loss with the process-wide scale in
+    this trace and thread (``take_process_scaled``: the update that checks it)."""
+    table = _per_graph("process_scaled")
+    graph = tf.compat.v1.get_default_graph()
+    table[graph] = table.get(graph, 0) + 1
+
+
+def take_process_scaled() -> bool:
+    """True (once per scaled loss) if the process-wide scale scaled a loss in this
+    trace and thread and no update has taken it yet."""
+    if tf.executing_eagerly():
+        return False
+    table = _per_graph("process_scaled")
+    graph = tf.compat.v1.get_default_graph()
+    if not table.get(graph):
+        return False
+    table[graph] -= 1
+    return True
 
 
 # -- Keras 3 scale_loss: per optimizer --------------------------------------------------

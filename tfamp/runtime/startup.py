@@ -408,6 +408,8 @@ def _patch_custom_loops(active: _Activation) -> None:
         if not tf.executing_eagerly():
             active.custom_loop_scaled = True
         grads = original_gradient(self, target, sources, seed(target, scale), **kwargs)
+        if not tf.executing_eagerly():
+            step_scope.push_process_scaled()
         return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
 
     tf.GradientTape.gradient = gradient
@@ -555,6 +557,7 @@ def _patch_keras3_apply(active: _Activation) -> None:
                 or getattr(self, step_scope.INNER_MARK, False)):
             return original(self, grads, trainable_variables)
         _tell_if_eager(active)
+        step_scope.take_process_scaled()  # checked here
         scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,
                                             functools.partial(_update_process_scale, active),
                                             skipped_steps=_scale_state(active).skipped_steps)
@@ -572,8 +575,9 @@ def _patch_apply_gradients(active: _Activation, optimizer_class) -> None:
                 or getattr(self, "_is_wrapped_by_loss_scale_optimizer", False)):
             return original(self, grads_and_vars, *args, **kwargs)
         _tell_if_eager(active)
-        from tfamp.keras import scale_update
+        from tfamp.keras import scale_update, step_scope
 
+        step_scope.take_process_scaled()  # checked here
         return scale_update.apply_gradients_if_finite(
             self, original, grads_and_vars, args, kwargs,
             functools.partial(_update_process_scale, active),
