@@ -339,7 +339,8 @@ def record_with(values, model_name: str, patterns: tuple[str, ...]) -> list[int]
     others = []
     for line in decode(values):
         name, tab, pattern = line.rpartition("\t")
-        if name != model_name and not (not tab and pattern in patterns):
+        replaced = name == model_name if tab else pattern in patterns
+        if not replaced:
             others.append(line)
     return encode((*others, *(f"{model_name}\t{p}" for p in patterns)))
 

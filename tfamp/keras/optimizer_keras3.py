@@ -214,14 +214,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                      else list(self._trainable_variables))
         scaled_here = step_scope.consume_scaled_loss(self)
         update, skipped_steps = self._update_state, self.skipped_steps
-        if pending is None and not scaled_here and step_scope.take_process_scaled():
-            # TFAMP_ENABLE's custom-loop tape scaled these gradients with its
-            # process-wide scale (and unscaled them): that scale's owner checks
-            # and adapts, or it would never halve while this one did, unused.
-            process = step_scope.process_owner()
-            if process is not None and process is not self:
-                pending = process
-                update, skipped_steps = process.update_from_flags, process.skipped_steps
+        process = (step_scope.take_process_owner(self)
+                   if pending is None and not scaled_here else None)
+        if process is not None:  # a TFAMP_ENABLE custom loop's tape scaled them
+            pending = process
+            update, skipped_steps = process.update_from_flags, process.skipped_steps
         step_scope.note_update(pending, scaled=pending is not None or scaled_here)
         if scaled_here:
             scale = self.dynamic_scale

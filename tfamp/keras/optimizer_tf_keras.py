@@ -122,11 +122,8 @@ class _TfampScaling:
         if step_scope.current_probe() is not None:
             return step_scope.probe_apply_result(self)
         pending = step_scope.take_pending()
-        process = _process_scaled_for(self, pending)
-        if process is not None:
-            # TFAMP_ENABLE's custom-loop tape scaled these gradients with its
-            # process-wide scale (and unscaled them): that scale's owner checks
-            # and adapts, or it would never halve while this one did, unused.
+        process = step_scope.take_process_owner(self) if pending is None else None
+        if process is not None:  # a TFAMP_ENABLE custom loop's tape scaled them
             self._loss_has_been_scaled = self._gradients_have_been_unscaled = True
             step_scope.note_update(process, scaled=True)
             return apply_gradients_if_finite(
@@ -221,15 +218,6 @@ class LegacyLossScaleOptimizer(_TfampScaling, keras_lso.LossScaleOptimizer):
 
     _keras_api_names = ("keras.mixed_precision.LossScaleOptimizer",)
     _keras_api_names_v1 = ("keras.mixed_precision.LossScaleOptimizer",)
-
-
-def _process_scaled_for(optimizer, pending):
-    """TFAMP_ENABLE's process-wide scale owner where it scaled the gradients this
-    update applies (and no tape of an enabled model did), else None."""
-    if pending is not None or not step_scope.take_process_scaled():
-        return None
-    owner = step_scope.process_owner()
-    return None if owner is None or owner is optimizer else owner
 
 
 def _inner_apply_gradients(inner, grads_and_vars, *args, **kwargs):

@@ -205,6 +205,16 @@ def take_process_scaled() -> bool:
     return True
 
 
+def take_process_owner(optimizer):
+    """TFAMP_ENABLE's process-wide scale owner where its tape scaled the gradients the
+    loss-scale `optimizer` now applies (that owner, not the optimizer's own scale,
+    must check and adapt), else None. Takes the mark (``take_process_scaled``)."""
+    if not take_process_scaled():
+        return None
+    owner = process_owner()
+    return None if owner is None or owner is optimizer else owner
+
+
 # -- Keras 3 scale_loss: per optimizer --------------------------------------------------
 
 def mark_scaled_loss(optimizer, scaled) -> None:
