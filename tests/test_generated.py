@@ -381,6 +381,47 @@ def test_a_rewrite_that_raises_or_edits_its_input_is_caught(monkeypatch):
     assert failure.signature() == ("raises", "float16", "KeyError@")
 
 
+# A step TensorFlow traces and then refuses to run, float32 alike: 32 values cannot
+# be 7 wide. (45000613, a LayerNormalization then an add, fails so on this CPU: grappler
+# and oneDNN's layer-norm fusion hand the kernel a [1, 16] offset.)
+_REFUSED = textwrap.dedent('''
+    import numpy as np
+    import tensorflow as tf
+
+    def build():
+        w = tf.Variable(np.eye(8, dtype=np.float32))
+
+        @tf.function
+        def step(x):
+            return {"y": tf.reshape(tf.matmul(x, w), [-1, 7])}
+
+        return step, [w]
+
+    def make_inputs():
+        return [tf.constant(np.ones((4, 8)), tf.float32)]
+
+    def input_specs():
+        return [tf.TensorSpec([None, 8], tf.float32)]
+''')
+
+
+def test_a_program_tensorflow_refuses_still_has_its_rewrite_checked(monkeypatch):
+    """A program whose float32 run TensorFlow itself fails is no failure of the rewrite
+    (and was counted as one); its rewrite is still checked, its runs are not."""
+    outcome = invariants.check(source.load(_REFUSED), _FLOAT16)
+    assert outcome.ok, _failures(outcome)
+    assert outcome.refused.startswith("InvalidArgumentError") and outcome.compared == 0
+    real = invariants.tfamp.rewrite_graph_def
+
+    def editing(graph_def, *args, **kwargs):
+        graph_def.node[0].attr["_touched"].b = True
+        return real(graph_def, *args, **kwargs)
+
+    monkeypatch.setattr(invariants.tfamp, "rewrite_graph_def", editing)
+    outcome = invariants.check(source.load(_REFUSED), _FLOAT16)
+    assert [f.invariant for f in outcome.failures] == ["input_mutated"]
+
+
 _XLA_FLOAT16 = [invariants.Config("float16", True, runtime="xla")]
 
 

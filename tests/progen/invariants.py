@@ -140,6 +140,10 @@ class Outcome:
     compiled: int = 0
     not_compiled: int = 0
     seconds: float = 0.0
+    # TensorFlow's own float32 run of the program fails at run time (a kernel or a
+    # grappler pass of TensorFlow's, not the rewrite): what it said. The rewrite is
+    # still checked (invariants 1-5); its runs are not, having nothing to compare to.
+    refused: str = ""
 
     @property
     def ok(self) -> bool:
@@ -167,8 +171,21 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
         snapshot = [v.numpy() for v in captured]
         state = full_state(concrete, state)
         before = [v.numpy() for v in state]
+    except Exception as err:  # (the program cannot be built: a generator bug)
+        outcome.failures.append(Failure("program", "float32", _describe(err),
+                                        type(err).__name__))
+        outcome.seconds = time.perf_counter() - start
+        return outcome
+    try:
         clean = _run(concrete, inputs, state)
-    except Exception as err:  # (the program itself does not run: a generator bug)
+    except tf.errors.OpError as err:
+        # TensorFlow refuses the float32 program it traced (45000613: grappler's
+        # arithmetic optimizer and the oneDNN layer-norm fusion give a kernel an
+        # offset of shape [1, 16]; 44000326: a oneDNN reorder). A user's script
+        # would fail alike without tfamp; the rewrite is still checked.
+        outcome.refused = _describe(err)
+        numerics = False
+    except Exception as err:  # (anything else: the generator's program is wrong)
         outcome.failures.append(Failure("program", "float32", _describe(err),
                                         type(err).__name__))
         outcome.seconds = time.perf_counter() - start
@@ -596,6 +613,9 @@ def main(module) -> int:
     outcome = check(module)
     for failure in outcome.failures:
         print(failure, file=sys.stderr)
+    if outcome.refused:
+        print(f"TensorFlow's own float32 run fails, numerics not judged: {outcome.refused}",
+              file=sys.stderr)
     print(f"{'ok' if outcome.ok else 'FAILED'}: {outcome.compared} outputs compared, "
           f"{outcome.skipped} ill-conditioned, {outcome.seconds:.1f} s")
     return 0 if outcome.ok else 1

@@ -47,6 +47,7 @@ class Result:
     retried: int = 0  # checked again after a transient oneDNN error (TRANSIENT_ERRORS)
     compiled: int = 0  # XLA configurations run compiled by XLA (see invariants.Outcome)
     not_compiled: int = 0  # ... and run on the executor (XLA does not compile float32's)
+    refused: str = ""  # TensorFlow's own float32 run failed (see invariants.Outcome)
 
 
 # TensorFlow's oneDNN CPU convolutions (mkl_conv_ops.cc) now and then fail to
@@ -60,9 +61,10 @@ class Result:
 TRANSIENT_ERRORS = ("could not create a primitive descriptor",)
 
 
-def is_transient(failures) -> bool:
-    """True if every failure is one of TensorFlow's transient oneDNN errors."""
-    texts = [str(f) for f in failures]
+def is_transient(failures, refused: str = "") -> bool:
+    """True if every failure (and TensorFlow's own refusal, if any) is one of
+    TensorFlow's transient oneDNN errors."""
+    texts = [str(f) for f in failures] + ([refused] if refused else [])
     return bool(texts) and all("AbortedError" in t and any(e in t for e in TRANSIENT_ERRORS)
                                for t in texts)
 
@@ -75,7 +77,7 @@ def check_seed(seed: int) -> Result:
     text = source.render(program, f"generated program {seed}")
     outcome = invariants.check(source.load(text))
     retried = 0
-    if is_transient(outcome.failures):
+    if is_transient(outcome.failures, outcome.refused):
         retried = 1
         outcome = invariants.check(source.load(text))  # (a fresh build of the program)
     return Result(seed, outcome.ok, outcome.seconds, [str(f) for f in outcome.failures],
@@ -83,7 +85,7 @@ def check_seed(seed: int) -> Result:
                   outcome.skipped, max(outcome.ratios, default=0.0), program.size(),
                   program.features(), [[round(a, 3), round(b, 3)] for a, b in outcome.errors],
                   outcome.unjudged_nonfinite, retried, outcome.compiled,
-                  outcome.not_compiled)
+                  outcome.not_compiled, outcome.refused)
 
 
 def _worker() -> int:
@@ -193,6 +195,8 @@ def summary(results: list[Result], seconds: float) -> dict:
                                                     if r.unjudged_nonfinite),
         "max_error_to_bound": round(max((r.max_ratio for r in results), default=0.0), 4),
         "retried_after_transient_errors": sorted(r.seed for r in results if r.retried),
+        # (programs TensorFlow's own float32 run fails: rewrite checked, runs not)
+        "tensorflow_refuses": {r.seed: r.refused for r in results if r.refused},
         "xla_runs_compiled": sum(r.compiled for r in results),
         "xla_runs_on_the_executor": sum(r.not_compiled for r in results),
         "statements": sum(r.size for r in results),
@@ -224,6 +228,8 @@ def main(argv=None) -> int:
         log_file.write(json.dumps(dataclasses.asdict(result)) + "\n")
         log_file.flush()
         mark = "ok" if result.ok else "FAILED " + "; ".join(result.failures)[:300]
+        if result.refused:
+            mark += f" (TensorFlow's float32 run fails: {result.refused[:200]})"
         print(f"[{done}/{total}] program {result.seed}: {mark} ({result.seconds:.1f} s)",
               flush=True)
 
