@@ -377,10 +377,28 @@ def _run(concrete, inputs, state) -> tuple[list[tuple[str, np.ndarray]], list[np
 
 
 def full_state(concrete, state: list) -> list:
-    """The program's `state`, then any other variable the step captures (a
-    tf_keras optimizer's learning rate), in capture order."""
+    """The program's `state`, then any other variable the step captures (an
+    optimizer's slots, iteration count and learning rate), in the order the
+    step's graph first reads them.
+
+    Not in capture order: each build of a program is compared with the others
+    variable by variable (the noisy builds with float32's), and a Keras 3
+    optimizer's variables are captured in another order in every trace
+    (45000237: Adam's momentum of one layer judged against another's velocity,
+    or skipped as shaped differently). The graph's ops come in trace order,
+    which is the same in every build."""
     known = {id(v) for v in state}
-    return state + [v for v in concrete.variables if id(v) not in known]
+    extra = [v for v in concrete.variables if id(v) not in known]
+    placeholder = {id(outer): inner.op.name for outer, inner in concrete.graph.captures}
+    wanted = {placeholder.get(id(v.handle)): v for v in extra}
+    first_read: dict[int, int] = {}
+    for index, op in enumerate(concrete.graph.get_operations()):
+        for tensor in op.inputs:
+            variable = wanted.get(tensor.op.name)
+            if variable is not None and id(variable) not in first_read:
+                first_read[id(variable)] = index
+    unread = len(first_read)  # (a variable no op reads keeps its capture order, last)
+    return state + sorted(extra, key=lambda v: first_read.get(id(v), unread))
 
 
 def _restore(variables, values) -> None:
