@@ -310,6 +310,51 @@ def test_an_eager_loop_is_told_it_runs_float32_even_when_the_script_traces_later
     assert "@tf.function" in lines[0]
 
 
+TRACED_GRADIENTS_EAGER_UPDATE = """
+import json, sys
+import numpy as np
+import tensorflow as tf
+if sys.argv[1] == "tf_keras":
+    import tf_keras as keras
+else:
+    import keras
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(10, activation="relu"),
+                          keras.layers.Dense(3)])
+optimizer = keras.optimizers.SGD(1e-2)
+
+@tf.function  # the tensorflow/docs walkthrough's grad(), decorated; the update stays eager
+def grad(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+x = np.random.default_rng(0).random((32, 4)).astype("float32")
+y = np.zeros((32, 3), "float32")
+changed = []
+for batch in (x, x * 1e5, x):  # the second's Dense output overflows float16, not float32
+    before = [w.numpy() for w in model.trainable_variables]
+    loss, grads = grad(batch, y)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    changed.append(any(not np.array_equal(b, w.numpy())
+                       for b, w in zip(before, model.trainable_variables)))
+print(json.dumps({"changed": changed}))
+"""
+
+
+@pytest.mark.parametrize("flavour", ["tf_keras", "keras3"])
+def test_traced_gradients_applied_eagerly_are_not_told_they_run_float32(tmp_path, flavour):
+    """The line said "runs in float32, decorate the step" to a script whose gradients
+    come from a traced function: those are mixed precision and scaled, and the eager
+    update skips the step that overflows float16."""
+    result = run(["-c", TRACED_GRADIENTS_EAGER_UPDATE, flavour], tmp_path, TFAMP_ENABLE="1",
+                 TFAMP_INITIAL_SCALE="1024")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [line for line in tfamp_lines(result.stderr) if "eagerly" in line], \
+        tfamp_lines(result.stderr)
+    assert last_json(result)["changed"] == [True, False, True]
+
+
 def test_a_step_talking_to_other_workers_is_not_probed_by_the_hook():
     """The custom-loop probe runs on one machine's strategy (its collectives on
     /job:localhost) but not where workers would each pick a scale alone."""

@@ -72,6 +72,9 @@ class _Activation:
         self.steps_aside_for = lambda owner: False
         self.stepped_aside: list[str] = []  # model names, for the exit notice
         self.told_eager = False  # the eager-step line was given (once per process)
+        # The last loss a tape differentiated was in a traced function (so rewritten
+        # and scaled there), even if its gradients are then applied eagerly.
+        self.loss_tape_traced = False
         # A traced custom-loop step scaled a tape with the process-wide scale, and
         # whether its start scale was looked for (_custom_loop_start_scale).
         self.custom_loop_scaled = False
@@ -401,8 +404,11 @@ def _patch_custom_loops(active: _Activation) -> None:
 
     @functools.wraps(original_gradient)
     def gradient(self, target, sources, output_gradients=None, **kwargs):
+        loss_target = is_loss_target(target, sources)
+        if loss_target:
+            active.loss_tape_traced = not tf.executing_eagerly()
         if (_scaled_elsewhere(active) or output_gradients is not None
-                or not is_loss_target(target, sources) or is_scaled(target)):
+                or not loss_target or is_scaled(target)):
             return original_gradient(self, target, sources, output_gradients, **kwargs)
         scale = _scale_state(active).current_loss_scale
         if not tf.executing_eagerly():
@@ -587,8 +593,12 @@ def _patch_apply_gradients(active: _Activation, optimizer_class) -> None:
 
 
 def _tell_if_eager(active: _Activation) -> None:
-    """One line, the first time a custom loop applies gradients eagerly (float32)."""
-    if active.told_eager:
+    """One line, the first time a custom loop applies gradients eagerly that an
+    eager tape computed (float32). Gradients of a traced function applied eagerly
+    (the tensorflow/docs walkthrough with its ``grad`` decorated) were computed in
+    mixed precision and scaled there; their eager update still skips a non-finite
+    step and adapts the scale: nothing to say."""
+    if active.told_eager or active.loss_tape_traced:
         return
     import tensorflow as tf
 
