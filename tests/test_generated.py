@@ -36,6 +36,19 @@ def test_generated_program(seed):
     assert outcome.ok, _failures(outcome, seed)
 
 
+@pytest.mark.parametrize("seed", [30, 77])  # (run 0's: Keras 3, tf_keras)
+def test_adamw_programs_clip_by_the_global_norm_and_pass(seed):
+    """AdamW with weight decay and global-norm clipping (grammar.ADAMW): the clip's one
+    norm over every gradient is read by every variable's update."""
+    program = grammar.generate(seed)
+    assert program.optimizer == grammar.ADAMW
+    text = source.render(program, f"program {seed}")
+    assert "AdamW(" in text and "global_clipnorm=1.0" in text
+    outcome = invariants.check(source.load(text))
+    assert outcome.ok, _failures(outcome, seed)
+    assert outcome.compared > 0
+
+
 # Programs of the long mode (run seed 2) that float32 itself could not run, before
 # three grammar rules (sessions 13, 14): a TensorList accumulator in an XLA function
 # without its maximum size (2000245), a cond in an XLA function differentiated

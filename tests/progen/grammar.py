@@ -134,6 +134,10 @@ _NOT_IN_ROW = {("keras_bn", "2d"), ("attention", "bias")} | {
     ("keras_rnn", v) for v in ("lstm", "gru", "simple_rnn")}
 
 OPTIMIZERS = ("none", "manual_sgd", "sgd", "momentum", "adam")
+# Half the Adam programs train with AdamW, weight decay and clipping by the global
+# norm (a transformer's usual optimizer: one norm over every gradient, read by every
+# update). Drawn from a stream of its own, so every other choice of a seed stays.
+ADAMW = "adamw_clip"
 FLAVOURS = ("tf_keras", "keras3")
 BATCH = 4
 ID_LENGTH = 8  # ids input: [batch, ID_LENGTH] int32 in [0, VOCAB)
@@ -173,7 +177,7 @@ class Program:
       dynamic_batch: traced with an unknown batch dimension.
       flavour: "tf_keras" or "keras3" (layers and optimizers).
       tape: the statements run under a GradientTape; the step returns gradients.
-      optimizer: one of OPTIMIZERS (with a tape).
+      optimizer: one of OPTIMIZERS, or ADAMW (with a tape).
       loss: "mse", "xent" (labels) or "mse_aux" (plus an earlier value's mean square).
       stmts: the top-level statements.
       outputs: trunk values returned besides the loss and gradients.
@@ -246,11 +250,14 @@ def generate(seed: int) -> Program:
     values = [s.out for s in stmts]
     outputs = rng.sample(values, k=min(len(values), rng.randint(0, 2)))
     loss = rng.choice(["mse", "xent", "mse_aux"]) if tape else "mse"
-    return Program(
+    program = Program(
         seed=seed, d=d, dynamic_batch=rng.random() < 0.25, flavour=rng.choice(FLAVOURS),
         tape=tape, optimizer=rng.choice(OPTIMIZERS) if tape else "none",
         loss=loss, stmts=stmts, outputs=outputs, int_output=rng.random() < 0.2,
         aux=rng.choice(values) if loss == "mse_aux" else "")
+    if program.optimizer == "adam" and random.Random(f"{seed}/adamw").random() < 0.5:
+        program.optimizer = ADAMW
+    return program
 
 
 class _Names:

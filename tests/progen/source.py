@@ -228,7 +228,9 @@ class _Writer:
             return
         made = {"sgd": f"K.optimizers.SGD(learning_rate={_LEARNING_RATE})",
                 "momentum": f"K.optimizers.SGD(learning_rate={_LEARNING_RATE}, momentum=0.875)",
-                "adam": "K.optimizers.Adam(learning_rate=2.0 ** -6)"}[opt]
+                "adam": "K.optimizers.Adam(learning_rate=2.0 ** -6)",
+                "adamw_clip": "K.optimizers.AdamW(learning_rate=2.0 ** -6, "
+                              "weight_decay=0.0625, global_clipnorm=1.0)"}[opt]
         self.setup += [f"opt = {made}", "if train:", "    opt.build(train)",
                        "    state.extend(opt.variables)"]
 
