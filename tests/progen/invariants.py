@@ -390,7 +390,8 @@ def full_state(concrete, state: list) -> list:
     known = {id(v) for v in state}
     extra = [v for v in concrete.variables if id(v) not in known]
     placeholder = {id(outer): inner.op.name for outer, inner in concrete.graph.captures}
-    wanted = {placeholder.get(id(v.handle)): v for v in extra}
+    wanted = {placeholder.get(id(getattr(v, "handle", None))): v for v in extra}
+    wanted.pop(None, None)  # (a variable without a captured handle: capture order)
     first_read: dict[int, int] = {}
     for index, op in enumerate(concrete.graph.get_operations()):
         for tensor in op.inputs:
