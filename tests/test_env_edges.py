@@ -310,6 +310,16 @@ def test_an_eager_loop_is_told_it_runs_float32_even_when_the_script_traces_later
     assert "@tf.function" in lines[0]
 
 
+def test_an_eager_loop_in_bfloat16_is_told_it_runs_float32_too(tmp_path):
+    """Without loss scaling the scaling patches were not installed, and with them the
+    line: a bfloat16 eager loop that traced something later was told nothing."""
+    result = run(["-c", EAGER_THEN_TRACED, "tf_keras"], tmp_path, TFAMP_ENABLE="1",
+                 TFAMP_DTYPE="bfloat16")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in tfamp_lines(result.stderr) if "applies gradients eagerly" in line]
+    assert len(lines) == 1, tfamp_lines(result.stderr)
+
+
 TRACED_GRADIENTS_EAGER_UPDATE = """
 import json, sys
 import numpy as np

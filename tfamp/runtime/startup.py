@@ -392,6 +392,7 @@ def _patch_keras_mixed_policies(active: _Activation) -> None:
 
 def _patch_custom_loops(active: _Activation) -> None:
     if active.settings.loss_scale is None:
+        _patch_eager_notice(active)
         return
     import tensorflow as tf
 
@@ -433,6 +434,39 @@ def _patch_custom_loops(active: _Activation) -> None:
             return original_compute(self, *args, **kwargs)
 
     optimizer_tf_keras.LossScaleOptimizer.compute_gradients = compute_gradients
+
+
+def _patch_eager_notice(active: _Activation) -> None:
+    """Without loss scaling (bfloat16, ``TFAMP_LOSS_SCALE=none``) there is nothing to
+    scale or skip, but an eager loop still runs float32 and is told so, once, as
+    with float16's scaling patches (``_tell_if_eager``)."""
+    import tensorflow as tf
+
+    from tfamp.keras.scale_update import is_loss_target
+
+    original_gradient = tf.GradientTape.gradient
+
+    @functools.wraps(original_gradient)
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        if is_loss_target(target, sources):
+            active.loss_tape_traced = not tf.executing_eagerly()
+        return original_gradient(self, target, sources, output_gradients, **kwargs)
+
+    tf.GradientTape.gradient = gradient
+
+    def telling(original):
+        @functools.wraps(original)
+        def apply(self, *args, **kwargs):
+            if not _scaled_elsewhere(active):
+                _tell_if_eager(active)
+            return original(self, *args, **kwargs)
+        return apply
+
+    for optimizer_class in _optimizer_classes():
+        optimizer_class.apply_gradients = telling(optimizer_class.apply_gradients)
+    keras3_optimizer = _keras3_optimizer_class()
+    if keras3_optimizer is not None:  # (its apply_gradients calls apply)
+        keras3_optimizer.apply = telling(keras3_optimizer.apply)
 
 
 def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
@@ -536,6 +570,18 @@ def _optimizer_classes():
     return [tf_keras.optimizers.Optimizer]
 
 
+def _keras3_optimizer_class():
+    """Keras 3's optimizer base on the TensorFlow backend, or None."""
+    try:
+        import keras
+    except ImportError:
+        return None
+    if (not getattr(keras, "__version__", "0").startswith("3")
+            or keras.backend.backend() != "tensorflow"):
+        return None
+    return keras.optimizers.Optimizer
+
+
 def _patch_keras3_apply(active: _Activation) -> None:
     """Custom loops on Keras 3 optimizers: ``apply`` (``apply_gradients`` calls it).
 
@@ -544,16 +590,13 @@ def _patch_keras3_apply(active: _Activation) -> None:
     ``iterations`` not advanced (Keras 3's own loss-scale optimizer's rule);
     the process-wide scale adapts once per step.
     """
-    try:
-        import keras
-    except ImportError:
+    optimizer_class = _keras3_optimizer_class()
+    if optimizer_class is None:
         return
-    if (not getattr(keras, "__version__", "0").startswith("3")
-            or keras.backend.backend() != "tensorflow"):
-        return
+    import keras
+
     from tfamp.keras import scale_update, step_scope
 
-    optimizer_class = keras.optimizers.Optimizer
     original = optimizer_class.apply
 
     @functools.wraps(original)
@@ -608,7 +651,8 @@ def _tell_if_eager(active: _Activation) -> None:
     log.warning("tfamp: a training step applies gradients eagerly (outside any tf.function), "
                 "so it runs in float32: tfamp rewrites traced graphs, and eager code runs as "
                 "written. Decorate the training step with @tf.function to train it in mixed "
-                "precision (its loss is then scaled too).")
+                "precision%s.", "" if active.settings.loss_scale is None
+                else " (its loss is then scaled too)")
 
 
 def _update_process_scale(active: _Activation, flags, *, count_skipped: bool = True) -> None:
