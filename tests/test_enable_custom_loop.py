@@ -157,6 +157,40 @@ def test_overflowing_batch_is_skipped_and_the_scale_halves(flavour, which):
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("which", ["model", "separate"])
+def test_gradients_a_traced_function_returns_are_checked_by_the_eager_update(flavour, which):
+    """tensorflow/docs' walkthrough with its grad() traced and the update eager: the
+    function's tape is scaled and unscaled, and an eager update with any optimizer but
+    tfamp's applied its inf/nan, making every weight NaN for good."""
+    model, own = make_model(flavour, compiled=which != "separate", optimizer="adam")
+    tfamp.enable(model, verbose=False)
+    used = model.optimizer if which == "model" else own
+
+    @tf.function
+    def grad(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    x, y = data()
+    bad = x.copy()
+    bad[0, 0] = 1e6  # float16 overflows in the forward, so the gradients are inf/nan
+    apply(flavour, used, grad(x, y), model.trainable_variables)
+    weights = [v.numpy() for v in model.trainable_variables]
+    state = optimizer_state(used)
+    apply(flavour, used, grad(bad, y), model.trainable_variables)
+    assert scale_of(model) == 2.0 ** 14
+    for before, variable in zip(weights, model.trainable_variables):
+        np.testing.assert_array_equal(before, variable.numpy())
+    for name, value in optimizer_state(used).items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    apply(flavour, used, grad(x, y), model.trainable_variables)
+    assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
+    assert any(not np.array_equal(b, v.numpy())
+               for b, v in zip(weights, model.trainable_variables))
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_loss_scaled_by_hand_is_scaled_once(flavour):
     _, _, want, _ = train(flavour, False)
     model, _, got, optimizer = train(flavour, True, scale_by_hand=True)

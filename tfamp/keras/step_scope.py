@@ -171,9 +171,11 @@ def _graph_key():
     return _EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
-def push_pending(owner) -> None:
-    """A tape scaled a loss with `owner`'s scale in this trace and thread."""
-    _per_graph("pending").setdefault(tf.compat.v1.get_default_graph(), []).append(owner)
+def push_pending(owner, sources=()) -> None:
+    """A tape scaled a loss with `owner`'s scale in this trace and thread,
+    differentiated for `sources` (what ``returned_owner`` matches)."""
+    _per_graph("pending").setdefault(tf.compat.v1.get_default_graph(), []).append(
+        (owner, frozenset(variable_ids(sources))))
 
 
 def take_pending():
@@ -181,12 +183,41 @@ def take_pending():
     if tf.executing_eagerly():
         return None
     pending = _per_graph("pending").get(tf.compat.v1.get_default_graph())
-    return pending.pop(0) if pending else None
+    return pending.pop(0)[0] if pending else None
+
+
+def returned_owner(variables):
+    """For an eager update: the owner whose scale a traced function's tape scaled
+    gradients of `variables` with, where no update in that trace took them (the
+    function returned them: the tensorflow/docs walkthrough's ``grad``), else None.
+    Those gradients were unscaled in the function but not checked; the eager
+    update checks them and updates that scale."""
+    wanted = variable_ids(variables)
+    for pending in list(_per_graph("pending").values()):
+        for owner, ids in pending:
+            if ids & wanted:
+                return owner
+    return None
+
+
+def variable_ids(variables) -> set[int]:
+    """ids of `variables` and, for Keras 3 variables, of the tf.Variable inside."""
+    ids = set()
+    for v in tf.nest.flatten(variables):
+        ids.add(id(v))
+        inner = getattr(v, "_value", None)
+        if inner is not None:
+            ids.add(id(inner))
+    return ids
 
 
 def push_process_scaled() -> None:
     """TFAMP_ENABLE's custom-loop tape scaled a loss with the process-wide scale in
-    this trace and thread (``take_process_scaled``: the update that checks it)."""
+    this trace (or eagerly) and thread (``take_process_scaled``: the update that
+    checks it)."""
+    if tf.executing_eagerly():
+        _local.eager_process_scaled = getattr(_local, "eager_process_scaled", 0) + 1
+        return
     table = _per_graph("process_scaled")
     graph = tf.compat.v1.get_default_graph()
     table[graph] = table.get(graph, 0) + 1
@@ -194,9 +225,15 @@ def push_process_scaled() -> None:
 
 def take_process_scaled() -> bool:
     """True (once per scaled loss) if the process-wide scale scaled a loss in this
-    trace and thread and no update has taken it yet."""
+    trace and thread and no update has taken it yet. Eagerly: an eager tape's mark,
+    else any trace's mark no update in it took (a function that returns its
+    gradients, applied eagerly: every call of it, so the mark is kept)."""
     if tf.executing_eagerly():
-        return False
+        eager = getattr(_local, "eager_process_scaled", 0)
+        if eager:
+            _local.eager_process_scaled = eager - 1
+            return True
+        return any(count > 0 for count in _per_graph("process_scaled").values())
     table = _per_graph("process_scaled")
     graph = tf.compat.v1.get_default_graph()
     if not table.get(graph):

@@ -16,7 +16,9 @@ there (``step_scope.py``):
   pending scaled step checks finiteness (all-reduced over replicas), skips a
   non-finite step and updates that owner's scale
   (``scale_update.apply_*_if_finite``); tfamp's loss-scale optimizers do so
-  themselves.
+  themselves. An eager update of gradients a traced function scaled and
+  returned (no update in its trace took them) checks them for that owner too
+  (``step_scope.returned_owner``).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def owner_for(target, sources):
 def _custom_loop_owner(target, sources):
     """In a custom loop: the owner of the enabled model whose rewritten call the loss
     depends on and whose variables are among the sources."""
-    source_ids = variable_ids(sources)
+    source_ids = step_scope.variable_ids(sources)
     owners, loops = {}, []
     # The nearest models first; where none of theirs is differentiated, the models
     # behind them (a GAN's generator loss, computed by the discriminator: its
@@ -67,7 +69,8 @@ def _custom_loop_owner(target, sources):
     for through in (False, True):
         for loop in step_scope.loops_reached(target, through=through):
             model = loop.model_ref()
-            if model is None or not (variable_ids(model.trainable_variables) & source_ids):
+            if model is None or not (
+                    step_scope.variable_ids(model.trainable_variables) & source_ids):
                 continue
             owner = loop.scale_owner()
             if owner is not None:
@@ -86,17 +89,6 @@ def _custom_loop_owner(target, sources):
     return next(iter(owners.values()), None)
 
 
-def variable_ids(variables) -> set[int]:
-    """ids of `variables` and, for Keras 3 variables, of the tf.Variable inside."""
-    ids = set()
-    for v in tf.nest.flatten(variables):
-        ids.add(id(v))
-        inner = getattr(v, "_value", None)
-        if inner is not None:
-            ids.add(id(inner))
-    return ids
-
-
 # tfamp's own graph code: AutoGraph (converting the user's step) must leave it as written.
 @tf.autograph.experimental.do_not_convert
 def _scaled_gradient(original, tape, target, sources, owner, kwargs):
@@ -104,7 +96,7 @@ def _scaled_gradient(original, tape, target, sources, owner, kwargs):
         scale = tf.cast(owner.scale_tensor(), tf.float32)
     grads = _differentiate(original, tape, target, sources,
                            scale_update.seed(target, scale), kwargs)
-    step_scope.push_pending(owner)
+    step_scope.push_pending(owner, sources)
     return tf.nest.map_structure(lambda g: scale_update.unscale(g, scale), grads)
 
 
@@ -176,6 +168,9 @@ def _tf_keras_apply_gradients(original):
         owner = step_scope.take_pending()
         if not step_scope.is_inner_optimizer(self):
             step_scope.note_update(owner)
+        if owner is None and tf.executing_eagerly():
+            grads_and_vars = list(grads_and_vars)
+            owner = step_scope.returned_owner([v for _, v in grads_and_vars])
         if owner is None:
             return original(self, grads_and_vars, *args, **kwargs)
         return scale_update.apply_gradients_if_finite(
@@ -203,6 +198,10 @@ def _patch_keras3_optimizer() -> None:
         owner = step_scope.take_pending()
         if not step_scope.is_inner_optimizer(self):
             step_scope.note_update(owner)
+        if owner is None and tf.executing_eagerly():
+            owner = step_scope.returned_owner(
+                getattr(self, "_trainable_variables", ()) if trainable_variables is None
+                else trainable_variables)
         if owner is None:
             return original(self, grads, trainable_variables)
         scale_update.apply_keras3_if_finite(self, original, grads, trainable_variables,

@@ -415,8 +415,7 @@ def _patch_custom_loops(active: _Activation) -> None:
         if not tf.executing_eagerly():
             active.custom_loop_scaled = True
         grads = original_gradient(self, target, sources, seed(target, scale), **kwargs)
-        if not tf.executing_eagerly():
-            step_scope.push_process_scaled()
+        step_scope.push_process_scaled()
         return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
 
     tf.GradientTape.gradient = gradient
