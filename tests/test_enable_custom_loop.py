@@ -180,14 +180,14 @@ def test_gradients_a_traced_function_returns_are_checked_by_the_eager_update(fla
     state = optimizer_state(used)
     apply(flavour, used, grad(bad, y), model.trainable_variables)
     assert scale_of(model) == 2.0 ** 14
-    for before, variable in zip(weights, model.trainable_variables):
+    for before, variable in zip(weights, model.trainable_variables, strict=True):
         np.testing.assert_array_equal(before, variable.numpy())
     for name, value in optimizer_state(used).items():
         np.testing.assert_array_equal(state[name], value, err_msg=name)
     apply(flavour, used, grad(x, y), model.trainable_variables)
     assert all(np.isfinite(v.numpy()).all() for v in model.trainable_variables)
     assert any(not np.array_equal(b, v.numpy())
-               for b, v in zip(weights, model.trainable_variables))
+               for b, v in zip(weights, model.trainable_variables, strict=True))
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
