@@ -24,8 +24,11 @@ times the scale below ``2**(16 - START_HEADROOM_BITS)`` = 16384, a quarter of
 float16's range (capped at 2**24,
 floored at the optimizer's ``min_scale``), halved up to twice more where that
 sends no more weight-gradient values below float16's smallest subnormal
-(``extra_room``: gradients can grow past two doublings after the first update);
-dynamic scaling takes over from there. The scale owner is then marked as
+(``extra_room``: gradients can grow past two doublings after the first update),
+and halved on down to TensorFlow's usual start 2**15 while that sends no more of
+them below float16's smallest either (a scale above 2**15 is taken only where it
+keeps gradients from underflowing; ``USUAL_START``); dynamic scaling takes over
+from there. The scale owner is then marked as
 calibrated only by the steps it takes:
 an owner whose scale state has run (good or skipped steps above 0, or a scale
 moved from its initial value, which a checkpoint restores) is never recalibrated
@@ -91,6 +94,21 @@ AFTER_FALLBACK_HEADROOM_BITS = START_HEADROOM_BITS + 4
 # there every halving loses values.
 EXTRA_ROOM_BITS = 2
 EXTRA_ROOM_UNDERFLOW = 1e-4
+# Above TensorFlow's and Keras's usual start, 2**15, a higher scale buys only
+# small gradients kept from underflowing; the risk it adds is a skipped step
+# when the gradients move. So the start comes down towards 2**15 for as long as
+# each halving sends no more than EXTRA_ROOM_UNDERFLOW of the weight-gradient
+# values below float16's smallest, and at most SETTLE_SUBNORMAL of them sit
+# below its smallest normal (where they keep fewer bits). Measured (BUILD_NOTES.md, session 38): keras.io's
+# collaborative filtering (one dot product over the whole batch) read max |g|
+# 0.0124 on its first batch, started at 2**18 and skipped its second step,
+# whose gradient was 20x larger (update cosine 0.935 against float32's); from
+# 2**15 it skips nothing (1.0000), with 0.9% of its weight-gradient values (its
+# L2 penalty's, on weights near 0) below float16's smallest normal. A tiny loss
+# (x1e-6, tests/patterns.py's VAE) keeps 2**21 or more of its 2**24: at 2**20
+# 1.3% of its values are there (6.5% at 2**17, and none underflows).
+USUAL_START = 2.0**15
+SETTLE_SUBNORMAL = 0.01
 # The start-scale line adds a note when at least this share of the weight-gradient
 # values sits below float16's smallest normal at the scale chosen (see
 # StartScale._subnormal_note). Measured (BUILD_NOTES.md, session 34): under
@@ -136,7 +154,8 @@ class StartScale:
       checked: what the check on the float16 step found (``_checked_on_16bit``),
         or "" where it did not run (a trace of its own).
       extra_room: halvings below ``choose_scale(max_abs)`` taken because they
-        lose no weight-gradient values (``extra_room``).
+        lose no weight-gradient values (``extra_room``; down to USUAL_START
+        where that takes more than EXTRA_ROOM_BITS).
     """
 
     scale: float
@@ -434,8 +453,9 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
         step's, not the same (which values it holds in 16 bits may differ).
       headroom_bits: ``choose_scale``'s room below float16's largest value.
       extra_bits: at most this many more halvings, where they send no more
-        weight-gradient values below float16's smallest (``extra_room``; 0: none;
-        None: EXTRA_ROOM_BITS).
+        weight-gradient values below float16's smallest (``extra_room``; 0: none,
+        nor any towards USUAL_START; None: EXTRA_ROOM_BITS), and more down to
+        USUAL_START on the same terms.
 
     Raises:
       ValueError: the step differentiated no float loss, or its float32
@@ -497,12 +517,21 @@ def _extra_room_agreed(local, top: float, scale: float, *, strategy, min_scale: 
     reaches: the first raised on all of them or none)."""
     # A scale at the 2**24 cap may have that room already.
     roomy = choose_scale(top, min_scale=min_scale, headroom_bits=headroom_bits + extra_bits)
-    extra_bits = min(extra_bits, round(math.log2(scale / roomy)))
-    if extra_bits <= 0:
+    room_bits = min(extra_bits, round(math.log2(scale / roomy)))
+    # And on down towards the usual start where that loses no values either (USUAL_START).
+    settle_bits = max(0, round(math.log2(scale / USUAL_START))) if extra_bits > 0 else 0
+    halvings = max(room_bits, settle_bits)
+    if halvings <= 0:
         return 0
-    # No weight-gradient histogram: nothing says the room is free.
-    rises = [local.underflow_share(scale / 2.0**j) - local.underflow_share(scale)
-             if local.weights is not None else math.inf for j in range(1, extra_bits + 1)]
+
+    def rise(j: int) -> float:
+        if local.weights is None:  # no weight-gradient histogram: nothing says it is free
+            return math.inf
+        if j > room_bits and local.subnormal_share(scale / 2.0**j) > SETTLE_SUBNORMAL:
+            return math.inf  # settling would cost bits
+        return local.underflow_share(scale / 2.0**j) - local.underflow_share(scale)
+
+    rises = [rise(j) for j in range(1, halvings + 1)]
     rises = replicas.agree_rows(strategy, np.asarray(rises, np.float64)).max(axis=0)
     return extra_room(list(rises), scale=scale, min_scale=min_scale)
 
