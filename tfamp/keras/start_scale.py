@@ -99,8 +99,8 @@ EXTRA_ROOM_UNDERFLOW = 1e-4
 # when the gradients move. So the start comes down towards 2**15 for as long as
 # each halving sends no more than EXTRA_ROOM_UNDERFLOW of the weight-gradient
 # values below float16's smallest, and at most SETTLE_SUBNORMAL of them sit
-# below its smallest normal (where they keep fewer bits). Measured (BUILD_NOTES.md, session 38): keras.io's
-# collaborative filtering (one dot product over the whole batch) read max |g|
+# below its smallest normal (where they keep fewer bits). Measured (BUILD_NOTES.md,
+# session 38): keras.io's collaborative filtering (one dot product over the whole batch) read max |g|
 # 0.0124 on its first batch, started at 2**18 and skipped its second step,
 # whose gradient was 20x larger (update cosine 0.935 against float32's); from
 # 2**15 it skips nothing (1.0000), with 0.9% of its weight-gradient values (its
