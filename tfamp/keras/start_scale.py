@@ -100,9 +100,10 @@ EXTRA_ROOM_UNDERFLOW = 1e-4
 # each halving sends no more than EXTRA_ROOM_UNDERFLOW of the weight-gradient
 # values below float16's smallest, and at most SETTLE_SUBNORMAL of them sit
 # below its smallest normal (where they keep fewer bits). Measured (BUILD_NOTES.md,
-# session 38): keras.io's collaborative filtering (one dot product over the whole batch) read max |g|
-# 0.0124 on its first batch, started at 2**18 and skipped its second step,
-# whose gradient was 20x larger (update cosine 0.935 against float32's); from
+# session 38): keras.io's collaborative filtering (one dot product over the
+# whole batch) read max |g| 0.0124 on its first batch, started at 2**18 and
+# skipped its second step, whose gradient was 20x larger (update cosine 0.935
+# against float32's); from
 # 2**15 it skips nothing (1.0000), with 0.9% of its weight-gradient values (its
 # L2 penalty's, on weights near 0) below float16's smallest normal. A tiny loss
 # (x1e-6, tests/patterns.py's VAE) keeps 2**21 or more of its 2**24: at 2**20
