@@ -26,9 +26,9 @@ floored at the optimizer's ``min_scale``), halved up to twice more where that
 sends no more weight-gradient values below float16's smallest subnormal
 (``extra_room``: gradients can grow past two doublings after the first update),
 and halved on down to TensorFlow's usual start 2**15 while that sends no more of
-them below float16's smallest either (a scale above 2**15 is taken only where it
-keeps gradients from underflowing; ``USUAL_START``); dynamic scaling takes over
-from there. The scale owner is then marked as
+them below float16's smallest either and at most 1% below its smallest normal (a
+scale above 2**15 is taken only where it keeps gradients from underflowing or
+their bits; ``USUAL_START``); dynamic scaling takes over from there. The scale owner is then marked as
 calibrated only by the steps it takes:
 an owner whose scale state has run (good or skipped steps above 0, or a scale
 moved from its initial value, which a checkpoint restores) is never recalibrated
@@ -103,9 +103,9 @@ EXTRA_ROOM_UNDERFLOW = 1e-4
 # session 38): keras.io's collaborative filtering (one dot product over the
 # whole batch) read max |g| 0.0124 on its first batch, started at 2**18 and
 # skipped its second step, whose gradient was 20x larger (update cosine 0.935
-# against float32's); from
-# 2**15 it skips nothing (1.0000), with 0.9% of its weight-gradient values (its
-# L2 penalty's, on weights near 0) below float16's smallest normal. A tiny loss
+# against float32's); from 2**15 it skips nothing (1.0000), with 0.9% of its
+# weight-gradient values (its L2 penalty's, on weights near 0) below float16's
+# smallest normal. A tiny loss
 # (x1e-6, tests/patterns.py's VAE) keeps 2**21 or more of its 2**24: at 2**20
 # 1.3% of its values are there (6.5% at 2**17, and none underflows).
 USUAL_START = 2.0**15
