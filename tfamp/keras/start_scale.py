@@ -28,8 +28,8 @@ sends no more weight-gradient values below float16's smallest subnormal
 and halved on down to TensorFlow's usual start 2**15 while that sends no more of
 them below float16's smallest either and at most 1% below its smallest normal (a
 scale above 2**15 is taken only where it keeps gradients from underflowing or
-their bits; ``USUAL_START``); dynamic scaling takes over from there. The scale owner is then marked as
-calibrated only by the steps it takes:
+their bits; ``USUAL_START``); dynamic scaling takes over from there. The scale
+owner is then marked as calibrated only by the steps it takes:
 an owner whose scale state has run (good or skipped steps above 0, or a scale
 moved from its initial value, which a checkpoint restores) is never recalibrated
 (``scale_state.scale_has_run``; the optimizer's ``iterations`` alone do not count).
