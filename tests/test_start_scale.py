@@ -277,6 +277,42 @@ def test_a_custom_loop_is_told_where_its_scale_starts(flavour, calibrate, caplog
         assert "starts at 32768" in note and "calibrate_loss_scale" in note, note
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_loop_with_the_compiled_optimizer_is_calibrated_before_its_first_step(flavour):
+    """The compiled model's optimizer is tfamp's loss-scale optimizer; a custom loop
+    that applies with it and calls ``calibrate_loss_scale`` first: Keras 3's is not
+    built before its first update, and setting its scale raised AttributeError
+    ('dynamic_scale'). Now the start it is built with is the probed one."""
+    import tensorflow as tf
+
+    keras = patterns.keras_module(flavour)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    tfamp.enable(model, verbose=False)
+    optimizer = model.optimizer
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype("float32")
+
+    @tf.function
+    def step(xb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - xb[:, :1]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    found = tfamp.calibrate_loss_scale(step, x[:16], model=model)
+    owner = model._tfamp_state.scale_owner()
+    assert owner is optimizer and found.scale != 2.0**15
+    assert float(owner.scale_tensor()) == found.scale
+    before = [w.copy() for w in model.get_weights()]
+    for i in range(4):
+        step(x[16 * i:16 * (i + 1)])
+    assert float(owner.scale_tensor()) == found.scale
+    assert int(owner.skipped_steps.numpy()) == 0
+    assert all(np.all(np.isfinite(w)) and not np.array_equal(w, b)
+               for w, b in zip(model.get_weights(), before, strict=True))
+
+
 def test_settings():
     assert settings_from_env({}, with_config=False).initial_scale == "auto"
     assert settings_from_env({"TFAMP_INITIAL_SCALE": "AUTO"},

@@ -241,6 +241,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._update_state(flags, count_skipped=count_skipped)
 
     def set_scale(self, value: float) -> None:
+        if not self.built:  # build makes the scale variable from initial_scale
+            self.initial_scale = float(value)
+            return
         self.dynamic_scale.assign(value)
 
     def has_stepped(self) -> bool:
