@@ -166,3 +166,47 @@ def test_a_loop_without_the_rsqrt_holds_nothing_across_it():
     _, _, report = rewrite(_step(layer), tf.TensorSpec(X.shape), dtype="float16",
                            device_type="CPU")
     assert not any("carries the value of" in n.reason for n in report.nodes)
+
+
+def _keras3_layer_norm(eps):
+    """Keras 3's LayerNormalization arithmetic: x * inv + (beta - mean * inv)."""
+    def normalise(h):
+        mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+        inv = tf.math.rsqrt(var + eps) * 1.5  # (gamma)
+        return h * inv + (0.25 - mean * inv)  # (beta)
+    return normalise
+
+
+def _one_channel_step(x):
+    """A LayerNorm over one channel (keras.io's timeseries Transformer): its output is
+    beta whatever x is, and x's gradient through it is 0."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        h = tf.matmul(x, EYE)[:, :, None] * 3.0  # [4, 8, 1]: one channel
+        y = tf.matmul(_keras3_layer_norm(1e-6)(h)[:, :, 0], EYE)
+        loss = tf.reduce_sum(y * C)
+    return y, tape.gradient(loss, x)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_normalisation_over_one_element_stays_float32(dtype):
+    """In 16 bits beta - mean * inv rounds at the size of x * 1000 (inv = eps^-0.5), and
+    that error was the output: 0.1 update cosine against float32 in bfloat16 on
+    tests/patterns.py's one_channel_norm. Held float32, the products cancel as there."""
+    graph_def, new_graph_def, report = rewrite(_one_channel_step, tf.TensorSpec(X.shape),
+                                               dtype=dtype, device_type="CPU")
+    rsqrt = decision(report, "Rsqrt")
+    assert not rsqrt.converted and rsqrt.kind == rk.KIND_DENY_LIST, rsqrt
+    assert "over one element" in rsqrt.reason and "1e+03" in rsqrt.reason, rsqrt.reason
+    assert report.converted.get("MatMul", 0) >= 2, report.converted  # the matmuls still are
+    (want_y, want_dx), (got_y, got_dx) = _run(graph_def), _run(new_graph_def)
+    np.testing.assert_array_equal(want_y, np.full_like(want_y, want_y[0, 0]))  # beta's image
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-2, atol=1e-2 * np.abs(want_y).max())
+    assert np.abs(got_dx).max() <= 1e-3 * max(np.abs(want_dx).max(), 1.0), got_dx
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_normalisation_over_many_elements_is_left_as_it_was(dtype):
+    _, _, report = rewrite(_step(_keras3_layer_norm(1e-6)), tf.TensorSpec(X.shape),
+                           dtype=dtype, device_type="CPU")
+    assert "over one element" not in decision(report, "Rsqrt").reason

@@ -654,7 +654,12 @@ class _BodyColoring:
         cost BERT's step 2 GB (BUILD_NOTES.md, session 21). bfloat16 has
         float32's range.
         """
-        if self.target != DT_HALF or not node.data_inputs:
+        if not node.data_inputs:
+            return ""
+        one_element = self._one_element_variance(node)
+        if one_element:
+            return one_element
+        if self.target != DT_HALF:
             return ""
         producer = self._through_copies(node.data_inputs[0][0])
         if producer is not None and producer.op == "Sum":
@@ -674,6 +679,40 @@ class _BodyColoring:
             return ""
         return (f"rsqrt(sum + {eps:g}) reaches {eps ** -0.5:.3g} for a zero row, beyond "
                 f"{self.target_name}'s {largest:g}: float32 up to the next allow op")
+
+    def _one_element_variance(self, node) -> str:
+        """Why an Rsqrt of a statistic over one element plus eps must stay
+        float32, or "".
+
+        A normalisation over one element (keras.io's timeseries Transformer:
+        LayerNormalization over a series' one channel) has variance 0 and
+        mean x, so its inverse is eps^-0.5 (1000 at eps 1e-6) and it computes
+        ``x * inv + (beta - mean * inv)``: two products that cancel exactly in
+        float32, giving beta. In 16 bits the sum ``beta - mean * inv`` rounds
+        at the products' size, and its error (about |x| x 1000 x 2^-9 in
+        bfloat16) is the output: measured, a model of two such blocks trained
+        with an update cosine of 0.10 against float32's in bfloat16, and its
+        gammas (whose float32 gradient is exactly 0) moved in float16. So the
+        Rsqrt is a deny op and what reads it stays float32 up to the next allow
+        op: the products then cancel as in float32. The statistic is over one
+        element where its reduction keeps its input's size (``_copies``)."""
+        producer = self._through_copies(node.data_inputs[0][0])
+        if producer is None or producer.op not in ("Add", "AddV2", "Maximum"):
+            return ""
+        eps, one_element = None, False
+        for ref, _ in producer.data_inputs:
+            value = None if ref.is_arg else scalar_constant(self.body.nodes.get(ref.node))
+            if value is not None and value > 0:
+                eps = float(value)
+                continue
+            source = self._through_copies(ref)
+            one_element = one_element or (
+                source is not None and source.op in ("Mean", "Sum") and self._copies(source))
+        if eps is None or not one_element:
+            return ""
+        return (f"rsqrt(variance + {eps:g}) of a normalisation over one element is "
+                f"{eps ** -0.5:.3g}, and x * it cancels mean * it exactly only in float32 "
+                f"(the output is the offset): float32 up to the next allow op")
 
     def _clamped_rsqrt(self, node) -> str:
         """Why an Rsqrt of a bare Sum whose result is clamped by ``Minimum`` with a
