@@ -266,6 +266,49 @@ def test_a_reduction_that_keeps_its_size_is_a_copy():
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
+def _residual_gradient(x, w, u):
+    """A residual add of two same-shaped branches and its gradient: with an unknown
+    batch, TensorFlow sums dy over BroadcastGradientArgs' axes (none at run time)."""
+    with tf.GradientTape() as tape:
+        tape.watch([w, u])
+        y = tf.add(tf.matmul(x, w, name="left"), tf.matmul(x, u, name="right"), name="res")
+        loss = tf.reduce_sum(tf.matmul(y, w, name="head") * 1e-3)
+    return tape.gradient(loss, [w, u])
+
+
+def test_a_broadcast_gradients_sum_over_no_axis_is_a_copy_with_an_unknown_batch():
+    """keras.io's residual blocks fed by tf.data without drop_remainder (batch None):
+    the Sum's result has no static shape, and it was held float32 as a deny op, with
+    every activation gradient behind it ("100% of float32's traffic" in float16)."""
+    specs = [tf.TensorSpec([None, 8]), tf.TensorSpec([8, 8]), tf.TensorSpec([8, 8])]
+    graph_def, new_graph_def, report = _rewrite(_residual_gradient, specs)
+    sums = [n for n in report.nodes if n.op == "Sum" and "/res/" in n.name]
+    assert len(sums) == 2 and all(n.list == "clear" and n.converted for n in sums), sums
+    assert report.traffic_share is not None and report.traffic_share < 0.75, report.traffic_share
+    x = RNG.standard_normal((5, 8)).astype(np.float32)
+    w, u = (RNG.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
+    feeds = {"x": x, "w": w, "u": u}
+    for want, got in zip(run_graph_def(graph_def, feeds, ["Identity:0", "Identity_1:0"]),
+                         run_graph_def(new_graph_def, feeds, ["Identity:0", "Identity_1:0"]),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_a_broadcast_gradients_sum_over_a_broadcast_axis_is_left_as_it_was():
+    """The operand a row vector, broadcast along the unknown batch: its Sum reduces."""
+    def fn(x, w, u):
+        with tf.GradientTape() as tape:
+            tape.watch([w, u])
+            y = tf.add(tf.matmul(x, w, name="left"), u, name="res")  # u: [1, 8]
+            loss = tf.reduce_sum(tf.matmul(y, w, name="head"))
+        return tape.gradient(loss, [w, u])
+
+    specs = [tf.TensorSpec([None, 8]), tf.TensorSpec([8, 8]), tf.TensorSpec([1, 8])]
+    _, _, report = _rewrite(fn, specs)
+    [bias_sum] = [n for n in report.nodes if n.op == "Sum" and "/res/" in n.name]
+    assert bias_sum.list == "deny" and not bias_sum.converted, bias_sum  # over the batch
+
+
 def test_a_sum_is_not_cast_to_16bit_before_it_is_scaled_back():
     """A broadcast sum (Tile of a Sum, then a division by a run-time count) stays
     float32 up to the division; a broadcast mean may be cast as it is."""

@@ -184,6 +184,9 @@ class Coloring:
         return by_body
 
 
+_IDENTITIES = frozenset({"Identity", "Snapshot"})
+
+
 def color(view: GraphView, config: AmpConfig,
           outputs: Iterable[str] = (),
           keep: Mapping[tuple[str, str], tuple[str, str]] | None = None,
@@ -635,7 +638,38 @@ class _BodyColoring:
             return False
         reduced = self.counts.get(node.data_inputs[0][0])
         result = self.counts.get(TensorRef(node.name, 0))
-        return reduced is not None and reduced == result and not reduced[0]
+        if reduced is not None and reduced == result and not reduced[0]:
+            return True
+        return self._sums_no_broadcast_axis(node, reduced)
+
+    def _sums_no_broadcast_axis(self, node, reduced) -> bool:
+        """Is `node` TensorFlow's gradient Sum of a broadcasting op (AddV2, Mul,
+        BatchMatMulV2) for an operand as large as the gradient it reduces?
+
+        ``Sum(dy, BroadcastGradientArgs(Shape(a), Shape(b))[i])`` sums over the axes
+        the operand was broadcast along. With an unknown batch (a ``tf.data``
+        pipeline without ``drop_remainder``, as in most scripts) its result has no
+        static shape, so the size test above cannot say it copies; but an operand
+        whose static element count equals dy's, unknown dimensions included, was
+        broadcast along no axis (it would be only where one of its unknown
+        dimensions is 1 at run time and dy's is not). Held float32 as a possibly
+        large float16 sum, it kept every residual block's activation gradient
+        float32: keras.io's speaker CNN, MobileViT, miniature GPT and CTC ASR
+        reported "100% of float32's traffic" in float16 (BUILD_NOTES.md, session
+        38)."""
+        if node.op != "Sum" or reduced is None or len(node.data_inputs) < 2:
+            return False
+        axes = node.data_inputs[1][0]
+        producer = None if axes.is_arg else self.body.nodes.get(axes.node)
+        if producer is None or producer.op != "BroadcastGradientArgs":
+            return False
+        if axes.index >= len(producer.data_inputs):
+            return False
+        ref = self._source(producer.data_inputs[axes.index][0], _IDENTITIES, 4)
+        shape = None if ref.is_arg else self.body.nodes.get(ref.node)
+        if shape is None or shape.op != "Shape" or not shape.data_inputs:
+            return False
+        return self.counts.get(shape.data_inputs[0][0]) == reduced
 
     def _rsqrt_overflow(self, node) -> str:
         """Why `node` (oplists.GROWING_INVERSES: an Rsqrt) can leave the 16-bit
