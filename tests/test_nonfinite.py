@@ -106,14 +106,19 @@ def test_value_too_big_for_an_inserted_cast_names_the_cast_and_its_consumer():
     assert found.fix_oplist_api == "AmpConfig(deny_add=['MatMul'])"
 
 
-def test_the_locator_judges_the_graph_the_rewritten_step_runs():
+def test_the_locator_judges_the_graph_the_rewritten_step_runs(monkeypatch):
     """A LayerNorm over one feature (keras.io's timeseries Transformer normalises its
     single input channel): its output is its offset, and the gradient through the
     variance is a cancellation that is exact in float32 and, in 16-bit, a rounding
     residual times (1e-6)^-1.5. At scale 2048 the rewritten step's gradients are not
     finite. The locator rewrote the graph without its traced shapes, which decides
-    otherwise, found every value finite there, and so the fallback had no layer to move."""
+    otherwise, found every value finite there, and so the fallback had no layer to move.
+    (Since session 38 the rewrite keeps a normalisation over one element float32; the
+    rule is switched off here to keep the 16-bit cancellation this test needs.)"""
     import keras as keras3
+
+    from tfamp.rewrite import coloring
+    monkeypatch.setattr(coloring._BodyColoring, "_one_element_variance", lambda self, node: "")
 
     keras3.utils.set_random_seed(0)
     rng = np.random.RandomState(1234)

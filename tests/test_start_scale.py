@@ -504,6 +504,10 @@ def test_the_scale_is_checked_on_the_16bit_step(flavour, monkeypatch):
     # dy * x and dy * -mean, which cancel exactly in float32. The rewritten step
     # computes one of them in float16, so its sum is a rounding residual times
     # 1e9: the float32 probe's scale overflowed it on every step of the epoch.
+    # (Since session 38 the rewrite keeps a normalisation over one element float32;
+    # the rule is switched off here to keep the 16-bit cancellation the check is for.)
+    from tfamp.rewrite import coloring
+    monkeypatch.setattr(coloring._BodyColoring, "_one_element_variance", lambda self, node: "")
     keras = patterns.keras_module(flavour)
     with monkeypatch.context() as patch:
         patch.setattr(start_scale, "_checked_on_16bit", lambda found, *args, **kw: found)
