@@ -294,6 +294,40 @@ def test_a_broadcast_gradients_sum_over_no_axis_is_a_copy_with_an_unknown_batch(
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
+def test_a_layer_norms_backward_sum_is_a_statistic_with_an_unknown_batch():
+    """Keras 3's LayerNorm, x * inv + (beta - mean * inv): the gradient of mean * inv
+    for the mean sums dy * inv over the channels (BroadcastGradientArgs' axes). With an
+    unknown batch its result had no size, so it was a plain deny op and the residual
+    stream's gradient stayed float32 behind it (keras.io's miniature GPT); its size is
+    the mean's, a small statistic: only what is as small stays float32 after it."""
+    def fn(x, w, gamma):
+        with tf.GradientTape() as tape:
+            tape.watch([w, gamma])
+            h = tf.matmul(x, w, name="proj")
+            mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+            inv = tf.math.rsqrt(var + 1e-3) * gamma
+            y = h * inv + (0.5 - mean * inv)
+            loss = tf.reduce_sum(tf.matmul(y, w, name="head") * 1e-3)
+        return tape.gradient(loss, [w, gamma])
+
+    specs = [tf.TensorSpec([None, 64]), tf.TensorSpec([64, 64]), tf.TensorSpec([64])]
+    graph_def, new_graph_def, report = _rewrite(fn, specs)
+    [sum_for_mean] = [n for n in report.nodes if n.op == "Sum"
+                      and n.name.startswith("gradient_tape/mul_") and n.name.endswith("/Sum")
+                      and "statistic" in n.reason]
+    assert sum_for_mean.list == "deny" and "statistic of its 64 x B" in sum_for_mean.reason
+    assert not [n for n in report.nodes if not n.converted
+                and f"downstream of Sum '{sum_for_mean.name}'" in n.reason
+                and n.op in ("Mul", "AddV2", "AddN")]
+    x = RNG.standard_normal((5, 64)).astype(np.float32)
+    w = (RNG.standard_normal((64, 64)) / 8).astype(np.float32)
+    feeds = {"x": x, "w": w, "gamma": np.ones(64, np.float32)}
+    for want, got in zip(run_graph_def(graph_def, feeds, ["Identity:0", "Identity_1:0"]),
+                         run_graph_def(new_graph_def, feeds, ["Identity:0", "Identity_1:0"]),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
+
+
 def test_a_broadcast_gradients_sum_over_a_broadcast_axis_is_left_as_it_was():
     """The operand a row vector, broadcast along the unknown batch: its Sum reduces."""
     def fn(x, w, u):
