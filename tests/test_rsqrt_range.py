@@ -188,12 +188,14 @@ def _one_channel_step(x):
     return y, tape.gradient(loss, x)
 
 
+@pytest.mark.parametrize("batch", [4, None], ids=["batch", "unknown_batch"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_a_normalisation_over_one_element_stays_float32(dtype):
+def test_a_normalisation_over_one_element_stays_float32(dtype, batch):
     """In 16 bits beta - mean * inv rounds at the size of x * 1000 (inv = eps^-0.5), and
     that error was the output: 0.1 update cosine against float32 in bfloat16 on
     tests/patterns.py's one_channel_norm. Held float32, the products cancel as there."""
-    graph_def, new_graph_def, report = rewrite(_one_channel_step, tf.TensorSpec(X.shape),
+    graph_def, new_graph_def, report = rewrite(_one_channel_step,
+                                               tf.TensorSpec((batch, X.shape[1])),
                                                dtype=dtype, device_type="CPU")
     rsqrt = decision(report, "Rsqrt")
     assert not rsqrt.converted and rsqrt.kind == rk.KIND_DENY_LIST, rsqrt

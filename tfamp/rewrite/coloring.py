@@ -187,60 +187,6 @@ class Coloring:
 _IDENTITIES = frozenset({"Identity", "Snapshot"})
 
 
-def _broadcast_sum_operand(body: Body, node) -> TensorRef | None:
-    """The operand whose gradient `node` is, where `node` is TensorFlow's gradient
-    Sum of a broadcasting op (AddV2, Mul, BatchMatMulV2, ...):
-    ``Sum(dy, BroadcastGradientArgs(Shape(a), Shape(b))[i])``, reshaped to operand
-    a (i = 0) or b (i = 1) after it; else None."""
-    if node.op != "Sum" or len(node.data_inputs) < 2:
-        return None
-    nodes, axes = body.nodes, node.data_inputs[1][0]
-    for _ in range(4):  # (through identities)
-        producer = None if axes.is_arg else nodes.get(axes.node)
-        if producer is None or producer.op not in _IDENTITIES or not producer.data_inputs:
-            break
-        axes = producer.data_inputs[0][0]
-    if (producer is None or producer.op != "BroadcastGradientArgs"
-            or axes.index >= len(producer.data_inputs)):
-        return None
-    ref = producer.data_inputs[axes.index][0]
-    for _ in range(4):
-        shape = None if ref.is_arg else nodes.get(ref.node)
-        if shape is None or shape.op not in _IDENTITIES or not shape.data_inputs:
-            break
-        ref = shape.data_inputs[0][0]
-    if shape is None or shape.op != "Shape" or not shape.data_inputs:
-        return None
-    return shape.data_inputs[0][0]
-
-
-def _broadcast_sum_counts(body: Body, counts: dict) -> dict:
-    """`counts` with the result of every broadcast gradient's Sum whose own shape is
-    not fully known set to its operand's count.
-
-    With an unknown batch (a ``tf.data`` pipeline without ``drop_remainder``, as in
-    most scripts) the Sum's axes are known only at run time, and so is its result's
-    shape; but it holds the operand's elements (it sums dy over the axes the operand
-    was broadcast along, and is reshaped to it). Unknown, the Sum was a float16 deny
-    op with every op behind it float32 up to the next matmul: over no axis (a
-    residual add's gradient: a copy, ``_copies``) it held every residual block's
-    activation gradient float32, and over the channels (a LayerNorm's backward: a
-    small statistic, ``_statistic_input``) the Transformer's residual stream. keras.io's
-    speaker CNN, CTC ASR, miniature GPT and MobileViT reported "100% of float32's
-    traffic" in float16 (BUILD_NOTES.md, session 38). The count is exact unless an
-    operand's unknown dimension is 1 at run time where dy's is not."""
-    added = {}
-    for name, node in body.nodes.items():
-        known = counts.get(TensorRef(name, 0)) if node.op == "Sum" else None
-        if node.op != "Sum" or (known is not None and not known[0]):
-            continue
-        operand = _broadcast_sum_operand(body, node)
-        count = counts.get(operand) if operand is not None else None
-        if count is not None:
-            added[TensorRef(name, 0)] = count
-    return {**counts, **added} if added else counts
-
-
 def color(view: GraphView, config: AmpConfig,
           outputs: Iterable[str] = (),
           keep: Mapping[tuple[str, str], tuple[str, str]] | None = None,
@@ -365,7 +311,7 @@ class _BodyColoring:
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.keep = keep or {}
         # tensor -> its elements (shapes.elements_of), None where unknown
-        self.counts = _broadcast_sum_counts(body, counts or {})
+        self.counts = counts or {}
         # slot -> (why float32, cause, kind), for slots the byte count kept float32
         self.kept: dict[int, tuple[str, str, str]] = {}
         self._refs_by_slot: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
@@ -694,9 +640,18 @@ class _BodyColoring:
         result = self.counts.get(TensorRef(node.name, 0))
         if reduced is None or reduced != result:
             return False
-        # With unknown dimensions equal counts say it only for a broadcast
-        # gradient's Sum, whose result count is its operand's (_broadcast_sum_counts).
-        return not reduced[0] or _broadcast_sum_operand(self.body, node) is not None
+        # With unknown dimensions equal counts say it only where the axes are
+        # constants (reducing an unknown dimension would leave one fewer): not for
+        # the axes BroadcastGradientArgs computes (BUILD_NOTES.md, session 38).
+        return not reduced[0] or self._constant_axes(node)
+
+    def _constant_axes(self, node) -> bool:
+        """Are `node`'s reduction axes (its second input) a constant?"""
+        if len(node.data_inputs) < 2:
+            return False
+        ref = self._source(node.data_inputs[1][0], _IDENTITIES, 4)
+        axes = None if ref.is_arg else self.body.nodes.get(ref.node)
+        return axes is not None and axes.op == "Const"
 
     def _rsqrt_overflow(self, node) -> str:
         """Why `node` (oplists.GROWING_INVERSES: an Rsqrt) can leave the 16-bit
