@@ -1,7 +1,7 @@
 """The HTML report page: its data and escaping, and that it renders in a real browser.
 
 The browser tests load the page in headless Chromium (Debian's /usr/bin/chromium,
-or $TFAMP_CHROMIUM) with --dump-dom and read back the DOM the page's JavaScript
+or $TEST_CHROMIUM) with --dump-dom and read back the DOM the page's JavaScript
 built, plus Chromium's log of the page's console (JavaScript errors show there as
 ``CONSOLE(...)] "Uncaught ..."``). Without Chromium those tests FAIL, on purpose:
 install it with ``apt-get install -y chromium``.
@@ -29,7 +29,7 @@ from tfamp.inspect import html_report
 from tfamp.inspect.html_report import node_category, render_html
 from tfamp.rewrite.report import NodeReport, RewriteReport
 
-CHROMIUM = os.environ.get("TFAMP_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = os.environ.get("TEST_CHROMIUM", "/usr/bin/chromium")
 
 # A node name that tries to end the data <script> element and inject markup.
 EVIL = 'scope</script><img id="pwned" src=x onerror=alert(1)>&amp;\u00e9\u2028/MatMul'

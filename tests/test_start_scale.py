@@ -546,6 +546,9 @@ def test_a_step_traced_again_is_checked_on_its_16bit_rewrite_too(monkeypatch):
     # tf_keras running two batches per call: its step reads them inside a loop, so
     # the probe traces the step itself and checks the scale on that trace's
     # rewrite. Unchecked, the float32 choice skipped every step of the epoch.
+    # (The one-element rule switched off, as in test_the_scale_is_checked_on_the_16bit_step.)
+    from tfamp.rewrite import coloring
+    monkeypatch.setattr(coloring._BodyColoring, "_one_element_variance", lambda self, node: "")
     keras = patterns.keras_module("tf_keras")
     two_per_call, found = _enable_two_batches_per_call()
     with monkeypatch.context() as patch:
