@@ -105,9 +105,9 @@ EXTRA_ROOM_UNDERFLOW = 1e-4
 # skipped its second step, whose gradient was 20x larger (update cosine 0.935
 # against float32's); from 2**15 it skips nothing (1.0000), with 0.9% of its
 # weight-gradient values (its L2 penalty's, on weights near 0) below float16's
-# smallest normal. A tiny loss
-# (x1e-6, tests/patterns.py's VAE) keeps 2**21 or more of its 2**24: at 2**20
-# 1.3% of its values are there (6.5% at 2**17, and none underflows).
+# smallest normal. A tiny loss (x1e-6, tests/patterns.py's VAE) keeps 2**21 or
+# more of its 2**24: at 2**20 1.3% of its values are there (6.5% at 2**17, and
+# none underflows).
 USUAL_START = 2.0**15
 SETTLE_SUBNORMAL = 0.01
 # The start-scale line adds a note when at least this share of the weight-gradient
