@@ -680,21 +680,29 @@ class _BodyColoring:
         producer = self._through_copies(node.data_inputs[0][0])
         if producer is not None and producer.op == "Sum":
             return self._clamped_rsqrt(node)
-        if producer is None or producer.op not in ("Add", "AddV2", "Maximum"):
-            return ""
-        eps, summed = None, False
-        for ref, _ in producer.data_inputs:
-            value = None if ref.is_arg else scalar_constant(self.body.nodes.get(ref.node))
-            if value is not None and value > 0:
-                eps = float(value)
-            else:
-                source = self._through_copies(ref)
-                summed = summed or (source is not None and source.op == "Sum")
+        eps, sources = self._statistic_plus_eps(node)
+        summed = any(source is not None and source.op == "Sum" for source in sources)
         largest = float(dtypes.as_dtype(self.target).max)
         if eps is None or not summed or eps ** -0.5 <= largest:
             return ""
         return (f"rsqrt(sum + {eps:g}) reaches {eps ** -0.5:.3g} for a zero row, beyond "
                 f"{self.target_name}'s {largest:g}: float32 up to the next allow op")
+
+    def _statistic_plus_eps(self, node) -> tuple[float | None, list]:
+        """An Rsqrt's input as ``statistic + eps`` (Add, AddV2 or Maximum with a
+        positive constant): (eps or None, the nodes behind its other inputs, through
+        copies; None for an argument). (None, []) for any other input."""
+        producer = self._through_copies(node.data_inputs[0][0])
+        if producer is None or producer.op not in ("Add", "AddV2", "Maximum"):
+            return None, []
+        eps, sources = None, []
+        for ref, _ in producer.data_inputs:
+            value = None if ref.is_arg else scalar_constant(self.body.nodes.get(ref.node))
+            if value is not None and value > 0:
+                eps = float(value)
+            else:
+                sources.append(self._through_copies(ref))
+        return eps, sources
 
     def _one_element_variance(self, node) -> str:
         """Why an Rsqrt of a statistic over one element plus eps must stay
@@ -712,18 +720,9 @@ class _BodyColoring:
         Rsqrt is a deny op and what reads it stays float32 up to the next allow
         op: the products then cancel as in float32. The statistic is over one
         element where its reduction keeps its input's size (``_copies``)."""
-        producer = self._through_copies(node.data_inputs[0][0])
-        if producer is None or producer.op not in ("Add", "AddV2", "Maximum"):
-            return ""
-        eps, one_element = None, False
-        for ref, _ in producer.data_inputs:
-            value = None if ref.is_arg else scalar_constant(self.body.nodes.get(ref.node))
-            if value is not None and value > 0:
-                eps = float(value)
-                continue
-            source = self._through_copies(ref)
-            one_element = one_element or (
-                source is not None and source.op in ("Mean", "Sum") and self._copies(source))
+        eps, sources = self._statistic_plus_eps(node)
+        one_element = any(source is not None and source.op in ("Mean", "Sum")
+                          and self._copies(source) for source in sources)
         if eps is None or not one_element:
             return ""
         return (f"rsqrt(variance + {eps:g}) of a normalisation over one element is "
