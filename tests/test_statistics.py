@@ -266,6 +266,68 @@ def test_a_reduction_that_keeps_its_size_is_a_copy():
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
+def _residual_gradient(x, w, u):
+    """A residual add of two same-shaped branches and its gradient: with an unknown
+    batch, TensorFlow sums dy over BroadcastGradientArgs' axes (none at run time)."""
+    with tf.GradientTape() as tape:
+        tape.watch([w, u])
+        y = tf.add(tf.matmul(x, w, name="left"), tf.matmul(x, u, name="right"), name="res")
+        loss = tf.reduce_sum(tf.matmul(y, w, name="head") * 1e-3)
+    return tape.gradient(loss, [w, u])
+
+
+def test_a_broadcast_gradients_sum_over_no_axis_is_a_copy_with_an_unknown_batch():
+    """keras.io's residual blocks fed by tf.data without drop_remainder (batch None):
+    the Sum's result has no static shape, and it was held float32 as a deny op, with
+    every activation gradient behind it ("100% of float32's traffic" in float16)."""
+    specs = [tf.TensorSpec([None, 8]), tf.TensorSpec([8, 8]), tf.TensorSpec([8, 8])]
+    graph_def, new_graph_def, report = _rewrite(_residual_gradient, specs)
+    sums = [n for n in report.nodes if n.op == "Sum" and "/res/" in n.name]
+    assert len(sums) == 2 and all(n.list == "clear" and n.converted for n in sums), sums
+    assert report.traffic_share is not None and report.traffic_share < 0.75, report.traffic_share
+    x = RNG.standard_normal((5, 8)).astype(np.float32)
+    w, u = (RNG.standard_normal((8, 8)).astype(np.float32) for _ in range(2))
+    feeds = {"x": x, "w": w, "u": u}
+    for want, got in zip(run_graph_def(graph_def, feeds, ["Identity:0", "Identity_1:0"]),
+                         run_graph_def(new_graph_def, feeds, ["Identity:0", "Identity_1:0"]),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_a_layer_norms_backward_sum_is_a_statistic_with_an_unknown_batch():
+    """Keras 3's LayerNorm, x * inv + (beta - mean * inv): the gradient of mean * inv
+    for the mean sums dy * inv over the channels (BroadcastGradientArgs' axes). With an
+    unknown batch its result had no size, so it was a plain deny op and the residual
+    stream's gradient stayed float32 behind it (keras.io's miniature GPT); its size is
+    the mean's, a small statistic: only what is as small stays float32 after it."""
+    def fn(x, w, gamma):
+        with tf.GradientTape() as tape:
+            tape.watch([w, gamma])
+            h = tf.matmul(x, w, name="proj")
+            mean, var = tf.nn.moments(h, axes=[-1], keepdims=True)
+            inv = tf.math.rsqrt(var + 1e-3) * gamma
+            y = h * inv + (0.5 - mean * inv)
+            loss = tf.reduce_sum(tf.matmul(y, w, name="head") * 1e-3)
+        return tape.gradient(loss, [w, gamma])
+
+    specs = [tf.TensorSpec([None, 64]), tf.TensorSpec([64, 64]), tf.TensorSpec([64])]
+    graph_def, new_graph_def, report = _rewrite(fn, specs)
+    [sum_for_mean] = [n for n in report.nodes if n.op == "Sum"
+                      and n.name.startswith("gradient_tape/mul_") and n.name.endswith("/Sum")
+                      and "statistic" in n.reason]
+    assert sum_for_mean.list == "deny" and "statistic of its 64 x B" in sum_for_mean.reason
+    assert not [n for n in report.nodes if not n.converted
+                and f"downstream of Sum '{sum_for_mean.name}'" in n.reason
+                and n.op in ("Mul", "AddV2", "AddN")]
+    x = RNG.standard_normal((5, 64)).astype(np.float32)
+    w = (RNG.standard_normal((64, 64)) / 8).astype(np.float32)
+    feeds = {"x": x, "w": w, "gamma": np.ones(64, np.float32)}
+    for want, got in zip(run_graph_def(graph_def, feeds, ["Identity:0", "Identity_1:0"]),
+                         run_graph_def(new_graph_def, feeds, ["Identity:0", "Identity_1:0"]),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2 * np.abs(want).max())
+
+
 def test_a_broadcast_gradients_sum_over_a_broadcast_axis_stays_float32():
     """The operand a row vector, broadcast along the unknown batch: its Sum reduces
     over the batch, a float16 deny op. (TensorFlow computes such a Sum's axes at run

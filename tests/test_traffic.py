@@ -512,12 +512,23 @@ def test_unknown_batch_still_decides_by_bytes():
         report.traffic_share)
 
 
+def _product_of_two_products(x, w, u):
+    return tf.identity(tf.multiply(tf.matmul(x, w), tf.matmul(x, u), name="prod"), name="out")
+
+
 def test_counts_break_the_tie_without_shapes():
-    """Sizes unknown even to TensorFlow (unknown rank): the Cast count decides."""
+    """Sizes unknown even to TensorFlow (unknown ranks): the Cast count decides. The
+    product of two 16-bit matmuls read as float32 needs one Cast (its result) in 16
+    bits and two (its inputs) in float32."""
     specs = [tf.TensorSpec(None)] * 3
-    _, _, report, _ = rewritten(_conv_grads, *specs, add_shapes=False)
-    node = decision(report, "BiasAddGrad")
-    assert not node.converted and "elements" not in node.reason
+    _, _, report, _ = rewritten(_product_of_two_products, *specs, add_shapes=False)
+    node = decision(report, "prod")
+    assert node.converted and node.reason.endswith("converting saves a cast"), node.reason
+    # The conv's rank is known though its sizes are not: symbolic counts decide the
+    # bias gradient (its gradient's Sums count their operands: _broadcast_sum_counts).
+    _, _, symbolic, _ = rewritten(_conv_grads, *specs, add_shapes=False)
+    assert "a Cast of 1 x B elements instead of 1 x B^4" in decision(
+        symbolic, "BiasAddGrad").reason
     # Without _output_shapes but with shapes TensorFlow can infer, bytes decide.
     _, _, inferred, _ = rewritten(_conv_grads, *CONV_SPECS, add_shapes=False)
     assert "a Cast of 64 elements instead of 524,288" in decision(

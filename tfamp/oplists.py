@@ -297,6 +297,9 @@ SENTINEL_CARRIERS = frozenset({
 # stays a deny op unless a constant epsilon keeps its input away from 0 far
 # enough (coloring._rsqrt_overflow: rsqrt(x + 1e-12) reaches 1e6 for x = 0).
 GROWING_INVERSES = frozenset({"Rsqrt"})
+# Their gradients (input 0: the inverse's own output; input 1: the gradient it
+# receives).
+INVERSE_GRADIENTS = frozenset({"RsqrtGrad"})
 
 # Ops that centre a tensor on a statistic (x - mean). Where one operand is a
 # float32 statistic and the result is big, they stay float32: in 16-bit the

@@ -59,6 +59,7 @@ from tfamp.oplists import (
     GROWING_INVERSES,
     GROWING_OPS,
     INEXACT_16BIT_KERNELS,
+    INVERSE_GRADIENTS,
     METADATA_OPS,
     NON_NEGATIVE_OPS,
     RANGE_DENIED_REDUCTIONS,
@@ -187,6 +188,60 @@ class Coloring:
 _IDENTITIES = frozenset({"Identity", "Snapshot"})
 
 
+def _broadcast_sum_operand(body: Body, node) -> TensorRef | None:
+    """The operand whose gradient `node` is, where `node` is TensorFlow's gradient
+    Sum of a broadcasting op (AddV2, Mul, BatchMatMulV2, ...):
+    ``Sum(dy, BroadcastGradientArgs(Shape(a), Shape(b))[i])``, reshaped to operand
+    a (i = 0) or b (i = 1) after it; else None."""
+    if node.op != "Sum" or len(node.data_inputs) < 2:
+        return None
+    nodes, axes = body.nodes, node.data_inputs[1][0]
+    for _ in range(4):  # (through identities)
+        producer = None if axes.is_arg else nodes.get(axes.node)
+        if producer is None or producer.op not in _IDENTITIES or not producer.data_inputs:
+            break
+        axes = producer.data_inputs[0][0]
+    if (producer is None or producer.op != "BroadcastGradientArgs"
+            or axes.index >= len(producer.data_inputs)):
+        return None
+    ref = producer.data_inputs[axes.index][0]
+    for _ in range(4):
+        shape = None if ref.is_arg else nodes.get(ref.node)
+        if shape is None or shape.op not in _IDENTITIES or not shape.data_inputs:
+            break
+        ref = shape.data_inputs[0][0]
+    if shape is None or shape.op != "Shape" or not shape.data_inputs:
+        return None
+    return shape.data_inputs[0][0]
+
+
+def _broadcast_sum_counts(body: Body, counts: dict) -> dict:
+    """`counts` with the result of every broadcast gradient's Sum whose own shape is
+    not fully known set to its operand's count.
+
+    With an unknown batch (a ``tf.data`` pipeline without ``drop_remainder``, as in
+    most scripts) the Sum's axes are known only at run time, and so is its result's
+    shape; but it holds the operand's elements (it sums dy over the axes the operand
+    was broadcast along, and is reshaped to it). Unknown, the Sum was a float16 deny
+    op with every op behind it float32 up to the next matmul: over no axis (a
+    residual add's gradient: a copy, ``_copies``) it held every residual block's
+    activation gradient float32, and over the channels (a LayerNorm's backward: a
+    small statistic, ``_statistic_input``) the Transformer's residual stream. keras.io's
+    speaker CNN, CTC ASR, miniature GPT and MobileViT reported "100% of float32's
+    traffic" in float16 (BUILD_NOTES.md, session 38). The count is exact unless an
+    operand's unknown dimension is 1 at run time where dy's is not."""
+    added = {}
+    for name, node in body.nodes.items():
+        known = counts.get(TensorRef(name, 0)) if node.op == "Sum" else None
+        if node.op != "Sum" or (known is not None and not known[0]):
+            continue
+        operand = _broadcast_sum_operand(body, node)
+        count = counts.get(operand) if operand is not None else None
+        if count is not None:
+            added[TensorRef(name, 0)] = count
+    return {**counts, **added} if added else counts
+
+
 def color(view: GraphView, config: AmpConfig,
           outputs: Iterable[str] = (),
           keep: Mapping[tuple[str, str], tuple[str, str]] | None = None,
@@ -311,7 +366,7 @@ class _BodyColoring:
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.keep = keep or {}
         # tensor -> its elements (shapes.elements_of), None where unknown
-        self.counts = counts or {}
+        self.counts = _broadcast_sum_counts(body, counts or {})
         # slot -> (why float32, cause, kind), for slots the byte count kept float32
         self.kept: dict[int, tuple[str, str, str]] = {}
         self._refs_by_slot: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
@@ -643,7 +698,8 @@ class _BodyColoring:
         # With unknown dimensions equal counts say it only where the axes are
         # constants (reducing an unknown dimension would leave one fewer): not for
         # the axes BroadcastGradientArgs computes (BUILD_NOTES.md, session 38).
-        return not reduced[0] or self._constant_axes(node)
+        return (not reduced[0] or self._constant_axes(node)
+                or _broadcast_sum_operand(self.body, node) is not None)
 
     def _constant_axes(self, node) -> bool:
         """Are `node`'s reduction axes (its second input) a constant?"""
@@ -1188,6 +1244,8 @@ class _BodyColoring:
                                            rk.KIND_DOWNSTREAM_OF_DENY)
                     if ranged:
                         self.range_held[slot] = f"{cause} (in {self.body.name or 'the graph'!r})"
+                if ranged and self._one_element_variance(root_node):
+                    self._hold_inverse_gradient(root, root_node, cause)
                 continue
             self._add_statistic(root, root_node, reduced, leads_to_deny_or_infer, (
                 f"deny: accumulates in float32; its output is a statistic of its "
@@ -1212,6 +1270,44 @@ class _BodyColoring:
             if root is not None and reduced is not None:
                 self._after_statistic(root, root_node, reduced, leads_to_deny_or_infer,
                                       ranges=mean_denied, bounded=xla)
+
+    def _hold_inverse_gradient(self, root: int, root_node, cause: str) -> None:
+        """What computes the gradient an Rsqrt over one element receives stays
+        float32, up to the next allow op.
+
+        Its gradient is ``sum(dy * x) - sum(dy * mean)`` (through ``x * inv`` and
+        ``mean * inv``), 0 exactly in float32 where x is its own mean, and
+        RsqrtGrad multiplies it by ``-inv^3 / 2`` (5e8 at eps 1e-6). With one term
+        in 16 bits and the other in float32 the difference is a rounding error
+        that the 5e8 took past float16's range, and the variance's gradient (inf)
+        times ``x - mean`` (0) made the input's gradient NaN: measured with an
+        unknown batch, once a broadcast gradient's Sums were copies
+        (``_broadcast_sum_counts``). The forward hold (``_propagate_deny``) does not
+        reach these ops: they read dy and the forward values, not the Rsqrt. The
+        walk goes against the data from RsqrtGrad's gradient input, not into the
+        values the Rsqrt is computed from, through ops no bigger than the
+        normalised tensor (BUILD_NOTES.md, session 39)."""
+        nodes, lists = self.body.nodes, self.slot_list
+        starts = []
+        for consumer, index in self.body.consumers.get(TensorRef(root_node.name, 0), ()):
+            node = nodes[consumer]
+            if index == 0 and node.op in INVERSE_GRADIENTS and len(node.data_inputs) > 1:
+                slot = self._slot_of(node.data_inputs[1][0])
+                if slot is not None:
+                    starts.append(slot)
+        if not starts:
+            return
+        forward = set(_dfs([root], self.fanin, lambda s: True))
+        size = self.counts.get(TensorRef(root_node.name, 0))
+
+        def enter(s):
+            return (s not in forward and s not in self.deny and lists[s] in ("infer", "clear")
+                    and self._no_bigger(s, size))
+        for slot in _dfs([s for s in starts if enter(s)], self.fanin, enter):
+            self.deny[slot] = (f"deny: feeds the gradient of {cause}, which that gradient "
+                               f"multiplies by inv^3 / 2", root_node.name,
+                               rk.KIND_DOWNSTREAM_OF_DENY)
+            self.range_held[slot] = f"{cause} (in {self.body.name or 'the graph'!r})"
 
     def _hold_ranged_boundaries(self) -> None:
         """What reads a boundary value that another body holds float32 for its
