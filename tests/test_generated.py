@@ -109,6 +109,26 @@ def test_a_thousand_generated_programs():
 # -- the harness: the grammar, the shrinker, and invariants that can fail -------------
 
 
+def test_a_program_whose_float32_xla_compile_kills_the_process_is_tensorflows():
+    """53000581 (session 38's long mode): XLA's compile of its float32 step (the
+    XLA configurations' reference) ends in a segmentation fault inside TensorFlow,
+    and its worker died as if the rewrite had crashed. Now the harness compiles that
+    step alone in a process of its own, sees it die too, and checks the program
+    again with its XLA configurations on the executor."""
+    result = longrun.after_crash(53000581, 1.0)
+    assert result.ok, result.failures
+    assert result.refused.startswith(longrun.COMPILE_KILLS), result.refused
+    assert result.compiled == 0 and result.not_compiled > 0, result
+
+
+def test_a_worker_that_died_elsewhere_is_a_crash():
+    """Where the float32 step compiles in a process of its own, a dead worker stays
+    a crash failure (the harness cannot tell the rewrite's crash from others)."""
+    result = longrun.after_crash(longrun.program_seed(0, 3), 1.0)
+    assert not result.ok and result.signatures == [["crash", "", ""]], result
+
+
+
 def test_generation_is_deterministic_and_covers_every_feature():
     assert grammar.generate(123).to_json() == grammar.generate(123).to_json()
     seen = set()

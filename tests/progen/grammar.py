@@ -81,7 +81,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("bn_moments", "norm", 1, ("plain", "moving_average")),
     Kind("bn_fused", "norm", 1, ("training", "inference")),
     Kind("keras_bn", "norm", 1, ("4d", "2d")),
-    Kind("layernorm", "norm", 1, ("manual", "keras")),
+    Kind("layernorm", "norm", 1, ("manual", "keras", "one_channel")),
     Kind("attention", "attention", 1, ("plain", "causal", "einsum", "padded", "bias")),
     Kind("softmax", "attention", 1, ("softmax", "log_softmax")),
     Kind("bmm", "attention", 2),

@@ -151,7 +151,7 @@ class Outcome:
 
 
 def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
-          changes: dict | None = None) -> Outcome:
+          changes: dict | None = None, compiled_reference: bool = True) -> Outcome:
     """Checks a loaded program (see ``source``) under every configuration.
 
     Args:
@@ -160,6 +160,9 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
       numerics: also run the rewritten steps and compare (invariant 6).
       changes: ``AmpConfig`` list changes for the rewrite (tests of this
         harness: the tolerance's reference keeps the default lists).
+      compiled_reference: compile the float32 step with XLA as the XLA
+        configurations' reference; False runs them on the executor (where
+        XLA's compile of the float32 step kills the process: longrun).
     """
     start = time.perf_counter()
     outcome = Outcome([])
@@ -197,7 +200,8 @@ def check(module, configs: Sequence[Config] = CONFIGS, numerics: bool = True,
     results: dict[str, tuple] = {}  # a rewritten graph (as text) -> its run
     noisy: dict[str, tuple] = {}
     noisy_step = None
-    compiled_clean: list = []  # [float32's compiled run, or None: XLA cannot compile it]
+    # [float32's compiled run, or None: XLA cannot compile it]
+    compiled_clean: list = [] if compiled_reference else [None]
     for config in configs:
         if config.shapes not in graph_defs:
             graph_defs[config.shapes] = concrete.graph.as_graph_def(add_shapes=config.shapes)
@@ -348,6 +352,19 @@ def _sixteen_bit_attrs(node) -> list[str]:
 def _compiled(fn):
     """`fn` called in a function XLA compiles (on the CPU), as a Keras 3 step runs."""
     return tf.function(lambda *args: fn(*args), jit_compile=True, autograph=False)
+
+
+def run_compiled_float32(module) -> bool:
+    """Builds the program and runs its float32 step compiled by XLA, as ``check``
+    does for the XLA configurations' reference: False where XLA refuses it. (For
+    longrun: a process whose worker died runs this alone.)"""
+    step, state = module.build()
+    concrete = step.get_concrete_function(*module.input_specs())
+    captured = list(concrete.variables)
+    snapshot = [v.numpy() for v in captured]
+    state = full_state(concrete, state)
+    return _compiled_run(concrete, module.make_inputs(), state, captured,
+                         snapshot) is not None
 
 
 def _compiled_run(concrete, inputs, state, captured, snapshot):

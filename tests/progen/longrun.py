@@ -69,17 +69,22 @@ def is_transient(failures, refused: str = "") -> bool:
                                for t in texts)
 
 
-def check_seed(seed: int) -> Result:
-    """Generates and checks one program (in this process)."""
+def check_seed(seed: int, compiled_reference: bool = True) -> Result:
+    """Generates and checks one program (in this process). Without
+    `compiled_reference` its XLA configurations run on the executor, and the
+    result says why (``COMPILE_KILLS``)."""
     from tests.progen import grammar, invariants, source
 
     program = grammar.generate(seed)
     text = source.render(program, f"generated program {seed}")
-    outcome = invariants.check(source.load(text))
+    outcome = invariants.check(source.load(text), compiled_reference=compiled_reference)
     retried = 0
     if is_transient(outcome.failures, outcome.refused):
         retried = 1
-        outcome = invariants.check(source.load(text))  # (a fresh build of the program)
+        outcome = invariants.check(source.load(text),  # (a fresh build of the program)
+                                   compiled_reference=compiled_reference)
+    if not compiled_reference:
+        outcome.refused = "; ".join(filter(None, [COMPILE_KILLS, outcome.refused]))
     return Result(seed, outcome.ok, outcome.seconds, [str(f) for f in outcome.failures],
                   [list(f.signature()) for f in outcome.failures], outcome.compared,
                   outcome.skipped, max(outcome.ratios, default=0.0), program.size(),
@@ -88,14 +93,20 @@ def check_seed(seed: int) -> Result:
                   outcome.not_compiled, outcome.refused)
 
 
+COMPILE_KILLS = ("XLA's compile of the float32 step kills the process (inside "
+                 "TensorFlow): the XLA configurations ran on the executor")
+
+
 def _worker() -> int:
-    """Reads seeds (one per line) from stdin, writes one JSON Result per line."""
+    """Reads seeds (one per line; "SEED executor": without the compiled float32
+    reference) from stdin, writes one JSON Result per line."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # (anything else printing goes to stderr)
     for line in sys.stdin:
-        seed = int(line)
+        seed, *mode = line.split()
+        seed = int(seed)
         try:
-            result = check_seed(seed)
+            result = check_seed(seed, compiled_reference=mode != ["executor"])
         except Exception as err:  # (a harness error: reported, the worker goes on)
             result = Result(seed, False, 0.0, [f"[harness] {type(err).__name__}: {err}"],
                             [["harness", "", type(err).__name__]])
@@ -103,13 +114,59 @@ def _worker() -> int:
     return 0
 
 
+def _float32_compiled(seed: int) -> int:
+    """Runs program `seed`'s float32 step compiled by XLA, nothing else."""
+    from tests.progen import grammar, invariants, source
+
+    module = source.load(source.render(grammar.generate(seed), f"generated program {seed}"))
+    invariants.run_compiled_float32(module)
+    return 0
+
+
+def _child(args: list[str], nice: int, **kwargs) -> subprocess.CompletedProcess:
+    """This module run in a child process (as a worker is), to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", "tests.progen.longrun", *args], cwd=REPO, text=True,
+        env=_env(), stderr=subprocess.DEVNULL, check=False,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None, **kwargs)
+
+
+def _env() -> dict:
+    """The environment of the worker processes."""
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
+
+
+def after_crash(seed: int, seconds: float, nice: int = 0, timeout: float = 900.0) -> Result:
+    """The result of program `seed`, whose worker died.
+
+    A process that only compiles the float32 step with XLA is run first: where
+    it dies too, the crash is TensorFlow's own, not the rewrite's (53000581: a
+    segmentation fault in XLA's compile of a float32 step, session 38), and the
+    program is checked again with its XLA configurations on the executor (its
+    ``refused`` says so). Any other death is a crash failure."""
+    crashed = Result(seed, False, seconds, ["[crash] the worker process died"],
+                     [["crash", "", ""]])
+    try:
+        alone = _child(["--float32-compiled", str(seed)], nice, timeout=timeout,
+                       stdout=subprocess.DEVNULL)
+        if alone.returncode >= 0:  # (it survives: the worker died elsewhere)
+            return crashed
+        again = _child(["--worker"], nice, input=f"{seed} executor\n", timeout=timeout,
+                       stdout=subprocess.PIPE)
+    except subprocess.TimeoutExpired:
+        return crashed
+    lines = again.stdout.splitlines()
+    if again.returncode != 0 or not lines:
+        return crashed
+    return Result(**json.loads(lines[-1]))
+
+
 class _Worker:
     def __init__(self, nice: int):
         cmd = [sys.executable, "-m", "tests.progen.longrun", "--worker"]
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, env=env,
+            stderr=subprocess.DEVNULL, text=True, env=_env(),
             preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.done = 0
         self.seed: int | None = None
@@ -154,10 +211,9 @@ def run(count: int, seed: int, jobs: int = 1, timeout: float = 900.0, per_worker
             worker = key.data
             line = worker.proc.stdout.readline()
             if not line:  # (the worker died)
-                results.append(Result(worker.seed, False, time.monotonic() - worker.started,
-                                      ["[crash] the worker process died"],
-                                      [["crash", "", ""]]))
+                seed, seconds = worker.seed, time.monotonic() - worker.started
                 retire(worker)
+                results.append(after_crash(seed, seconds, nice, timeout))
             else:
                 results.append(Result(**json.loads(line)))
                 worker.done += 1
@@ -218,9 +274,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("progen_out"))
     parser.add_argument("--no-shrink", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--float32-compiled", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return _worker()
+    if args.float32_compiled is not None:
+        return _float32_compiled(args.float32_compiled)
     args.out.mkdir(parents=True, exist_ok=True)
     log_file = (args.out / "results.jsonl").open("a")  # noqa: SIM115 (open for the run)
 

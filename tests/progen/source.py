@@ -406,6 +406,12 @@ class _Writer:
             self.setup.append(f"L_{o} = layer({self.key()}, K.layers.LayerNormalization(), "
                               f"(None, {d}))")
             return [f"{o} = L_{o}({a})"]
+        if s.params["variant"] == "one_channel":
+            # (keras.io's timeseries Transformer: a LayerNorm over a series' one
+            # channel, eps 1e-6; its output is beta and x's gradient 0 exactly)
+            self.setup.append(f"L_{o} = layer({self.key()}, K.layers.LayerNormalization("
+                              f"epsilon=1e-6), (None, {d}, 1))")
+            return [f"{o} = tf.reshape(L_{o}(tf.reshape({a}, [-1, {d}, 1])), tf.shape({a}))"]
         self._scale_and_offset(o, d)
         return [f"mean_{o}, var_{o} = tf.nn.moments({a}, axes=[-1], keepdims=True)",
                 f"{o} = ({a} - mean_{o}) * tf.math.rsqrt(var_{o} + 1e-3) * g_{o} + beta_{o}"]
