@@ -120,6 +120,26 @@ def test_reload_under_tfamp_enable_keeps_all_optimizer_state(saved):
     assert got["iterations"] == 8 and got["skipped"] == 1 and got["scale"] == 2.0**9
 
 
+def test_a_float32_file_resumed_under_tfamp_enable_keeps_its_state_without_warnings(tmp_path):
+    """A float32 checkpoint (keras.io's ModelCheckpoint) resumed under TFAMP_ENABLE:
+    Keras warned "Skipping variable loading for optimizer 'adam' ... the saved
+    optimizer has 0 variables" although tfamp restored every Adam variable."""
+    x, y = data(64)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    path = str(tmp_path / "float32.keras")
+    model.save(path)
+    got, _ = run(_LOAD_WITH_TFAMP_ENABLE.replace(
+        '"scale"', '"state": [v.numpy().tolist() for v in optimizer.inner_optimizer.variables], '
+        '"scale"'), path, TFAMP_ENABLE="1")
+    assert got["optimizer"] == "tfamp.keras.optimizer_keras3.LossScaleOptimizer"
+    assert not [w for w in got["warnings"] if "optimizer" in w.lower()], got["warnings"]
+    assert got["iterations"] == 2
+    want = [v.numpy().tolist() for v in model.optimizer.variables]
+    assert len(want) > 2 and got["state"] == want
+
+
 def test_file_saved_with_keras_loss_scale_optimizer_loads_into_tfamps(tmp_path):
     x, y = data(64)
     model = mlp()

@@ -304,6 +304,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if count == len(inner):  # tfamp's layout, or a file saved without tfamp
             for i, variable in enumerate(inner):
                 variable.assign(store[str(i)])
+            self._restored_inner()
             return
         keras_layout = self._variables[:4] + inner  # Keras's own LossScaleOptimizer
         if count == len(keras_layout) and self.built:
@@ -314,6 +315,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             f"tfamp: skipping variable loading for optimizer {self.name!r}: the file has "
             f"{count} variables, expected {len(inner)} (the inner optimizer's) or "
             f"{len(keras_layout)} (Keras's LossScaleOptimizer's).", stacklevel=2)
+
+    def _restored_inner(self) -> None:
+        """The inner optimizer's state has just been restored from this group.
+
+        Keras's loader visits the inner optimizer next, at
+        ``optimizer/inner_optimizer``. A file written without tfamp (a float32
+        checkpoint resumed under ``TFAMP_ENABLE``) has no such group, and Keras's
+        ``Optimizer.load_own_variables`` warned "Skipping variable loading for
+        optimizer 'adam', because it has 6 variables whereas the saved optimizer has
+        0 variables" about the state restored here. So the inner's next load from an
+        empty group does nothing, silently, once; any other load is Keras's own.
+        """
+        inner = self.inner_optimizer
+        own = type(inner).load_own_variables
+
+        def load_own_variables(store):
+            inner.__dict__.pop("load_own_variables", None)  # (once: the class's again)
+            if len(store.keys()) or not inner.variables:
+                own(inner, store)
+        inner.__dict__["load_own_variables"] = load_own_variables
 
     def get_config(self):
         config = super().get_config()
