@@ -397,6 +397,26 @@ def test_summary_line_names_the_matrix_math_first():
     assert listed.startswith("Conv2D x2, Reshape x6, ")
 
 
+def test_the_summary_does_not_count_a_shape_as_an_op_in_16bit():
+    """A Shape that reads a 16-bit tensor has its type changed but computes nothing
+    in 16 bits (keras.io scripts' summaries listed dozens of them)."""
+    import tfamp
+
+    def dense(x, w):
+        y = tf.nn.relu(tf.matmul(x, w))
+        return tf.matmul(tf.reshape(y, tf.shape(y)), w)
+
+    concrete = tf.function(dense).get_concrete_function(tf.TensorSpec([None, 8]),
+                                                       tf.TensorSpec([8, 8]))
+    _, report = tfamp.rewrite_graph_def(concrete.graph.as_graph_def(add_shapes=True),
+                                        outputs=[t.name for t in concrete.graph.outputs])
+    shapes = [n for n in report.nodes if n.op == "Shape"]
+    assert shapes and all(n.converted for n in shapes), shapes  # (its T is 16-bit)
+    assert "Shape" not in report.converted and report.converted["MatMul"] == 2
+    total = int(re.search(r"(\d+) ops -> float16", report.summary_line()).group(1))
+    assert total == sum(report.converted.values())
+
+
 def test_no_gpu_notice_once_per_user(monkeypatch, tmp_path, caplog):
     import logging
 

@@ -43,7 +43,7 @@ import dataclasses
 import json
 from typing import Any
 
-from tfamp.oplists import MATRIX_OPS
+from tfamp.oplists import MATRIX_OPS, METADATA_OPS
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.casts import CastRecord
 from tfamp.rewrite.verdict import format_bytes  # (the verdict's lines use it too)
@@ -140,8 +140,11 @@ class RewriteReport:
 
     @property
     def converted(self) -> dict[str, int]:
-        """Op type -> number of nodes of that type now computing in 16-bit."""
-        counts = collections.Counter(n.op for n in self.nodes if n.converted)
+        """Op type -> number of nodes of that type now computing in 16-bit. (A
+        ``Shape`` that reads a 16-bit tensor has its type attribute changed, but
+        computes nothing in 16 bits: metadata ops are not counted.)"""
+        counts = collections.Counter(n.op for n in self.nodes
+                                     if n.converted and n.op not in METADATA_OPS)
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     @property
