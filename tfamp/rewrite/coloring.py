@@ -188,6 +188,17 @@ class Coloring:
 _IDENTITIES = frozenset({"Identity", "Snapshot"})
 
 
+def _source_in(nodes: Mapping, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorRef:
+    """The tensor `ref` passes on through `ops` (their first input; at most `depth`
+    of them)."""
+    for _ in range(depth):
+        node = None if ref.is_arg else nodes.get(ref.node)
+        if node is None or node.op not in ops or not node.data_inputs:
+            break
+        ref = node.data_inputs[0][0]
+    return ref
+
+
 def _broadcast_sum_operand(body: Body, node) -> TensorRef | None:
     """The operand whose gradient `node` is, where `node` is TensorFlow's gradient
     Sum of a broadcasting op (AddV2, Mul, BatchMatMulV2, ...):
@@ -195,21 +206,14 @@ def _broadcast_sum_operand(body: Body, node) -> TensorRef | None:
     a (i = 0) or b (i = 1) after it; else None."""
     if node.op != "Sum" or len(node.data_inputs) < 2:
         return None
-    nodes, axes = body.nodes, node.data_inputs[1][0]
-    for _ in range(4):  # (through identities)
-        producer = None if axes.is_arg else nodes.get(axes.node)
-        if producer is None or producer.op not in _IDENTITIES or not producer.data_inputs:
-            break
-        axes = producer.data_inputs[0][0]
+    nodes = body.nodes
+    axes = _source_in(nodes, node.data_inputs[1][0], _IDENTITIES, 4)
+    producer = None if axes.is_arg else nodes.get(axes.node)
     if (producer is None or producer.op != "BroadcastGradientArgs"
             or axes.index >= len(producer.data_inputs)):
         return None
-    ref = producer.data_inputs[axes.index][0]
-    for _ in range(4):
-        shape = None if ref.is_arg else nodes.get(ref.node)
-        if shape is None or shape.op not in _IDENTITIES or not shape.data_inputs:
-            break
-        ref = shape.data_inputs[0][0]
+    ref = _source_in(nodes, producer.data_inputs[axes.index][0], _IDENTITIES, 4)
+    shape = None if ref.is_arg else nodes.get(ref.node)
     if shape is None or shape.op != "Shape" or not shape.data_inputs:
         return None
     return shape.data_inputs[0][0]
@@ -823,15 +827,8 @@ class _BodyColoring:
         return None if ref.is_arg else self.body.nodes.get(ref.node)
 
     def _source(self, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorRef:
-        """The tensor `ref` passes on through `ops` (their first input; at most
-        `depth` of them)."""
-        nodes = self.body.nodes
-        for _ in range(depth):
-            node = None if ref.is_arg else nodes.get(ref.node)
-            if node is None or node.op not in ops or not node.data_inputs:
-                break
-            ref = node.data_inputs[0][0]
-        return ref
+        """The tensor `ref` passes on through `ops` (see _source_in)."""
+        return _source_in(self.body.nodes, ref, ops, depth)
 
     def _bounded_exp(self, node) -> bool:
         """Is `node` (an Exp) the exponential of minus something never negative
@@ -1307,7 +1304,6 @@ class _BodyColoring:
             self.deny[slot] = (f"deny: feeds the gradient of {cause}, which that gradient "
                                f"multiplies by inv^3 / 2", root_node.name,
                                rk.KIND_DOWNSTREAM_OF_DENY)
-            self.range_held[slot] = f"{cause} (in {self.body.name or 'the graph'!r})"
 
     def _hold_ranged_boundaries(self) -> None:
         """What reads a boundary value that another body holds float32 for its
