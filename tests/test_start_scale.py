@@ -389,6 +389,19 @@ def test_gradients_that_grow_after_adams_first_update_find_room(flavour, extra_b
         assert skipped >= 1
 
 
+@pytest.mark.parametrize("rise, says", [(0.0, "no more of them"),
+                                         (2.6e-5, "0.0026% more of them")])
+def test_the_line_says_what_the_extra_room_costs(rise, says):
+    """The room's halvings may send up to EXTRA_ROOM_UNDERFLOW more weight-gradient
+    values below float16's smallest; the line said "no more" whatever they sent
+    (keras.io's speaker CNN with a tiny loss: 0.0033% at 2^22 against 0.00071%)."""
+    found = start_scale.StartScale(
+        scale=2.0**22, max_abs=1.4e-5, where="conv", weight_max=1.4e-5,
+        underflow_share=3.3e-5, seconds=1.0, checked="checked", extra_room=2,
+        room_underflow=rise)
+    assert f"halved twice more for room, which puts {says} below it" in found.message()
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("settle", [True, False])
 def test_a_start_above_2_15_is_taken_only_where_it_keeps_gradients(flavour, settle,

@@ -170,13 +170,16 @@ class StartScale:
     checked: str = ""
     extra_room: int = 0
     subnormal_share: float = 0.0
+    room_underflow: float = 0.0  # the share of underflow_share the extra room added
 
     def message(self) -> str:
         exponent = int(math.log2(self.scale))
         checked = f"; {self.checked}" if self.checked else ""
         if self.extra_room:
             times = {1: "once", 2: "twice"}.get(self.extra_room, f"{self.extra_room} times")
-            checked += f"; halved {times} more for room, which puts no more of them below it"
+            cost = (f"{100 * self.room_underflow:.2g}% more of them" if self.room_underflow > 0
+                    else "no more of them")
+            checked += f"; halved {times} more for room, which puts {cost} below it"
         source = "float32 gradients" if not self.checked else "gradients"
         return (f"tfamp: start loss scale 2^{exponent} ({self.scale:g}) from the first "
                 f"batch's {source} (max |g| {self.max_abs:.3g} in {self.where}; "
@@ -503,9 +506,12 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
     taken = _extra_room_agreed(local, top, scale, strategy=strategy, min_scale=min_scale,
                                headroom_bits=headroom_bits,
                                extra_bits=EXTRA_ROOM_BITS if extra_bits is None else extra_bits)
+    before_room = scale
     scale /= 2.0**taken
     return StartScale(scale=scale, max_abs=top, where=where, weight_max=weight_max,
                       underflow_share=local.underflow_share(scale),
+                      room_underflow=(local.underflow_share(scale)
+                                      - local.underflow_share(before_room)) if taken else 0.0,
                       subnormal_share=local.subnormal_share(scale),
                       seconds=time.perf_counter() - start, batch_size=_rows(args), how=how,
                       checked=local.checked, extra_room=taken)
