@@ -83,7 +83,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("keras_bn", "norm", 1, ("4d", "2d")),
     Kind("layernorm", "norm", 1, ("manual", "keras", "one_channel")),
     Kind("attention", "attention", 1, ("plain", "causal", "einsum", "padded", "bias")),
-    Kind("softmax", "attention", 1, ("softmax", "log_softmax")),
+    Kind("softmax", "attention", 1, ("softmax", "log_softmax", "written_out", "two_axes")),
     Kind("bmm", "attention", 2),
     Kind("embedding", "embedding", 1, ("gather", "lookup", "one_hot", "keras", "tied")),
     Kind("int_ops", "int_edge", 1, ("rsqrt_size", "positions", "argmax_one_hot",

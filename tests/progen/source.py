@@ -456,6 +456,14 @@ class _Writer:
         o = s.out
         if s.params["variant"] == "log_softmax":
             return [f"{o} = tf.nn.log_softmax({a}, axis=-1) * 0.25"]
+        if s.params["variant"] == "written_out":  # exp(x - max(x)) / sum
+            return [f"e_{o} = tf.exp({a} * 2.0 - tf.reduce_max({a} * 2.0, axis=-1, keepdims=True))",
+                    f"{o} = e_{o} / tf.reduce_sum(e_{o}, axis=-1, keepdims=True) * {float(self.d)}"]
+        if s.params["variant"] == "two_axes":  # Keras's Softmax layer over two axes
+            half = self.d // 2
+            return [f"x_{o} = tf.reshape({a} * 2.0, [-1, 2, {half}])",
+                    f"{o} = tf.reshape(tf.exp(x_{o} - tf.reduce_logsumexp("
+                    f"x_{o}, axis=[1, 2], keepdims=True)), [-1, {self.d}]) * {float(self.d)}"]
         return [f"{o} = tf.nn.softmax({a} * 2.0, axis=-1) * {float(self.d)}"]
 
     def _bmm(self, s: Stmt, a: str, b: str) -> list[str]:

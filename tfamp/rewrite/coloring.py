@@ -81,6 +81,7 @@ from tfamp.rewrite.graph import (
     TensorRef,
     constant_magnitude,
     dtype_name,
+    int_constant,
     scalar_constant,
 )
 from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
@@ -186,6 +187,8 @@ class Coloring:
 
 
 _IDENTITIES = frozenset({"Identity", "Snapshot"})
+# Ops whose output is their first input's value, same shape (a gradient stop too).
+VALUE_COPIES = _IDENTITIES | {"StopGradient", "PreventGradient"}
 
 
 def _source_in(nodes: Mapping, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorRef:
@@ -457,6 +460,7 @@ class _BodyColoring:
         self._statistics: list[int] = []  # deny reductions with a small output
         self._centring: set[int] = set()  # ... whose result is subtracted from big tensors
         self._bounded: set[int] = set()  # statistics within their input's range (means)
+        self._bounded_exps: list[int] | None = None  # (_add_bounded_exps)
         # FusedBatchNorm nodes in training mode: their "U" outputs are
         # statistics, held as a Mean's are where the lists hold a Mean (float16;
         # bfloat16 has float32's range, and Mean and Sum are infer there, except
@@ -831,9 +835,15 @@ class _BodyColoring:
         return _source_in(self.body.nodes, ref, ops, depth)
 
     def _bounded_exp(self, node) -> bool:
-        """Is `node` (an Exp) the exponential of minus something never negative
-        (Neg of oplists.NON_NEGATIVE_OPS, through views)? Then its result lies in
-        (0, 1]: it follows its neighbours (infer) like any bounded op."""
+        """Is `node` (an Exp) the exponential of something never positive? Then its
+        result lies in [0, 1]: it follows its neighbours (infer) like any bounded op.
+
+        Two forms are recognised: minus something never negative (Neg of
+        oplists.NON_NEGATIVE_OPS, through views: TensorFlow's gradients of erf,
+        GELU's backward), and x minus an upper bound of x (_minus_its_bound: a
+        softmax written out, Keras 3's over more than one axis)."""
+        if node.data_inputs and self._minus_its_bound(node.data_inputs[0][0]):
+            return True
         ref = node.data_inputs[0][0] if node.data_inputs else None
         seen_neg = False
         for _ in range(8):
@@ -848,6 +858,84 @@ class _BodyColoring:
             else:
                 return seen_neg and producer.op in NON_NEGATIVE_OPS
         return False
+
+    def _minus_its_bound(self, ref: TensorRef) -> bool:
+        """Is `ref` ``x - b`` where b >= x element by element, whatever x holds:
+        b a maximum of x (_max_axes_of), or a logsumexp of x (_logsumexp_of)?
+
+        A softmax written out is exp(x - max(x)), and Keras 3's over more than
+        one axis (MultiHeadAttention with two attention axes: keras.io's MobileViT)
+        is exp(x - logsumexp(x)); both Exps lie in [0, 1] (BUILD_NOTES.md,
+        session 40). x must be the same tensor on both sides (through identities
+        only: a Reshape would change which elements line up)."""
+        node = self._value_source(ref)
+        if node is None or node.op != "Sub" or len(node.data_inputs) != 2:
+            return False
+        x = self._source(node.data_inputs[0][0], VALUE_COPIES, 4)
+        bound = node.data_inputs[1][0]
+        return self._max_axes_of(bound, x) is not None or self._logsumexp_of(bound, x)
+
+    def _value_source(self, ref: TensorRef):
+        """The node behind `ref` through ops that pass its value on unchanged
+        (VALUE_COPIES); None for an argument."""
+        ref = self._source(ref, VALUE_COPIES, 4)
+        return None if ref.is_arg else self.body.nodes.get(ref.node)
+
+    def _max_axes_of(self, ref: TensorRef, x: TensorRef) -> frozenset[int] | None:
+        """The constant axes over which `ref` is the maximum of `x`, kept as
+        dimensions of one (so that it lines up with x), else None. Also through
+        ``where(is_finite(m), m, 0)`` (tf.math.reduce_logsumexp's guard: it
+        differs from m only where x holds an infinity)."""
+        node = self._value_source(ref)
+        if (node is not None and node.op in ("Select", "SelectV2")
+                and len(node.data_inputs) == 3):
+            test = self._value_source(node.data_inputs[0][0])
+            kept = self._source(node.data_inputs[1][0], VALUE_COPIES, 4)
+            if (test is None or test.op != "IsFinite" or not test.data_inputs
+                    or self._source(test.data_inputs[0][0], VALUE_COPIES, 4) != kept):
+                return None
+            node = self._value_source(kept)
+        if (node is None or node.op != "Max" or len(node.data_inputs) != 2
+                or not node.node_def.attr["keep_dims"].b
+                or self._source(node.data_inputs[0][0], VALUE_COPIES, 4) != x):
+            return None
+        return self._reduction_axes(node)
+
+    def _logsumexp_of(self, ref: TensorRef, x: TensorRef) -> bool:
+        """Is `ref` ``log(sum(exp(x - m), axes)) + m'`` with m a maximum of x over
+        axes the sum covers and m' a maximum of x (tf.math.reduce_logsumexp with
+        keepdims)? The sum then holds exp(0) = 1 for each maximum, so its log is
+        never negative and the result is at least m' >= x."""
+        node = self._value_source(ref)
+        if node is None or node.op not in ("Add", "AddV2") or len(node.data_inputs) != 2:
+            return False
+        for log_ref, max_ref in (node.data_inputs[0][0], node.data_inputs[1][0]), (
+                node.data_inputs[1][0], node.data_inputs[0][0]):
+            if self._max_axes_of(max_ref, x) is None:
+                continue
+            log = self._value_source(log_ref)
+            total = (self._value_source(log.data_inputs[0][0])
+                     if log is not None and log.op == "Log" and log.data_inputs else None)
+            if (total is None or total.op != "Sum" or len(total.data_inputs) != 2
+                    or not total.node_def.attr["keep_dims"].b):
+                continue
+            summed = self._reduction_axes(total)
+            exp = self._value_source(total.data_inputs[0][0])
+            sub = (self._value_source(exp.data_inputs[0][0])
+                   if exp is not None and exp.op == "Exp" and exp.data_inputs else None)
+            if (summed is None or sub is None or sub.op != "Sub" or len(sub.data_inputs) != 2
+                    or self._source(sub.data_inputs[0][0], VALUE_COPIES, 4) != x):
+                continue
+            inner = self._max_axes_of(sub.data_inputs[1][0], x)
+            if inner is not None and inner <= summed:
+                return True
+        return False
+
+    def _reduction_axes(self, node) -> frozenset[int] | None:
+        """A reduction's axes (its second input) where a constant, else None."""
+        ref = self._source(node.data_inputs[1][0], _IDENTITIES, 4)
+        axes = int_constant(None if ref.is_arg else self.body.nodes.get(ref.node))
+        return None if axes is None else frozenset(axes)
 
     def _add_slot(self, name: str, attr: str, list_name: str) -> int:
         slot = len(self.slot_node)
@@ -1130,6 +1218,7 @@ class _BodyColoring:
             before = len(self.allow)
             self._add_infer_after_allow()
             self._add_statistic_readers()
+            self._add_bounded_exps()
             self._propagate_through_clear()
             if len(self.allow) == before:
                 break
@@ -1931,6 +2020,46 @@ class _BodyColoring:
             sixteen = [s for s in fanouts[slot] if s in allow]
             if sixteen:
                 self._convert_statistic_region(slot, self.slot_node[sixteen[0]])
+
+    def _add_bounded_exps(self) -> None:
+        """A bounded Exp (_bounded_exp) that only 16-bit ops read goes 16-bit where
+        that moves fewer bytes, even though what it reads stays float32.
+
+        A softmax written out, exp(x - m) with m the maximum or the logsumexp
+        of x, keeps x - m float32 (it is centred on a float32 statistic:
+        _hold_centring); its result feeds the 16-bit attention matmul and the
+        16-bit gradient product. Computed in float32, the probabilities are
+        written in float32 and cast; in 16-bit, their float32 input is cast
+        and they are written once in 16-bit. Rounding x - m to 16-bit costs
+        exp(x - m) a relative error of at most |x - m| * 2^-11 (float16), and
+        the probability an absolute one below 2^-11 / e, independent from
+        element to element; an x - m past the 16-bit range is -inf, whose
+        exp is 0 as the true value nearly is."""
+        nodes = self.body.nodes
+        if self._bounded_exps is None:
+            self._bounded_exps = [
+                slot for slot, name in enumerate(self.slot_node)
+                if self.slot_list[slot] == "infer" and name in nodes
+                and nodes[name].op == "Exp" and self._bounded_exp(nodes[name])]
+        allow, fanouts = self.allow, self.fanout
+        for slot in self._bounded_exps:
+            if not self._is_free(slot, ("infer",)) or self._run_time_scale(slot) is not None:
+                continue
+            # (a reader may be a function result's pseudo-slot: no node)
+            readers = [s for s in fanouts[slot] if self.slot_node[s] not in nodes
+                       or nodes[self.slot_node[s]].op not in METADATA_OPS]
+            if not readers or not all(s in allow for s in readers):
+                continue
+            pays = self._region_pays([slot])
+            if pays is None:
+                continue
+            as16, as32 = pays
+            self.kept.pop(slot, None)
+            cause = self.slot_node[readers[0]]
+            allow[slot] = (
+                f"infer: lies in [0, 1] and only {self.target_name} ops read it (first "
+                f"{cause!r}): {_format_bytes(as16)} instead of {_format_bytes(as32)}",
+                cause, rk.KIND_BOUNDED_FOR_16BIT)
 
     def _convert_statistic_region(self, slot: int, cause: str) -> bool:
         if self._run_time_scale(slot) is not None or self._region_stops_at(slot):

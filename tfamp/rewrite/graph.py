@@ -664,3 +664,14 @@ def scalar_constant(node: Node | None) -> float | None:
     # (MakeNdarray: a float16/bfloat16 value is stored as its bits in half_val)
     value = tensor_util.MakeNdarray(tensor).reshape(-1)
     return float(value[0]) if value.size else None
+
+
+def int_constant(node: Node | None) -> tuple[int, ...] | None:
+    """The values of an integer Const (a scalar or a vector: reduction axes), else
+    None."""
+    if node is None or node.op != "Const":
+        return None
+    tensor = node.node_def.attr["value"].tensor
+    if tensor.dtype not in (types_pb2.DT_INT32, types_pb2.DT_INT64):
+        return None
+    return tuple(int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1))

@@ -20,6 +20,7 @@ KIND_AFTER_16BIT = "after a 16-bit op"  # infer op right after one, saving casts
 KIND_NEXT_TO_16BIT = "next to a 16-bit op"  # clear op following a neighbour
 KIND_CAST_RETARGETED = "Cast retargeted"  # an existing Cast meets 16-bit directly
 KIND_COMBINES_STATISTICS = "combines statistics"  # LayerNorm's full-size scale/shift
+KIND_BOUNDED_FOR_16BIT = "bounded, read in 16-bit"  # exp(x - max(x)) for a 16-bit matmul
 KIND_ACCUMULATES_FP32 = "accumulates in float32"  # a GPU Mean / XLA gradient Sum reading 16-bit
 KIND_BOUNDARY = "boundary group"  # a loop/call/TensorList value 16-bit on every side
 
@@ -54,5 +55,5 @@ KIND_OTHER = "other"  # only from reports written before kinds were recorded
 
 CONVERTED_KINDS = frozenset({
     KIND_ALLOW, KIND_BETWEEN, KIND_AFTER_16BIT, KIND_NEXT_TO_16BIT, KIND_CAST_RETARGETED,
-    KIND_BOUNDARY, KIND_ACCUMULATES_FP32, KIND_COMBINES_STATISTICS,
+    KIND_BOUNDARY, KIND_ACCUMULATES_FP32, KIND_COMBINES_STATISTICS, KIND_BOUNDED_FOR_16BIT,
 })
