@@ -525,7 +525,7 @@ def test_counts_break_the_tie_without_shapes():
     node = decision(report, "prod")
     assert node.converted and node.reason.endswith("converting saves a cast"), node.reason
     # The conv's rank is known though its sizes are not: symbolic counts decide the
-    # bias gradient (its gradient's Sums count their operands: _broadcast_sum_counts).
+    # bias gradient (its gradient's Sums count their operands: shapes.broadcast_sum_counts).
     _, _, symbolic, _ = rewritten(_conv_grads, *specs, add_shapes=False)
     assert "a Cast of 1 x B elements instead of 1 x B^4" in decision(
         symbolic, "BiasAddGrad").reason

@@ -109,7 +109,9 @@ def insert_casts(graph_def: graph_pb2.GraphDef, view: GraphView, coloring: Color
     functions = {f.signature.name: f for f in new_graph_def.library.function}
     bodies = list(view.bodies)
     by_name = {body.name: body for body in view.bodies}
-    for clone, original in coloring.clones.items():  # callers that disagree get a copy
+    # Callers that disagree get a copy, added in name order: the clones are found
+    # in NodeDef attribute-map order, which varies from process to process.
+    for clone, original in sorted(coloring.clones.items()):
         fdef = new_graph_def.library.function.add()
         fdef.CopyFrom(functions[original])
         fdef.signature.name = clone

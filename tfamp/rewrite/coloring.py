@@ -76,6 +76,7 @@ from tfamp.rewrite.graph import (
     DT_FLOAT,
     DT_HALF,
     FLOAT_TYPES,
+    IDENTITIES,
     Body,
     GraphView,
     TensorRef,
@@ -83,8 +84,9 @@ from tfamp.rewrite.graph import (
     dtype_name,
     int_constant,
     scalar_constant,
+    source_in,
 )
-from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
+from tfamp.rewrite.shapes import Bytes, TensorShapes, broadcast_sum_operand, format_elements
 from tfamp.rewrite.traffic import CONSTANT_OPS, NO_COPY_OPS
 
 # Type attributes that do not change on their own, whatever list the op is on.
@@ -186,67 +188,8 @@ class Coloring:
         return by_body
 
 
-_IDENTITIES = frozenset({"Identity", "Snapshot"})
 # Ops whose output is their first input's value, same shape (a gradient stop too).
-VALUE_COPIES = _IDENTITIES | {"StopGradient", "PreventGradient"}
-
-
-def _source_in(nodes: Mapping, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorRef:
-    """The tensor `ref` passes on through `ops` (their first input; at most `depth`
-    of them)."""
-    for _ in range(depth):
-        node = None if ref.is_arg else nodes.get(ref.node)
-        if node is None or node.op not in ops or not node.data_inputs:
-            break
-        ref = node.data_inputs[0][0]
-    return ref
-
-
-def _broadcast_sum_operand(body: Body, node) -> TensorRef | None:
-    """The operand whose gradient `node` is, where `node` is TensorFlow's gradient
-    Sum of a broadcasting op (AddV2, Mul, BatchMatMulV2, ...):
-    ``Sum(dy, BroadcastGradientArgs(Shape(a), Shape(b))[i])``, reshaped to operand
-    a (i = 0) or b (i = 1) after it; else None."""
-    if node.op != "Sum" or len(node.data_inputs) < 2:
-        return None
-    nodes = body.nodes
-    axes = _source_in(nodes, node.data_inputs[1][0], _IDENTITIES, 4)
-    producer = None if axes.is_arg else nodes.get(axes.node)
-    if (producer is None or producer.op != "BroadcastGradientArgs"
-            or axes.index >= len(producer.data_inputs)):
-        return None
-    ref = _source_in(nodes, producer.data_inputs[axes.index][0], _IDENTITIES, 4)
-    shape = None if ref.is_arg else nodes.get(ref.node)
-    if shape is None or shape.op != "Shape" or not shape.data_inputs:
-        return None
-    return shape.data_inputs[0][0]
-
-
-def _broadcast_sum_counts(body: Body, counts: dict) -> dict:
-    """`counts` with the result of every broadcast gradient's Sum whose own shape is
-    not fully known set to its operand's count.
-
-    With an unknown batch (a ``tf.data`` pipeline without ``drop_remainder``, as in
-    most scripts) the Sum's axes are known only at run time, and so is its result's
-    shape; but it holds the operand's elements (it sums dy over the axes the operand
-    was broadcast along, and is reshaped to it). Unknown, the Sum was a float16 deny
-    op with every op behind it float32 up to the next matmul: over no axis (a
-    residual add's gradient: a copy, ``_copies``) it held every residual block's
-    activation gradient float32, and over the channels (a LayerNorm's backward: a
-    small statistic, ``_statistic_input``) the Transformer's residual stream. keras.io's
-    speaker CNN, CTC ASR, miniature GPT and MobileViT reported "100% of float32's
-    traffic" in float16 (BUILD_NOTES.md, session 38). The count is exact unless an
-    operand's unknown dimension is 1 at run time where dy's is not."""
-    added = {}
-    for name, node in body.nodes.items():
-        known = counts.get(TensorRef(name, 0)) if node.op == "Sum" else None
-        if node.op != "Sum" or (known is not None and not known[0]):
-            continue
-        operand = _broadcast_sum_operand(body, node)
-        count = counts.get(operand) if operand is not None else None
-        if count is not None:
-            added[TensorRef(name, 0)] = count
-    return {**counts, **added} if added else counts
+VALUE_COPIES = IDENTITIES | {"StopGradient", "PreventGradient"}
 
 
 def color(view: GraphView, config: AmpConfig,
@@ -296,7 +239,8 @@ def color(view: GraphView, config: AmpConfig,
                      if boundaries.original_function_name(fn) == original}
         counts = {}
         if shapes is not None:  # (a copy of a function has its original's shapes)
-            counts = shapes.counts(body.name if shapes.shapes.get(body.name) else original)
+            counts = shapes.counts(body.name if shapes.shapes.get(body.name) else original,
+                                   body)
         body_coloring = _BodyColoring(body, config, body_pins, body_keep, counts,
                                       overrides, skeletons, runtime,
                                       original in xla_compiled,
@@ -373,7 +317,7 @@ class _BodyColoring:
         self.forced: dict[int, tuple[str, str, str]] = {}  # slot -> (reason, cause, kind)
         self.keep = keep or {}
         # tensor -> its elements (shapes.elements_of), None where unknown
-        self.counts = _broadcast_sum_counts(body, counts or {})
+        self.counts = counts or {}
         # slot -> (why float32, cause, kind), for slots the byte count kept float32
         self.kept: dict[int, tuple[str, str, str]] = {}
         self._refs_by_slot: dict[int, tuple[list[TensorRef], list[TensorRef]]] = {}
@@ -707,13 +651,13 @@ class _BodyColoring:
         # constants (reducing an unknown dimension would leave one fewer): not for
         # the axes BroadcastGradientArgs computes (BUILD_NOTES.md, session 38).
         return (not reduced[0] or self._constant_axes(node)
-                or _broadcast_sum_operand(self.body, node) is not None)
+                or broadcast_sum_operand(self.body, node) is not None)
 
     def _constant_axes(self, node) -> bool:
         """Are `node`'s reduction axes (its second input) a constant?"""
         if len(node.data_inputs) < 2:
             return False
-        ref = self._source(node.data_inputs[1][0], _IDENTITIES, 4)
+        ref = self._source(node.data_inputs[1][0], IDENTITIES, 4)
         axes = None if ref.is_arg else self.body.nodes.get(ref.node)
         return axes is not None and axes.op == "Const"
 
@@ -831,8 +775,8 @@ class _BodyColoring:
         return None if ref.is_arg else self.body.nodes.get(ref.node)
 
     def _source(self, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorRef:
-        """The tensor `ref` passes on through `ops` (see _source_in)."""
-        return _source_in(self.body.nodes, ref, ops, depth)
+        """The tensor `ref` passes on through `ops` (see graph.source_in)."""
+        return source_in(self.body.nodes, ref, ops, depth)
 
     def _bounded_exp(self, node) -> bool:
         """Is `node` (an Exp) the exponential of something never positive? Then its
@@ -933,7 +877,7 @@ class _BodyColoring:
 
     def _reduction_axes(self, node) -> frozenset[int] | None:
         """A reduction's axes (its second input) where a constant, else None."""
-        ref = self._source(node.data_inputs[1][0], _IDENTITIES, 4)
+        ref = self._source(node.data_inputs[1][0], IDENTITIES, 4)
         axes = int_constant(None if ref.is_arg else self.body.nodes.get(ref.node))
         return None if axes is None else frozenset(axes)
 
@@ -1368,7 +1312,7 @@ class _BodyColoring:
         that the 5e8 took past float16's range, and the variance's gradient (inf)
         times ``x - mean`` (0) made the input's gradient NaN: measured with an
         unknown batch, once a broadcast gradient's Sums were copies
-        (``_broadcast_sum_counts``). The forward hold (``_propagate_deny``) does not
+        (``shapes.broadcast_sum_counts``). The forward hold (``_propagate_deny``) does not
         reach these ops: they read dy and the forward values, not the Rsqrt. The
         walk goes against the data from RsqrtGrad's gradient input, not into the
         values the Rsqrt is computed from, through ops no bigger than the

@@ -675,3 +675,18 @@ def int_constant(node: Node | None) -> tuple[int, ...] | None:
     if tensor.dtype not in (types_pb2.DT_INT32, types_pb2.DT_INT64):
         return None
     return tuple(int(v) for v in tensor_util.MakeNdarray(tensor).reshape(-1))
+
+
+# Ops whose output is their first input, unchanged.
+IDENTITIES = frozenset({"Identity", "Snapshot"})
+
+
+def source_in(nodes, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorRef:
+    """The tensor `ref` passes on through `ops` (their first input; at most `depth`
+    of them), in a body's `nodes`."""
+    for _ in range(depth):
+        node = None if ref.is_arg else nodes.get(ref.node)
+        if node is None or node.op not in ops or not node.data_inputs:
+            break
+        ref = node.data_inputs[0][0]
+    return ref

@@ -197,7 +197,7 @@ def _rewrite(graph_def, config, outputs, function_name, runtime, input_magnitude
     # under their new names, after the original bodies.
     bodies = {body.name: body for body in view.bodies}
     reported = [(body.name, body) for body in view.bodies] + [
-        (clone, bodies[original]) for clone, original in coloring.clones.items()]
+        (clone, bodies[original]) for clone, original in sorted(coloring.clones.items())]
     decisions = coloring.decisions
     report_of = NodeReport.of_fields
     nodes = []

@@ -26,7 +26,16 @@ import dataclasses
 import math
 
 from tfamp.rewrite import shape_inference
-from tfamp.rewrite.graph import DT_BFLOAT16, DT_FLOAT, DT_HALF, Body, GraphView, TensorRef
+from tfamp.rewrite.graph import (
+    DT_BFLOAT16,
+    DT_FLOAT,
+    DT_HALF,
+    IDENTITIES,
+    Body,
+    GraphView,
+    TensorRef,
+    source_in,
+)
 
 # Ops whose output 0 has the shape of input 0 (element-wise, or same layout).
 SAME_SHAPE_OPS = frozenset({
@@ -144,12 +153,20 @@ class TensorShapes:
     shapes: dict[str, dict[TensorRef, Shape | None]]
     _counts: dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
 
-    def counts(self, body: str) -> dict[TensorRef, tuple[int, int] | None]:
-        """Element counts (see ``elements_of``) of one body's tensors, computed once."""
-        if body not in self._counts:
-            self._counts[body] = {ref: elements_of(shape)
-                                  for ref, shape in self.shapes.get(body, {}).items()}
-        return self._counts[body]
+    def counts(self, body: str, nodes: Body | None = None
+               ) -> dict[TensorRef, tuple[int, int] | None]:
+        """Element counts (see ``elements_of``) of the tensors of body `body`,
+        computed once; with its `nodes` (the Body, or a copy of it) also the
+        counts its structure gives where a shape does not
+        (``broadcast_sum_counts``)."""
+        key = (body, nodes is not None)
+        if key not in self._counts:
+            counts = self._counts.get((body, False))
+            if counts is None:
+                counts = {ref: elements_of(shape)
+                          for ref, shape in self.shapes.get(body, {}).items()}
+            self._counts[key] = counts if nodes is None else broadcast_sum_counts(nodes, counts)
+        return self._counts[key]
 
     def shape(self, body: str, ref: TensorRef) -> Shape | None:
         return self.shapes.get(body, {}).get(ref)
@@ -159,6 +176,53 @@ class TensorShapes:
 
     def any_known(self) -> bool:
         return any(s is not None for body in self.shapes.values() for s in body.values())
+
+
+def broadcast_sum_operand(body: Body, node) -> TensorRef | None:
+    """The operand whose gradient `node` is, where `node` is TensorFlow's gradient
+    Sum of a broadcasting op (AddV2, Mul, BatchMatMulV2, ...):
+    ``Sum(dy, BroadcastGradientArgs(Shape(a), Shape(b))[i])``, reshaped to operand
+    a (i = 0) or b (i = 1) after it; else None."""
+    if node.op != "Sum" or len(node.data_inputs) < 2:
+        return None
+    nodes = body.nodes
+    axes = source_in(nodes, node.data_inputs[1][0], IDENTITIES, 4)
+    producer = None if axes.is_arg else nodes.get(axes.node)
+    if (producer is None or producer.op != "BroadcastGradientArgs"
+            or axes.index >= len(producer.data_inputs)):
+        return None
+    ref = source_in(nodes, producer.data_inputs[axes.index][0], IDENTITIES, 4)
+    shape = None if ref.is_arg else nodes.get(ref.node)
+    if shape is None or shape.op != "Shape" or not shape.data_inputs:
+        return None
+    return shape.data_inputs[0][0]
+
+
+def broadcast_sum_counts(body: Body, counts: dict) -> dict:
+    """`counts` with the result of every broadcast gradient's Sum whose own shape is
+    not fully known set to its operand's count.
+
+    With an unknown batch (a ``tf.data`` pipeline without ``drop_remainder``, as in
+    most scripts) the Sum's axes are known only at run time, and so is its result's
+    shape; but it holds the operand's elements (it sums dy over the axes the operand
+    was broadcast along, and is reshaped to it). Unknown, the Sum was a float16 deny
+    op with every op behind it float32 up to the next matmul: over no axis (a
+    residual add's gradient: a copy, coloring's ``_copies``) it held every residual block's
+    activation gradient float32, and over the channels (a LayerNorm's backward: a
+    small statistic, coloring's ``_statistic_input``) the Transformer's residual stream. keras.io's
+    speaker CNN, CTC ASR, miniature GPT and MobileViT reported "100% of float32's
+    traffic" in float16 (BUILD_NOTES.md, session 38). The count is exact unless an
+    operand's unknown dimension is 1 at run time where dy's is not."""
+    added = {}
+    for name, node in body.nodes.items():
+        known = counts.get(TensorRef(name, 0)) if node.op == "Sum" else None
+        if node.op != "Sum" or (known is not None and not known[0]):
+            continue
+        operand = broadcast_sum_operand(body, node)
+        count = counts.get(operand) if operand is not None else None
+        if count is not None:
+            added[TensorRef(name, 0)] = count
+    return {**counts, **added} if added else counts
 
 
 def tensor_shapes(graph_def, view: GraphView,

@@ -519,7 +519,7 @@ class _BodyTraffic:
                  dead: frozenset[str] = frozenset()):
         self.body = body
         self.dead = dead  # nodes TensorFlow never runs (dead_nodes): not counted
-        self.counts = shapes.counts(body.name)
+        self.counts = shapes.counts(body.name, body)
         self.converted = converted
         self.target = target
         self.sums: list[dict[int, int]] = [{}, {}]
