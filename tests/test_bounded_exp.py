@@ -198,3 +198,40 @@ def test_a_bounded_exp_a_function_returns_rewrites():
         got = run_graph_def(new_graph_def, {"x": x}, ["Identity:0", "Identity_1:0"])
         for w, g in zip(want, got, strict=True):
             np.testing.assert_allclose(g, w, rtol=3e-2, atol=3e-2 * np.abs(w).max())
+
+
+# keys (q, m) = (2, 3..4) are padding for every query; query (0, 0) sees no key at all
+MASK = np.ones((1, 3, 5, 3, 5), dtype=bool)
+MASK[..., 2, 3:] = False
+MASK[:, 0, 0] = False
+
+
+def _masked_two_axis_softmax(scores):
+    """Keras 3's Softmax over two axes with a mask: it adds (1 - mask) * -1e9 to the
+    scores first (a sentinel float16 cannot hold), then exp(x - logsumexp(x))."""
+    import keras
+    return keras.layers.Softmax(axis=(3, 4))(scores, mask=tf.constant(MASK))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_masked_two_axis_softmax_gives_no_false_nan(dtype):
+    """A query that sees no key must get float32's uniform row, not NaN. In float16 the
+    scores carry the -1e9 sentinel, and what reads them stays float32 up to the
+    probabilities (coloring's sentinel rule, which this rule does not override); in
+    bfloat16, which holds -1e9, the probabilities are 16-bit."""
+    specs = [tf.TensorSpec((None, 3, 5, 8))] + [tf.TensorSpec((8, 8))] * 3
+    graph_def, new_graph_def, report = rewrite(
+        _attention_step(_masked_two_axis_softmax), *specs, dtype=dtype, device_type="GPU")
+    outer = [n for n in report.nodes if n.op == "Exp" and "ReduceLogSumExp" not in n.name]
+    assert len(outer) == 1, outer
+    if dtype == "float16":
+        assert not outer[0].converted and outer[0].kind == rk.KIND_BEYOND_RANGE, outer
+    else:
+        assert outer[0].converted, outer
+    outputs = ["Identity:0", "Identity_1:0", "Identity_2:0", "Identity_3:0"]
+    want = run_graph_def(graph_def, ATTENTION, outputs)
+    got = run_graph_def(new_graph_def, ATTENTION, outputs)
+    tolerance = 2e-2 if dtype == "float16" else 6e-2
+    for w, g in zip(want, got, strict=True):
+        assert np.isfinite(w).all() and np.isfinite(g).all()
+        np.testing.assert_allclose(g, w, rtol=tolerance, atol=tolerance * np.abs(w).max())
