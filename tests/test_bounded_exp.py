@@ -83,6 +83,13 @@ def _two_axis_softmax(scores):
     return keras.layers.Softmax(axis=(3, 4))(scores)
 
 
+def _two_axis_softmax_dropout(scores):
+    """... and the attention dropout after it in training (Keras 3's: a scaling and a
+    select between the Exp and the matmul; keras.io's MobileViT, dropout=0.1)."""
+    return tf.nn.experimental.stateless_dropout(_two_axis_softmax(scores), rate=0.1,
+                                                seed=[1, 2])
+
+
 def _written_out(scores):
     shifted = tf.exp(scores - tf.reduce_max(scores, axis=(3, 4), keepdims=True))
     return shifted / tf.reduce_sum(shifted, axis=(3, 4), keepdims=True)
@@ -103,8 +110,8 @@ def _attention_step(softmax):
 
 @pytest.mark.parametrize("batch", [4, None], ids=["fixed", "unknown"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("softmax", [_two_axis_softmax, _written_out],
-                         ids=["keras3_two_axes", "written_out"])
+@pytest.mark.parametrize("softmax", [_two_axis_softmax, _two_axis_softmax_dropout, _written_out],
+                         ids=["keras3_two_axes", "keras3_dropout", "written_out"])
 def test_a_softmax_written_out_computes_its_probabilities_in_16bit(softmax, dtype, batch):
     specs = [tf.TensorSpec((batch, 3, 5, 8))] + [tf.TensorSpec((8, 8))] * 3
     graph_def, new_graph_def, report = rewrite(
@@ -116,7 +123,7 @@ def test_a_softmax_written_out_computes_its_probabilities_in_16bit(softmax, dtyp
     # the probabilities the attention matmul reads are the Exp's own 16-bit result
     outer = [n for n in exps if "ReduceLogSumExp" not in n.name]
     assert len(outer) == 1 and outer[0].converted, outer
-    if softmax is _two_axis_softmax and dtype == "float16":
+    if softmax is not _written_out and dtype == "float16":
         # x - logsumexp stays float32 (centred on a float32 statistic); the Exp
         # reads it cast
         assert outer[0].kind == rk.KIND_BOUNDED_FOR_16BIT, outer[0].reason

@@ -1966,44 +1966,56 @@ class _BodyColoring:
                 self._convert_statistic_region(slot, self.slot_node[sixteen[0]])
 
     def _add_bounded_exps(self) -> None:
-        """A bounded Exp (_bounded_exp) that only 16-bit ops read goes 16-bit where
-        that moves fewer bytes, even though what it reads stays float32.
+        """A bounded Exp (_bounded_exp), with the free infer/clear ops after it, goes
+        16-bit where only 16-bit ops read the result and that moves fewer bytes,
+        even though what the Exp reads stays float32.
 
         A softmax written out, exp(x - m) with m the maximum or the logsumexp
         of x, keeps x - m float32 (it is centred on a float32 statistic:
-        _hold_centring); its result feeds the 16-bit attention matmul and the
-        16-bit gradient product. Computed in float32, the probabilities are
-        written in float32 and cast; in 16-bit, their float32 input is cast
-        and they are written once in 16-bit. Rounding x - m to 16-bit costs
-        exp(x - m) a relative error of at most |x - m| * 2^-11 (float16), and
-        the probability an absolute one below 2^-11 / e, independent from
-        element to element; an x - m past the 16-bit range is -inf, whose
-        exp is 0 as the true value nearly is."""
+        _hold_centring); its result feeds the 16-bit attention matmul (through
+        an attention dropout's scaling and select, in training) and the 16-bit
+        gradient product. Computed in float32, the probabilities are written in
+        float32 and cast; in 16-bit, their float32 input is cast and they are
+        written once in 16-bit. Rounding x - m to 16-bit costs exp(x - m) a
+        relative error of at most |x - m| * 2^-11 (float16), and the
+        probability an absolute one below 2^-11 / e, independent from element
+        to element; an x - m past the 16-bit range is -inf, whose exp is 0 as
+        the true value nearly is. The ops after the Exp are free infer/clear
+        ops, which would follow it onto the path between 16-bit ops anyway."""
         nodes = self.body.nodes
         if self._bounded_exps is None:
             self._bounded_exps = [
                 slot for slot, name in enumerate(self.slot_node)
                 if self.slot_list[slot] == "infer" and name in nodes
                 and nodes[name].op == "Exp" and self._bounded_exp(nodes[name])]
-        allow, fanouts = self.allow, self.fanout
+        allow, fanouts, slot_node = self.allow, self.fanout, self.slot_node
         for slot in self._bounded_exps:
             if not self._is_free(slot, ("infer",)) or self._run_time_scale(slot) is not None:
                 continue
+            region = self._free_region(slot)
+            members = set(region)
             # (a reader may be a function result's pseudo-slot: no node)
-            readers = [s for s in fanouts[slot] if self.slot_node[s] not in nodes
-                       or nodes[self.slot_node[s]].op not in METADATA_OPS]
+            readers = [s for member in region for s in fanouts[member]
+                       if s not in members and (slot_node[s] not in nodes
+                                                or nodes[slot_node[s]].op not in METADATA_OPS)]
             if not readers or not all(s in allow for s in readers):
                 continue
-            pays = self._region_pays([slot])
+            pays = self._region_pays(region)
             if pays is None:
                 continue
             as16, as32 = pays
-            self.kept.pop(slot, None)
-            cause = self.slot_node[readers[0]]
-            allow[slot] = (
-                f"infer: lies in [0, 1] and only {self.target_name} ops read it (first "
-                f"{cause!r}): {_format_bytes(as16)} instead of {_format_bytes(as32)}",
-                cause, rk.KIND_BOUNDED_FOR_16BIT)
+            cause = slot_node[readers[0]]
+            why = (f"only {self.target_name} ops read it (first {cause!r}): "
+                   f"{_format_bytes(as16)} instead of {_format_bytes(as32)}")
+            for member in region:
+                self.kept.pop(member, None)
+                if member == slot:
+                    allow[member] = (f"infer: lies in [0, 1] and {why}", cause,
+                                     rk.KIND_BOUNDED_FOR_16BIT)
+                else:
+                    allow[member] = (
+                        f"{self.slot_list[member]}: between bounded Exp {slot_node[slot]!r} "
+                        f"and {self.target_name} ops; {why}", slot_node[slot], rk.KIND_BETWEEN)
 
     def _convert_statistic_region(self, slot: int, cause: str) -> bool:
         if self._run_time_scale(slot) is not None or self._region_stops_at(slot):
