@@ -20,6 +20,8 @@ grappler's AMP pass:
    moves more bytes, e.g. a Cast moved onto a larger tensor; a chain that
    combines statistics and weights into a big tensor for a 16-bit op
    (LayerNorm's scale and shift) goes 16-bit where that moves fewer bytes;
+   so does an Exp that cannot exceed 1 (a softmax written out) with the free
+   ops after it, where only 16-bit ops read the result;
    these repeat until nothing changes (a few rounds at most);
 6. a GPU Mean nothing is centred on reads its 16-bit input as it is;
 7. an existing Cast to float32 that feeds only 16-bit slots casts to 16-bit
