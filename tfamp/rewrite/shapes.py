@@ -151,7 +151,9 @@ class TensorShapes:
     """Static shapes of tensors, per body: shapes[body name][TensorRef]."""
 
     shapes: dict[str, dict[TensorRef, Shape | None]]
-    _counts: dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
+    # (body name, with its structure's counts?) -> counts (see ``counts``)
+    _counts: dict[tuple[str, bool], dict] = dataclasses.field(default_factory=dict,
+                                                              repr=False)
 
     def counts(self, body: str, nodes: Body | None = None
                ) -> dict[TensorRef, tuple[int, int] | None]:
@@ -207,12 +209,13 @@ def broadcast_sum_counts(body: Body, counts: dict) -> dict:
     shape; but it holds the operand's elements (it sums dy over the axes the operand
     was broadcast along, and is reshaped to it). Unknown, the Sum was a float16 deny
     op with every op behind it float32 up to the next matmul: over no axis (a
-    residual add's gradient: a copy, coloring's ``_copies``) it held every residual block's
-    activation gradient float32, and over the channels (a LayerNorm's backward: a
-    small statistic, coloring's ``_statistic_input``) the Transformer's residual stream. keras.io's
-    speaker CNN, CTC ASR, miniature GPT and MobileViT reported "100% of float32's
-    traffic" in float16 (BUILD_NOTES.md, session 38). The count is exact unless an
-    operand's unknown dimension is 1 at run time where dy's is not."""
+    residual add's gradient: a copy, coloring's ``_copies``) it held every residual
+    block's activation gradient float32, and over the channels (a LayerNorm's
+    backward: a small statistic, coloring's ``_statistic_input``) the Transformer's
+    residual stream. keras.io's speaker CNN, CTC ASR, miniature GPT and MobileViT
+    reported "100% of float32's traffic" in float16 (BUILD_NOTES.md, session 38).
+    The count is exact unless an operand's unknown dimension is 1 at run time
+    where dy's is not. The traffic estimate reads the same counts (session 40)."""
     added = {}
     for name, node in body.nodes.items():
         known = counts.get(TensorRef(name, 0)) if node.op == "Sum" else None
