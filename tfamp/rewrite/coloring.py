@@ -657,11 +657,7 @@ class _BodyColoring:
 
     def _constant_axes(self, node) -> bool:
         """Are `node`'s reduction axes (its second input) a constant?"""
-        if len(node.data_inputs) < 2:
-            return False
-        ref = self._source(node.data_inputs[1][0], IDENTITIES, 4)
-        axes = None if ref.is_arg else self.body.nodes.get(ref.node)
-        return axes is not None and axes.op == "Const"
+        return self._reduction_axes(node) is not None
 
     def _rsqrt_overflow(self, node) -> str:
         """Why `node` (oplists.GROWING_INVERSES: an Rsqrt) can leave the 16-bit
@@ -879,6 +875,8 @@ class _BodyColoring:
 
     def _reduction_axes(self, node) -> frozenset[int] | None:
         """A reduction's axes (its second input) where a constant, else None."""
+        if len(node.data_inputs) < 2:
+            return None
         ref = self._source(node.data_inputs[1][0], IDENTITIES, 4)
         axes = int_constant(None if ref.is_arg else self.body.nodes.get(ref.node))
         return None if axes is None else frozenset(axes)
@@ -1986,10 +1984,12 @@ class _BodyColoring:
         ops, which would follow it onto the path between 16-bit ops anyway."""
         nodes = self.body.nodes
         if self._bounded_exps is None:
+            # (_make_slots made them infer where the lists say deny: _bounded_exp)
+            deny_exp = self.lists.list_of("Exp") == "deny"
             self._bounded_exps = [
                 slot for slot, name in enumerate(self.slot_node)
-                if self.slot_list[slot] == "infer" and name in nodes
-                and nodes[name].op == "Exp" and self._bounded_exp(nodes[name])]
+                if deny_exp and self.slot_list[slot] == "infer" and name in nodes
+                and nodes[name].op == "Exp"]
         allow, fanouts, slot_node = self.allow, self.fanout, self.slot_node
         for slot in self._bounded_exps:
             if not self._is_free(slot, ("infer",)) or self._run_time_scale(slot) is not None:
