@@ -256,8 +256,8 @@ ONE_CHANNEL_NORM_LOOP = textwrap.dedent("""
     import patterns
     # (since session 38 the rewrite keeps a normalisation over one element float32:
     # switched off, so the step makes the 16-bit cancellation the check is for)
-    from tfamp.rewrite import coloring
-    coloring._BodyColoring._one_element_variance = lambda self, node: ""
+    from tfamp.rewrite import value_ranges
+    value_ranges.one_element_variance = lambda body, counts, node: ""
     if check == "unchecked":  # the float32 probe's choice, as before the check
         from tfamp.keras import start_scale
         start_scale._checked_on_16bit = lambda found, *args, **kwargs: found

@@ -117,8 +117,8 @@ def test_the_locator_judges_the_graph_the_rewritten_step_runs(monkeypatch):
     rule is switched off here to keep the 16-bit cancellation this test needs.)"""
     import keras as keras3
 
-    from tfamp.rewrite import coloring
-    monkeypatch.setattr(coloring._BodyColoring, "_one_element_variance", lambda self, node: "")
+    from tfamp.rewrite import value_ranges
+    monkeypatch.setattr(value_ranges, "one_element_variance", lambda body, counts, node: "")
 
     keras3.utils.set_random_seed(0)
     rng = np.random.RandomState(1234)

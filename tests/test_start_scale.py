@@ -519,8 +519,8 @@ def test_the_scale_is_checked_on_the_16bit_step(flavour, monkeypatch):
     # 1e9: the float32 probe's scale overflowed it on every step of the epoch.
     # (Since session 38 the rewrite keeps a normalisation over one element float32;
     # the rule is switched off here to keep the 16-bit cancellation the check is for.)
-    from tfamp.rewrite import coloring
-    monkeypatch.setattr(coloring._BodyColoring, "_one_element_variance", lambda self, node: "")
+    from tfamp.rewrite import value_ranges
+    monkeypatch.setattr(value_ranges, "one_element_variance", lambda body, counts, node: "")
     keras = patterns.keras_module(flavour)
     with monkeypatch.context() as patch:
         patch.setattr(start_scale, "_checked_on_16bit", lambda found, *args, **kw: found)
@@ -560,8 +560,8 @@ def test_a_step_traced_again_is_checked_on_its_16bit_rewrite_too(monkeypatch):
     # the probe traces the step itself and checks the scale on that trace's
     # rewrite. Unchecked, the float32 choice skipped every step of the epoch.
     # (The one-element rule switched off, as in test_the_scale_is_checked_on_the_16bit_step.)
-    from tfamp.rewrite import coloring
-    monkeypatch.setattr(coloring._BodyColoring, "_one_element_variance", lambda self, node: "")
+    from tfamp.rewrite import value_ranges
+    monkeypatch.setattr(value_ranges, "one_element_variance", lambda body, counts, node: "")
     keras = patterns.keras_module("tf_keras")
     two_per_call, found = _enable_two_batches_per_call()
     with monkeypatch.context() as patch:

@@ -143,7 +143,7 @@ def test_a_layer_norm_over_one_channel_trains_like_float32(dtype):
     """keras.io's timeseries Transformer normalises a series' one channel: the output is
     beta. Its 16-bit arithmetic (x * inv against mean * inv, inv = 1000) made the output
     that rounding error: update cosine 0.10 against float32's in bfloat16. Held float32
-    (rewrite/coloring.py, _one_element_variance) it matches, and float16 needs no lower
+    (rewrite/value_ranges.py, one_element_variance) it matches, and float16 needs no lower
     start scale for it."""
     import tfamp
 

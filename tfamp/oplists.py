@@ -237,7 +237,7 @@ EMBEDDING_LOOKUPS = frozenset({"Gather", "GatherV2", "ResourceGather"})
 
 # Matrix products that can read an embedding table as a weight: a tied output
 # layer computes hidden @ table^T (keras-hub's ReversibleEmbedding), and its
-# input gradient d(logits) @ table (coloring: _tied_vocabulary_products).
+# input gradient d(logits) @ table (tied_output.tied_vocabulary_products).
 TABLE_PRODUCTS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
 
 # Ops that pass a weight on with its values unchanged (a tied layer reads its
@@ -284,7 +284,7 @@ BOUNDING_OPS = frozenset({"Rsqrt"})
 # False, a hand-written attention adds (1 - mask) * -1e9) becomes inf in
 # 16-bit, and a softmax row that is all -inf (a padded query's) is NaN where
 # float32's is finite; so an op that reads such a value stays float32
-# (coloring._sentinel_readers, found by the program generator, 25100146). Only the
+# (value_ranges.sentinels, found by the program generator, 25100146). Only the
 # float inputs are followed (a Fill's dims, a Tile's multiples are not values);
 # only float constants count (an integer one cast to float is not seen).
 SENTINEL_CARRIERS = frozenset({
@@ -295,7 +295,7 @@ SENTINEL_CARRIERS = frozenset({
 
 # Ops whose result grows without bound as their input nears 0: in float16 one
 # stays a deny op unless a constant epsilon keeps its input away from 0 far
-# enough (coloring._rsqrt_overflow: rsqrt(x + 1e-12) reaches 1e6 for x = 0).
+# enough (value_ranges.rsqrt_overflow: rsqrt(x + 1e-12) reaches 1e6 for x = 0).
 GROWING_INVERSES = frozenset({"Rsqrt"})
 # Their gradients (input 0: the inverse's own output; input 1: the gradient it
 # receives).
@@ -354,15 +354,15 @@ BFLOAT16_SAFE_PRODUCTS = frozenset({"Mul"})
 
 # Reductions that copy their input when they keep its size (they reduce no
 # axis, or only axes of one element): there they are clear ops, whatever their
-# list says (coloring._BodyColoring._copies). TensorFlow's gradient of a
+# list says (value_ranges.copies). TensorFlow's gradient of a
 # broadcasting op (BatchMatMulV2, AddV2) sums over the axes it broadcast, often
 # none: a deny Sum there would hold a whole activation gradient in float32.
 SIZE_KEEPING_COPIES = frozenset({"Sum", "Mean", "Max", "Min", "Prod"})
 
 # Ops whose result is never negative, whatever their input. The exponential of
 # the negation of one of them lies in (0, 1]: it cannot overflow float16 and
-# only underflows to 0 where the true value is below 6e-8 (coloring's
-# _bounded_exp, an infer op there instead of a deny one). TensorFlow's
+# only underflows to 0 where the true value is below 6e-8
+# (value_ranges.bounded_exp: an infer op there instead of a deny one). TensorFlow's
 # gradients of erf and erfc (GELU's backward) are exp(-square(x)).
 NON_NEGATIVE_OPS = frozenset({"Square", "Abs", "Relu", "Relu6", "Exp", "Sigmoid",
                               "Softplus", "Sqrt", "Rsqrt", "Softmax"})

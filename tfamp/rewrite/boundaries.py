@@ -120,7 +120,7 @@ class BodyOverrides:
       ranged: (node, type attribute, kind, cause) boundary values that carry a
         value another body keeps float32 for its range, such as a loop's
         accumulator popped in the gradient loop: kind RANGE_HOLD, an l2
-        normalisation's rsqrt (1e6 on a zero row: ``coloring._rsqrt_overflow``),
+        normalisation's rsqrt (1e6 on a zero row: ``value_ranges.rsqrt_overflow``),
         its readers held float32 as in that body; kind SENTINEL, a constant
         past the range (a mask's -1e9; the cause starts with its magnitude), its
         readers float32. An argument is ``(arg_slot_name(arg), "T", kind, cause)``.

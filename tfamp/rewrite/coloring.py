@@ -54,7 +54,6 @@ from tfamp.oplists import (
     BROADCAST_OPS,
     CENTRING_OPS,
     DATA_BOUND_OPS,
-    EMBEDDING_LOOKUPS,
     FLOAT32_ACCUMULATING_ON_GPU,
     FLOAT32_ACCUMULATING_UNDER_XLA,
     FUSED_NORMALISATION_OPS,
@@ -63,33 +62,34 @@ from tfamp.oplists import (
     INEXACT_16BIT_KERNELS,
     INVERSE_GRADIENTS,
     METADATA_OPS,
-    NON_NEGATIVE_OPS,
     RANGE_DENIED_REDUCTIONS,
-    SENTINEL_CARRIERS,
     SIZE_KEEPING_COPIES,
     STATISTIC_REDUCTIONS,
-    TABLE_PRODUCTS,
-    WEIGHT_VIEWS,
 )
-from tfamp.rewrite import boundaries, compiled, kernels, runtime_cost, scopes
+from tfamp.rewrite import (
+    boundaries,
+    compiled,
+    kernels,
+    runtime_cost,
+    scopes,
+    tied_output,
+    value_ranges,
+)
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.graph import (
     DT_BFLOAT16,
     DT_FLOAT,
     DT_HALF,
-    FLOAT_TYPES,
-    IDENTITIES,
     Body,
     GraphView,
     TensorRef,
-    constant_magnitude,
     dtype_name,
-    int_constant,
     scalar_constant,
-    source_in,
+    variable_key,
 )
-from tfamp.rewrite.shapes import Bytes, TensorShapes, broadcast_sum_operand, format_elements
+from tfamp.rewrite.shapes import Bytes, TensorShapes, format_elements
 from tfamp.rewrite.traffic import CONSTANT_OPS, NO_COPY_OPS
+from tfamp.rewrite.value_ranges import REAL_TYPES
 
 # Type attributes that do not change on their own, whatever list the op is on.
 # A TensorList's element type must agree with every op that touches the list,
@@ -135,9 +135,6 @@ _MOVING_AVERAGE_OPS = 6
 # rules after a statistic hold what needs float32); it only tells the small
 # tensors that stay float32 with a statistic from the big ones that read it.
 _STATISTIC_RATIO = 2
-# Most WEIGHT_VIEWS between a variable's read and the product that reads it
-# (a tied layer's Transpose and Tensordot's Reshape: two).
-_VIEW_DEPTH = 6
 
 
 class Decision(NamedTuple):
@@ -188,10 +185,6 @@ class Coloring:
             if decision.converted_attrs:
                 by_body.setdefault(function, {})[node] = decision.converted_attrs
         return by_body
-
-
-# Ops whose output is their first input's value, same shape (a gradient stop too).
-VALUE_COPIES = IDENTITIES | {"StopGradient", "PreventGradient"}
 
 
 def color(view: GraphView, config: AmpConfig,
@@ -288,9 +281,10 @@ class _Skeleton:
     # key may name a pseudo-slot that only some overrides create. None until
     # a second colouring of the body needs them.
     edges: list[tuple[tuple[str, str], tuple[str, str]]] | None = None
-    # slot -> its deny decision where the op's range makes it a deny op (_rsqrt_overflow)
+    # slot -> its deny decision where the op's range makes it a deny op
+    # (value_ranges.rsqrt_overflow)
     range_denied: dict[int, tuple[str, str, str]] | None = None
-    # tensor -> the constant past the 16-bit range it carries (_sentinel_readers)
+    # tensor -> the constant past the 16-bit range it carries (value_ranges.sentinels)
     sentinel_carrying: dict | None = None
 
 
@@ -356,7 +350,7 @@ class _BodyColoring:
         self._attr_blocks: dict[tuple[str, str, str], tuple[str, str]] = {}
         # (id of input port list, id of output port list) -> "resource", "ref" or ""
         self._variable_ports: dict[tuple[int, int], str] = {}
-        # tensor -> the constant past the 16-bit range it carries (_sentinel_readers)
+        # tensor -> the constant past the 16-bit range it carries (value_ranges.sentinels)
         self._sentinel_carrying: dict[TensorRef, float] = {}
         skeleton = skeletons.get(body.name) if skeletons is not None else None
         if skeleton is None or skeleton.body is not body:
@@ -420,7 +414,7 @@ class _BodyColoring:
 
     def _make_slots(self, pinned: set[TensorRef]) -> None:
         pinned_nodes = {ref.node for ref in pinned}
-        self._range_denied: dict[int, tuple[str, str, str]] = {}  # (_rsqrt_overflow)
+        self._range_denied: dict[int, tuple[str, str, str]] = {}  # (value_ranges.rsqrt_overflow)
         list_of = self.lists.list_of
         slot_node, slot_attr, slot_list = self.slot_node, self.slot_attr, self.slot_list
         slot_index, node_blocks = self.slot_index, self.node_blocks
@@ -433,16 +427,21 @@ class _BodyColoring:
         node_block_of, attr_block, blocked = self._node_block, self._attr_block, self.blocked
         attr_blocks = self._attr_blocks
         positions: dict[str, bool] = {}  # node -> computes from positions only?
-        sentinel_readers = self._sentinel_readers(float(dtypes.as_dtype(self.target).max))
-        tied = self._tied_vocabulary_products() if self.target == DT_BFLOAT16 else {}
+        sentinel_readers, self._sentinel_carrying = value_ranges.sentinels(
+            self.body, float(dtypes.as_dtype(self.target).max), self.input_magnitudes)
+        tied = (tied_output.tied_vocabulary_products(self.body)
+                if self.target == DT_BFLOAT16 else {})
         no_block = ("", "")
         for name, node in self.body.nodes.items():
             list_name = list_of(node.op)
-            if list_name != "clear" and node.op in SIZE_KEEPING_COPIES and self._copies(node):
+            if list_name != "clear" and node.op in SIZE_KEEPING_COPIES and value_ranges.copies(
+                    self.body, self.counts, node):
                 list_name = "clear"
-            elif list_name == "deny" and node.op == "Exp" and self._bounded_exp(node):
+            elif list_name == "deny" and node.op == "Exp" and value_ranges.bounded_exp(
+                    self.body, node):
                 list_name = "infer"
-            overflow = self._rsqrt_overflow(node) if node.op in GROWING_INVERSES else ""
+            overflow = (value_ranges.rsqrt_overflow(self.body, self.counts, node, self.target)
+                        if node.op in GROWING_INVERSES else "")
             if overflow:
                 list_name = "deny"
             attrs = node.float_type_attrs
@@ -502,385 +501,6 @@ class _BodyColoring:
                         "kept float32: a graph output keeps its dtype", rk.KIND_GRAPH_OUTPUT))
                     self.hard_blocked[(name, port.type_attr)] = self.blocked[slot]
 
-    def _sentinel_readers(self, largest: float) -> dict[str, float]:
-        """Node -> a constant past the 16-bit type's `largest` value that one of its
-        float inputs carries: the constant's own readers, and through
-        oplists.SENTINEL_CARRIERS (-1e9 picked by a select, or times a 0/1 mask, then
-        added) up to _SENTINEL_DEPTH ops on. One walk forward from such constants;
-        a body without one (most) costs one look at its Consts. The tensors that
-        carry one are kept (`_sentinel_carrying`): a boundary they cross carries it
-        into another body (_boundary_sentinels)."""
-        seeds = {}
-        for name, node in self.body.nodes.items():
-            if node.op == "Const":
-                value = constant_magnitude(node)
-            elif node.op == "Placeholder":  # (a captured constant, where known)
-                value = self.input_magnitudes.get(name)
-            else:
-                continue
-            if value is not None and value > largest:
-                seeds[TensorRef(name, 0)] = value
-        if not seeds:
-            return {}
-        readers, self._sentinel_carrying = self._walk_sentinels(seeds)
-        return readers
-
-    def _walk_sentinels(self, seeds: dict[TensorRef, float]
-                        ) -> tuple[dict[str, float], dict[TensorRef, float]]:
-        """(node -> the value it reads, tensor -> the value it carries), walking
-        forward from `seeds` (tensors that hold a value past the 16-bit range)
-        through oplists.SENTINEL_CARRIERS, up to _SENTINEL_DEPTH ops on."""
-        nodes, consumers, producer_port = (
-            self.body.nodes, self.body.consumers, self.body.producer_port)
-        arg_dtypes = self.body.arg_dtypes
-        carrying = dict(seeds)
-        readers: dict[str, float] = {}
-        frontier = list(seeds)
-        for depth in range(_SENTINEL_DEPTH + 1):
-            reached = []
-            for source in frontier:
-                if source.is_arg:
-                    dtype = arg_dtypes.get(source.node)
-                else:
-                    port = producer_port(source)
-                    dtype = None if port is None else port.dtype
-                if dtype not in _REAL_TYPES:
-                    continue  # (an index, a shape, a mask's bool)
-                for name, _ in consumers.get(source, ()):
-                    node = nodes[name]
-                    readers.setdefault(name, carrying[source])
-                    if node.op in SENTINEL_CARRIERS and depth < _SENTINEL_DEPTH:
-                        for index in range(len(node.outputs)):
-                            out = TensorRef(name, index)
-                            if out not in carrying:
-                                carrying[out] = carrying[source]
-                                reached.append(out)
-            frontier = reached
-        return readers, carrying
-
-    def _tied_vocabulary_products(self) -> dict[str, str]:
-        """The products of a tied output layer: node -> the embedding lookup
-        (oplists.EMBEDDING_LOOKUPS) whose table they multiply by.
-
-        A tied output layer computes logits = hidden @ table^T with the table
-        the model's input looks up (keras-hub's ReversibleEmbedding: T5, GPT-2,
-        Llama, Gemma, BART). Its products (oplists.TABLE_PRODUCTS) are those
-        that read the table, the forward one and d(hidden) = d(logits) @
-        table in its gradient, and the gradient product that reads only what
-        they read, the weight gradient hidden^T @ d(logits).
-
-        Held float32 in bfloat16 (not float16, whose 3 more bits suffice:
-        gradient cosine 0.99999 on keras-hub's T5 either way): d(hidden) is
-        sum_v p_v * table_v - table_label, two sums much larger than their
-        difference on T5, so bfloat16's 2^-9 rounding of the table and of
-        d(logits) came out as 4.7% error in d(hidden), a gradient cosine of
-        0.988 against float32 and a weight update of 0.77 after 16 Adam steps.
-        The weight gradient is held with them so that d(logits) has no 16-bit
-        reader: under XLA the views it passes through went 16-bit for it, and
-        d(hidden) read d(logits) rounded (cosine 0.9897 instead of 0.9999).
-        Keras's own bfloat16 policy computes all three in float32 (its
-        Embedding table is not autocast, and bfloat16 @ float32 promotes).
-        Only where the body differentiates through the table: in a graph
-        without that gradient (serving), the forward product's rounding is a
-        16-bit head's like any other, and ``tfamp export`` can store the
-        table, often the model's largest weight, in 16 bits.
-        BUILD_NOTES.md, session 34.
-        """
-        ops = self.body.ops
-        if not (ops & EMBEDDING_LOOKUPS and ops & TABLE_PRODUCTS):
-            return {}
-        nodes = self.body.nodes
-        tables: dict[str, str] = {}
-        for name, node in nodes.items():
-            if node.op in EMBEDDING_LOOKUPS and node.data_inputs:
-                ref = node.data_inputs[0][0]
-                key = (self._variable_key(ref) if node.op == "ResourceGather"
-                       else self._variable_of(self._source(ref, WEIGHT_VIEWS, _VIEW_DEPTH)))
-                if key is not None:
-                    tables.setdefault(key, name)
-        if not tables:
-            return {}
-        products: dict[str, str] = {}
-        operands: dict[TensorRef, str] = {}  # what held products read besides the table
-        for name, node in nodes.items():
-            if node.op not in TABLE_PRODUCTS:
-                continue
-            sources = [self._source(ref, WEIGHT_VIEWS, _VIEW_DEPTH)
-                       for ref, _ in node.data_inputs]
-            keys = [self._variable_of(ref) for ref in sources]
-            lookup = next((tables[key] for key in keys if key in tables), None)
-            if lookup is None:
-                continue
-            products[name] = lookup
-            for ref, key in zip(sources, keys, strict=True):
-                if key not in tables:
-                    operands.setdefault(ref, lookup)
-        if not any(map(scopes.is_gradient, products)):
-            return {}  # no gradient through the table here: an inference graph
-        for name, node in nodes.items():
-            if (node.op in TABLE_PRODUCTS and name not in products and node.data_inputs
-                    and scopes.is_gradient(name)):
-                sources = [self._source(ref, WEIGHT_VIEWS, _VIEW_DEPTH)
-                           for ref, _ in node.data_inputs]
-                if all(ref in operands for ref in sources):
-                    products[name] = operands[sources[0]]
-        return products
-
-    def _variable_of(self, ref: TensorRef) -> str | None:
-        """_variable_key of the variable `ref` reads (a ReadVariableOp's output, or
-        a TF1 reference variable itself); None for any other tensor."""
-        node = None if ref.is_arg else self.body.nodes.get(ref.node)
-        if node is None:
-            return None
-        if node.op in ("VariableV2", "Variable"):
-            return f"{ref.node}:{ref.index}"
-        if node.op == "ReadVariableOp" and node.data_inputs:
-            return self._variable_key(node.data_inputs[0][0])
-        return None
-
-    def _copies(self, node) -> bool:
-        """Does a reduction keep its input's size (it reduces no axis, or only
-        axes of one element: TensorFlow's gradients of broadcasting ops sum over
-        whatever axes BroadcastGradientArgs names, often none)? Then it copies
-        its input, exact in any precision: a clear op, not a deny one."""
-        if not node.data_inputs:
-            return False
-        reduced = self.counts.get(node.data_inputs[0][0])
-        result = self.counts.get(TensorRef(node.name, 0))
-        if reduced is None or reduced != result:
-            return False
-        # With unknown dimensions equal counts say it only where the axes are
-        # constants (reducing an unknown dimension would leave one fewer): not for
-        # the axes BroadcastGradientArgs computes (BUILD_NOTES.md, session 38).
-        return (not reduced[0] or self._constant_axes(node)
-                or broadcast_sum_operand(self.body, node) is not None)
-
-    def _constant_axes(self, node) -> bool:
-        """Are `node`'s reduction axes (its second input) a constant?"""
-        return self._reduction_axes(node) is not None
-
-    def _rsqrt_overflow(self, node) -> str:
-        """Why `node` (oplists.GROWING_INVERSES: an Rsqrt) can leave the 16-bit
-        type's range, or "" if it cannot.
-
-        rsqrt(x) passes float16's largest value for x below 2.3e-10. An
-        l2 normalisation, x * rsqrt(max(sum(x * x), eps)) (tf.math.l2_normalize,
-        eps 1e-12), reaches 1e6 on a row of zeros (a ReLU's, a padded step's): in
-        float16 the statistic became inf where it was cast, 0 * inf is NaN where
-        float32 gives 0, and its gradient (dy * 1e6) became inf where a ReLU's
-        gradient multiplies it by 0. So an Rsqrt of a Sum plus (or max with) a
-        constant eps below 2.4e-10 is a deny op, and what reads it stays float32
-        up to the next allow op (_propagate_deny). A variance with such an eps
-        (BERT's LayerNorm's 1e-12) is left as it is: it is 0 only on a row of
-        equal values, and holding every LayerNorm's backward in float32 would
-        cost BERT's step 2 GB (BUILD_NOTES.md, session 21). bfloat16 has
-        float32's range.
-        """
-        if not node.data_inputs:
-            return ""
-        one_element = self._one_element_variance(node)
-        if one_element:
-            return one_element
-        if self.target != DT_HALF:
-            return ""
-        producer = self._through_copies(node.data_inputs[0][0])
-        if producer is not None and producer.op == "Sum":
-            return self._clamped_rsqrt(node)
-        eps, sources = self._statistic_plus_eps(node)
-        summed = any(source is not None and source.op == "Sum" for source in sources)
-        largest = float(dtypes.as_dtype(self.target).max)
-        if eps is None or not summed or eps ** -0.5 <= largest:
-            return ""
-        return (f"rsqrt(sum + {eps:g}) reaches {eps ** -0.5:.3g} for a zero row, beyond "
-                f"{self.target_name}'s {largest:g}: float32 up to the next allow op")
-
-    def _statistic_plus_eps(self, node) -> tuple[float | None, list]:
-        """An Rsqrt's input as ``statistic + eps`` (Add, AddV2 or Maximum with a
-        positive constant): (eps or None, the nodes behind its other inputs, through
-        copies; None for an argument). (None, []) for any other input."""
-        producer = self._through_copies(node.data_inputs[0][0])
-        if producer is None or producer.op not in ("Add", "AddV2", "Maximum"):
-            return None, []
-        eps, sources = None, []
-        for ref, _ in producer.data_inputs:
-            value = None if ref.is_arg else scalar_constant(self.body.nodes.get(ref.node))
-            if value is not None and value > 0:
-                eps = float(value)
-            else:
-                sources.append(self._through_copies(ref))
-        return eps, sources
-
-    def _one_element_variance(self, node) -> str:
-        """Why an Rsqrt of a statistic over one element plus eps must stay
-        float32, or "".
-
-        A normalisation over one element (keras.io's timeseries Transformer:
-        LayerNormalization over a series' one channel) has variance 0 and
-        mean x, so its inverse is eps^-0.5 (1000 at eps 1e-6) and it computes
-        ``x * inv + (beta - mean * inv)``: two products that cancel exactly in
-        float32, giving beta. In 16 bits the sum ``beta - mean * inv`` rounds
-        at the products' size, and its error (about |x| x 1000 x 2^-9 in
-        bfloat16) is the output: measured, a model of two such blocks trained
-        with an update cosine of 0.10 against float32's in bfloat16, and its
-        gammas (whose float32 gradient is exactly 0) moved in float16. So the
-        Rsqrt is a deny op and what reads it stays float32 up to the next allow
-        op: the products then cancel as in float32. The statistic is over one
-        element where its reduction keeps its input's size (``_copies``)."""
-        eps, sources = self._statistic_plus_eps(node)
-        one_element = any(source is not None and source.op in ("Mean", "Sum")
-                          and self._copies(source) for source in sources)
-        if eps is None or not one_element:
-            return ""
-        return (f"rsqrt(variance + {eps:g}) of a normalisation over one element is "
-                f"{eps ** -0.5:.3g}, and x * it cancels mean * it exactly only in float32 "
-                f"(the output is the offset): float32 up to the next allow op")
-
-    def _clamped_rsqrt(self, node) -> str:
-        """Why an Rsqrt of a bare Sum whose result is clamped by ``Minimum`` with a
-        constant past the 16-bit range can leave it, or "".
-
-        Keras 3 normalises as ``x * minimum(rsqrt(sum(x * x)), 1 / eps)``
-        (``keras.ops.normalize``, eps 1e-7; ``UnitNormalization``, eps 1e-12): on a
-        row of zeros the rsqrt is inf in float32 too, the Minimum makes it 1e7 or
-        1e12, and the gradient is dy times that. The same hold as l2_normalize's.
-        """
-        largest = float(dtypes.as_dtype(self.target).max)
-        nodes = self.body.nodes
-        frontier, clamp = [TensorRef(node.name, 0)], None
-        for _ in range(8):  # (through copies: Identity, a Reshape)
-            reached = []
-            for ref in frontier:
-                for name, _ in self.body.consumers.get(ref, ()):
-                    consumer = nodes[name]
-                    if consumer.op == "Minimum":
-                        for other, _ in consumer.data_inputs:
-                            value = None if other.is_arg else scalar_constant(
-                                nodes.get(other.node))
-                            if value is not None and value > largest:
-                                clamp = value if clamp is None else max(clamp, value)
-                    elif consumer.op in NO_COPY_OPS:
-                        reached.append(TensorRef(name, 0))
-            frontier = reached
-        if clamp is None:
-            return ""
-        return (f"minimum(rsqrt(sum), {clamp:g}) reaches {clamp:.3g} for a zero row, beyond "
-                f"{self.target_name}'s {largest:g}: float32 up to the next allow op")
-
-    def _through_copies(self, ref: TensorRef, depth: int = 8):
-        """The node that computes `ref`'s value, through ops that only copy it
-        (at most `depth` of them); None for an argument."""
-        ref = self._source(ref, NO_COPY_OPS, depth)
-        return None if ref.is_arg else self.body.nodes.get(ref.node)
-
-    def _source(self, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorRef:
-        """The tensor `ref` passes on through `ops` (see graph.source_in)."""
-        return source_in(self.body.nodes, ref, ops, depth)
-
-    def _bounded_exp(self, node) -> bool:
-        """Is `node` (an Exp) the exponential of something never positive? Then its
-        result lies in [0, 1]: it follows its neighbours (infer) like any bounded op.
-
-        Two forms are recognised: minus something never negative (Neg of
-        oplists.NON_NEGATIVE_OPS, through views: TensorFlow's gradients of erf,
-        GELU's backward), and x minus an upper bound of x (_minus_its_bound: a
-        softmax written out, Keras 3's over more than one axis)."""
-        if node.data_inputs and self._minus_its_bound(node.data_inputs[0][0]):
-            return True
-        ref = node.data_inputs[0][0] if node.data_inputs else None
-        seen_neg = False
-        for _ in range(8):
-            producer = None if ref is None or ref.is_arg else self.body.nodes.get(ref.node)
-            if producer is None or not producer.data_inputs:
-                return False
-            if producer.op in NO_COPY_OPS:
-                ref = producer.data_inputs[0][0]
-            elif producer.op == "Neg" and not seen_neg:
-                seen_neg = True
-                ref = producer.data_inputs[0][0]
-            else:
-                return seen_neg and producer.op in NON_NEGATIVE_OPS
-        return False
-
-    def _minus_its_bound(self, ref: TensorRef) -> bool:
-        """Is `ref` ``x - b`` where b >= x element by element, whatever x holds:
-        b a maximum of x (_max_axes_of), or a logsumexp of x (_logsumexp_of)?
-
-        A softmax written out is exp(x - max(x)), and Keras 3's over more than
-        one axis (MultiHeadAttention with two attention axes: keras.io's MobileViT)
-        is exp(x - logsumexp(x)); both Exps lie in [0, 1] (BUILD_NOTES.md,
-        session 40). x must be the same tensor on both sides (through identities
-        only: a Reshape would change which elements line up)."""
-        node = self._value_source(ref)
-        if node is None or node.op != "Sub" or len(node.data_inputs) != 2:
-            return False
-        x = self._source(node.data_inputs[0][0], VALUE_COPIES, 4)
-        bound = node.data_inputs[1][0]
-        return self._max_axes_of(bound, x) is not None or self._logsumexp_of(bound, x)
-
-    def _value_source(self, ref: TensorRef):
-        """The node behind `ref` through ops that pass its value on unchanged
-        (VALUE_COPIES); None for an argument."""
-        ref = self._source(ref, VALUE_COPIES, 4)
-        return None if ref.is_arg else self.body.nodes.get(ref.node)
-
-    def _max_axes_of(self, ref: TensorRef, x: TensorRef) -> frozenset[int] | None:
-        """The constant axes over which `ref` is the maximum of `x`, kept as
-        dimensions of one (so that it lines up with x), else None. Also through
-        ``where(is_finite(m), m, 0)`` (tf.math.reduce_logsumexp's guard: it
-        differs from m only where x holds an infinity)."""
-        node = self._value_source(ref)
-        if (node is not None and node.op in ("Select", "SelectV2")
-                and len(node.data_inputs) == 3):
-            test = self._value_source(node.data_inputs[0][0])
-            kept = self._source(node.data_inputs[1][0], VALUE_COPIES, 4)
-            if (test is None or test.op != "IsFinite" or not test.data_inputs
-                    or self._source(test.data_inputs[0][0], VALUE_COPIES, 4) != kept):
-                return None
-            node = self._value_source(kept)
-        if (node is None or node.op != "Max" or len(node.data_inputs) != 2
-                or not node.node_def.attr["keep_dims"].b
-                or self._source(node.data_inputs[0][0], VALUE_COPIES, 4) != x):
-            return None
-        return self._reduction_axes(node)
-
-    def _logsumexp_of(self, ref: TensorRef, x: TensorRef) -> bool:
-        """Is `ref` ``log(sum(exp(x - m), axes)) + m'`` with m a maximum of x over
-        axes the sum covers and m' a maximum of x (tf.math.reduce_logsumexp with
-        keepdims)? The sum then holds exp(0) = 1 for each maximum, so its log is
-        never negative and the result is at least m' >= x."""
-        node = self._value_source(ref)
-        if node is None or node.op not in ("Add", "AddV2") or len(node.data_inputs) != 2:
-            return False
-        for log_ref, max_ref in (node.data_inputs[0][0], node.data_inputs[1][0]), (
-                node.data_inputs[1][0], node.data_inputs[0][0]):
-            if self._max_axes_of(max_ref, x) is None:
-                continue
-            log = self._value_source(log_ref)
-            total = (self._value_source(log.data_inputs[0][0])
-                     if log is not None and log.op == "Log" and log.data_inputs else None)
-            if (total is None or total.op != "Sum" or len(total.data_inputs) != 2
-                    or not total.node_def.attr["keep_dims"].b):
-                continue
-            summed = self._reduction_axes(total)
-            exp = self._value_source(total.data_inputs[0][0])
-            sub = (self._value_source(exp.data_inputs[0][0])
-                   if exp is not None and exp.op == "Exp" and exp.data_inputs else None)
-            if (summed is None or sub is None or sub.op != "Sub" or len(sub.data_inputs) != 2
-                    or self._source(sub.data_inputs[0][0], VALUE_COPIES, 4) != x):
-                continue
-            inner = self._max_axes_of(sub.data_inputs[1][0], x)
-            if inner is not None and inner <= summed:
-                return True
-        return False
-
-    def _reduction_axes(self, node) -> frozenset[int] | None:
-        """A reduction's axes (its second input) where a constant, else None."""
-        if len(node.data_inputs) < 2:
-            return None
-        ref = self._source(node.data_inputs[1][0], IDENTITIES, 4)
-        axes = int_constant(None if ref.is_arg else self.body.nodes.get(ref.node))
-        return None if axes is None else frozenset(axes)
-
     def _add_slot(self, name: str, attr: str, list_name: str) -> int:
         slot = len(self.slot_node)
         self.slot_node.append(name)
@@ -924,7 +544,7 @@ class _BodyColoring:
         another body (BodyOverrides.ranged, kind SENTINEL: an additive mask,
         ``(1 - mask) * -1e9``, computed outside a loop or function and read
         inside) stays float32, as the constant's readers do in its own body
-        (_sentinel_readers): in 16-bit it is -inf, and a fully masked softmax
+        (value_ranges.sentinels): in 16-bit it is -inf, and a fully masked softmax
         row NaN."""
         nodes, args = self.body.nodes, self._args_by_slot_name()
         seeds: dict[TensorRef, float] = {}
@@ -942,7 +562,7 @@ class _BodyColoring:
                         seeds[TensorRef(node, index)] = value
         if not seeds:
             return
-        readers, self._boundary_carrying = self._walk_sentinels(seeds)
+        readers, self._boundary_carrying = value_ranges.walk_sentinels(self.body, seeds)
         largest = float(dtypes.as_dtype(self.target).max)
         for name, value in readers.items():
             for attr in nodes[name].float_type_attrs:
@@ -1205,7 +825,7 @@ class _BodyColoring:
                     dtype = None if port is None else port.dtype
                 if dtype is None or dtype in _OPAQUE_TYPES:
                     return None
-                if dtype not in _REAL_TYPES:
+                if dtype not in REAL_TYPES:
                     continue  # an integer or bool tensor: an index, whatever made it
                 if ref.is_arg or positions.get(ref.node) is False or not (
                         ref.node in nodes and _may_compute_positions(nodes[ref.node])):
@@ -1274,7 +894,7 @@ class _BodyColoring:
                                            rk.KIND_DOWNSTREAM_OF_DENY)
                     if ranged:
                         self.range_held[slot] = f"{cause} (in {self.body.name or 'the graph'!r})"
-                if ranged and self._one_element_variance(root_node):
+                if ranged and value_ranges.one_element_variance(self.body, self.counts, root_node):
                     self._hold_inverse_gradient(root, root_node, cause)
                 continue
             self._add_statistic(root, root_node, reduced, leads_to_deny_or_infer, (
@@ -1493,10 +1113,10 @@ class _BodyColoring:
         reads: dict[str, list[TensorRef]] = {}
         for name, node in nodes.items():
             if node.op == "AssignVariableOp" and len(node.data_inputs) > 1:
-                writes.setdefault(self._variable_key(node.data_inputs[0][0]), []).append(
+                writes.setdefault(variable_key(nodes, node.data_inputs[0][0]), []).append(
                     node.data_inputs[1][0])
             elif node.op == "ReadVariableOp" and node.data_inputs:
-                reads.setdefault(self._variable_key(node.data_inputs[0][0]), []).append(
+                reads.setdefault(variable_key(nodes, node.data_inputs[0][0]), []).append(
                     TensorRef(name, 0))
         if not writes:
             return
@@ -1547,15 +1167,6 @@ class _BodyColoring:
             if elements[0] > size[0] or (elements[0] == size[0] and elements[1] > size[1]):
                 return False
         return True
-
-    def _variable_key(self, ref: TensorRef) -> str:
-        """Which variable a resource handle is: its source, through Identity."""
-        for _ in range(8):
-            node = None if ref.is_arg else self.body.nodes.get(ref.node)
-            if node is None or node.op != "Identity" or not node.data_inputs:
-                break
-            ref = node.data_inputs[0][0]
-        return f"{ref.node}:{ref.index}"
 
     def _slot_of(self, ref: TensorRef) -> int | None:
         """The slot of the float tensor `ref` (None: not a float op's output)."""
@@ -1966,7 +1577,7 @@ class _BodyColoring:
                 self._convert_statistic_region(slot, self.slot_node[sixteen[0]])
 
     def _add_bounded_exps(self) -> None:
-        """A bounded Exp (_bounded_exp), with the free infer/clear ops after it, goes
+        """A bounded Exp (value_ranges.bounded_exp), with the free infer/clear ops after it, goes
         16-bit where only 16-bit ops read the result and that moves fewer bytes,
         even though what the Exp reads stays float32.
 
@@ -1984,7 +1595,7 @@ class _BodyColoring:
         ops, which would follow it onto the path between 16-bit ops anyway."""
         nodes = self.body.nodes
         if self._bounded_exps is None:
-            # (_make_slots made them infer where the lists say deny: _bounded_exp)
+            # (_make_slots made them infer where the lists say deny: value_ranges.bounded_exp)
             deny_exp = self.lists.list_of("Exp") == "deny"
             self._bounded_exps = [
                 slot for slot, name in enumerate(self.slot_node)
@@ -2304,7 +1915,8 @@ class _BodyColoring:
         known = self._fusible.get(name)
         if known is not None:
             return known
-        node = self._through_copies(TensorRef(name, 0), depth=4)  # (a view of a view ...)
+        # (a view of a view ...)
+        node = value_ranges.through_copies(self.body, TensorRef(name, 0), depth=4)
         kind = runtime_cost.PARAMETER if node is None else runtime_cost.op_kind(
             node.op, calls=bool(node.called_functions), sink=not node.outputs)
         self._fusible[name] = kind
@@ -2577,7 +2189,7 @@ class _BodyColoring:
                 continue
             if list_name != self.slot_list[slots[0]] and self.slot_list[slots[0]] in (
                     "clear", "infer"):
-                # (a reduction that copies, a bounded Exp: _copies, _bounded_exp)
+                # (a reduction that copies, a bounded Exp: value_ranges)
                 list_name = self.slot_list[slots[0]]
             converted = [s for s in slots if s in allow]
             if converted:
@@ -2633,10 +2245,6 @@ class _BodyColoring:
 # Integers a 16-bit type holds exactly (its mantissa's bits + 1): positions above
 # them round (float16: 2048; bfloat16: 256).
 _EXACT_INTEGERS = {DT_HALF: 2048, DT_BFLOAT16: 256}
-_REAL_TYPES = FLOAT_TYPES | {types_pb2.DT_DOUBLE}
-# How many SENTINEL_CARRIERS a constant's value is followed through (a Keras
-# mask's: Const -> SelectV2; a hand-written one's: Const -> Mul -> AddV2).
-_SENTINEL_DEPTH = 6
 # Tensors that carry state or structure, not values: never positions.
 _OPAQUE_TYPES = frozenset({types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT})
 # Ops whose float output is not a function of their inputs' values alone.

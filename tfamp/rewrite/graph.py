@@ -690,3 +690,14 @@ def source_in(nodes, ref: TensorRef, ops: frozenset[str], depth: int) -> TensorR
             break
         ref = node.data_inputs[0][0]
     return ref
+
+
+def variable_key(nodes, ref: TensorRef) -> str:
+    """Which variable the resource handle `ref` is ("node:index" of its source,
+    through Identity): the same key wherever the handle is passed on."""
+    for _ in range(8):
+        node = None if ref.is_arg else nodes.get(ref.node)
+        if node is None or node.op != "Identity" or not node.data_inputs:
+            break
+        ref = node.data_inputs[0][0]
+    return f"{ref.node}:{ref.index}"

@@ -65,7 +65,7 @@ def rewrite_graph_def(
         tf.function's captured constants: TensorFlow captures an eager tensor
         of more than 128 elements as a placeholder, not a Const). Such a value
         past the 16-bit range (a precomputed attention bias of -1e9) is held
-        as a constant's would be (``coloring._sentinel_readers``).
+        as a constant's would be (``value_ranges.sentinels``).
 
     Tensor shapes are read from ``_output_shapes`` attributes (write them with
     ``graph.as_graph_def(add_shapes=True)``); where nodes lack them, TensorFlow's

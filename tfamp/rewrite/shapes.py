@@ -209,7 +209,7 @@ def broadcast_sum_counts(body: Body, counts: dict) -> dict:
     shape; but it holds the operand's elements (it sums dy over the axes the operand
     was broadcast along, and is reshaped to it). Unknown, the Sum was a float16 deny
     op with every op behind it float32 up to the next matmul: over no axis (a
-    residual add's gradient: a copy, coloring's ``_copies``) it held every residual
+    residual add's gradient: a copy, ``value_ranges.copies``) it held every residual
     block's activation gradient float32, and over the channels (a LayerNorm's
     backward: a small statistic, coloring's ``_statistic_input``) the Transformer's
     residual stream. keras.io's speaker CNN, CTC ASR, miniature GPT and MobileViT
