@@ -242,3 +242,81 @@ def test_a_masked_two_axis_softmax_gives_no_false_nan(dtype):
     for w, g in zip(want, got, strict=True):
         assert np.isfinite(w).all() and np.isfinite(g).all()
         np.testing.assert_allclose(g, w, rtol=tolerance, atol=tolerance * np.abs(w).max())
+
+
+# -- an Exp of a clipped value: keras.io's graph attention, exp(clip(s, -2, 2)) -----
+
+GAT_NODES, GAT_EDGES = 24, 96
+
+
+def _gat_inputs():
+    rng = np.random.default_rng(5)
+    edges = np.stack([rng.integers(0, GAT_NODES, GAT_EDGES),
+                      rng.integers(0, GAT_NODES, GAT_EDGES)], 1)
+    edges[:GAT_NODES, 0] = np.arange(GAT_NODES)  # (every node has a neighbour)
+    edges = edges[np.argsort(edges[:, 0], kind="stable")].astype(np.int32)
+    return {"x": rng.standard_normal((GAT_NODES, 16)).astype(np.float32),
+            "edges": edges,
+            "w": (rng.standard_normal((16, 8)) / 4).astype(np.float32),
+            "a": (rng.standard_normal((16, 1)) / 3).astype(np.float32)}
+
+
+def _graph_attention_step(ceiling):
+    """keras.io's GAT layer (examples/graph/gat_node_classification.py), its scores'
+    clip ceiling a parameter, in a training step."""
+    def step(x, edges, w, a):
+        with tf.GradientTape() as tape:
+            tape.watch([w, a])
+            t = tf.matmul(x, w)
+            pairs = tf.reshape(tf.gather(t, edges), (tf.shape(edges)[0], -1))
+            scores = tf.squeeze(tf.nn.leaky_relu(tf.matmul(pairs, a)), -1)
+            scores = tf.math.exp(tf.clip_by_value(scores, -2.0, ceiling), name="the_exp")
+            total = tf.math.unsorted_segment_sum(scores, edges[:, 0],
+                                                 tf.reduce_max(edges[:, 0]) + 1)
+            total = tf.repeat(total, tf.math.bincount(edges[:, 0]))
+            neighbours = tf.gather(t, edges[:, 1])
+            weighted = tf.multiply(neighbours, (scores / total)[:, tf.newaxis], name="weighted")
+            h = tf.math.unsorted_segment_sum(weighted, edges[:, 0], tf.shape(x)[0])
+            loss = tf.reduce_mean(tf.square(tf.matmul(h, w, transpose_b=True)))
+        return [loss] + tape.gradient(loss, [w, a])
+    return step
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_exp_of_clipped_scores_computes_in_16bit(dtype):
+    values = _gat_inputs()
+    specs = [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in values.values()]
+    graph_def, new_graph_def, report = rewrite(
+        _graph_attention_step(2.0), *specs, dtype=dtype, device_type="GPU")
+    the_exp = decision(report, "the_exp")
+    assert the_exp.list == "infer" and the_exp.converted, the_exp.reason
+    # nothing is held float32 by it (before: the weighted neighbours' product and
+    # its gradient, "downstream of Exp")
+    assert not [(n.name, n.reason) for n in report.nodes if n.cause == the_exp.name
+                and not n.converted and n.kind == rk.KIND_DOWNSTREAM_OF_DENY]
+    weighted = decision(report, "weighted")
+    assert weighted.converted, weighted.reason
+    # Outputs (loss, d/dw, d/da) against float32's, as errors relative to each
+    # one's norm: within 16-bit rounding, and no worse than with the Exp kept
+    # float32 (bfloat16's d/da is a small difference of large terms: 8% either way).
+    _, kept_graph_def, _ = rewrite(_graph_attention_step(2.0), *specs, dtype=dtype,
+                                   device_type="GPU", keep_fp32=["the_exp"])
+    outputs = [f"Identity{suffix}:0" for suffix in ("", "_1", "_2")]
+    want = run_graph_def(graph_def, values, outputs)
+    got = run_graph_def(new_graph_def, values, outputs)
+    kept = run_graph_def(kept_graph_def, values, outputs)
+    tolerance = 1e-2 if dtype == "float16" else 4e-2
+    for w, g, k in zip(want, got, kept, strict=True):
+        assert np.isfinite(g).all()
+        error, kept_error = (np.linalg.norm(v - w) / np.linalg.norm(w) for v in (g, k))
+        assert error < max(tolerance, 1.25 * kept_error), (error, kept_error)
+
+
+def test_an_exp_clipped_too_high_stays_float32():
+    # exp(clip(s, -2, 10)) reaches 22026: past value_ranges.CLIPPED_EXP_MOST
+    values = _gat_inputs()
+    specs = [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in values.values()]
+    _, _, report = rewrite(_graph_attention_step(10.0), *specs, dtype="float16",
+                           device_type="GPU")
+    the_exp = decision(report, "the_exp")
+    assert the_exp.list == "deny" and not the_exp.converted, the_exp.reason

@@ -10,6 +10,8 @@ included.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import tensorflow as tf
 
@@ -36,44 +38,64 @@ def _max(x, axis=-1, keepdims=True):
     return tf.reduce_max(x, axis=axis, keepdims=keepdims)
 
 
-BOUNDED_EXPS = {
+BOUNDED_EXPS = {  # case: (fn, the most the Exp can be, or None)
     # exp of minus something never negative (GELU's gradient: exp(-x^2))
-    "minus a square": (lambda x, y: tf.exp(-tf.square(x), name="target"), True),
+    "minus a square": (lambda x, y: tf.exp(-tf.square(x), name="target"), 1.0),
     "minus an abs, through a reshape": (
-        lambda x, y: tf.exp(tf.reshape(-tf.abs(x), [6, 4]), name="target"), True),
+        lambda x, y: tf.exp(tf.reshape(-tf.abs(x), [6, 4]), name="target"), 1.0),
     # x minus an upper bound of x
-    "x - max(x)": (lambda x, y: tf.exp(x - _max(x), name="target"), True),
+    "x - max(x)": (lambda x, y: tf.exp(x - _max(x), name="target"), 1.0),
     "x - stop_gradient(max(x))": (
-        lambda x, y: tf.exp(x - tf.stop_gradient(_max(x)), name="target"), True),
-    "x - max over both axes": (lambda x, y: tf.exp(x - _max(x, [0, 1]), name="target"), True),
+        lambda x, y: tf.exp(x - tf.stop_gradient(_max(x)), name="target"), 1.0),
+    "x - max over both axes": (lambda x, y: tf.exp(x - _max(x, [0, 1]), name="target"), 1.0),
     "x - logsumexp(x)": (
         lambda x, y: tf.exp(x - tf.reduce_logsumexp(x, axis=-1, keepdims=True),
-                            name="target"), True),
+                            name="target"), 1.0),
+    # x clipped from above (keras.io's graph attention; a policy's log std)
+    "clip_by_value(x, -2, 2)": (
+        lambda x, y: tf.exp(tf.clip_by_value(x, -2.0, 2.0), name="target"), math.exp(2)),
+    "minimum(x, 1), reshaped": (
+        lambda x, y: tf.exp(tf.reshape(tf.minimum(x, 1.0), [6, 4]), name="target"), math.e),
+    "ClipByValue(x, -20, 2)": (
+        lambda x, y: tf.exp(tf.raw_ops.ClipByValue(t=x, clip_value_min=-20.0,
+                                                   clip_value_max=2.0), name="target"),
+        math.exp(2)),
+    "maximum(minimum(x, 1), 2.5) (a floor above the ceiling)": (
+        lambda x, y: tf.exp(tf.maximum(tf.minimum(x, 1.0), 2.5), name="target"), math.exp(2.5)),
     # near misses: unbounded, or bounded by something else
-    "x": (lambda x, y: tf.exp(x, name="target"), False),
-    "-x": (lambda x, y: tf.exp(-x, name="target"), False),
+    "x": (lambda x, y: tf.exp(x, name="target"), None),
+    "-x": (lambda x, y: tf.exp(-x, name="target"), None),
     "minus minus a square": (lambda x, y: tf.exp(tf.negative(-tf.square(x)), name="target"),
-                             False),
-    "x - max(y)": (lambda x, y: tf.exp(x - _max(y), name="target"), False),
+                             None),
+    "x - max(y)": (lambda x, y: tf.exp(x - _max(y), name="target"), None),
     "x - min(x)": (lambda x, y: tf.exp(x - tf.reduce_min(x, -1, keepdims=True),
-                                       name="target"), False),
+                                       name="target"), None),
     "x - mean(x)": (lambda x, y: tf.exp(x - tf.reduce_mean(x, -1, keepdims=True),
-                                        name="target"), False),
+                                        name="target"), None),
     "x - max(x) without kept dimensions": (
         lambda x, y: tf.exp(tf.transpose(tf.transpose(x) - _max(x, -1, False)),
-                            name="target"), False),
-    "max(x) - x": (lambda x, y: tf.exp(_max(x) - x, name="target"), False),
+                            name="target"), None),
+    "max(x) - x": (lambda x, y: tf.exp(_max(x) - x, name="target"), None),
     "x - max of a reshaped x": (
         lambda x, y: tf.exp(x - tf.reshape(_max(tf.reshape(x, [6, 4]), 0), [1, 4])[:, :1],
-                            name="target"), False),
+                            name="target"), None),
+    "clip_by_value(x, -2, 10) (too big a ceiling)": (
+        lambda x, y: tf.exp(tf.clip_by_value(x, -2.0, 10.0), name="target"), None),
+    "maximum(x, -2) (a floor only)": (
+        lambda x, y: tf.exp(tf.maximum(x, -2.0), name="target"), None),
+    "minimum(x, y) (no constant)": (
+        lambda x, y: tf.exp(tf.minimum(x, y), name="target"), None),
+    "minimum(x, 2) + y": (
+        lambda x, y: tf.exp(tf.minimum(x, 2.0) + y, name="target"), None),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BOUNDED_EXPS))
-def test_bounded_exp(case):
-    fn, bounded = BOUNDED_EXPS[case]
+def test_exp_bound(case):
+    fn, most = BOUNDED_EXPS[case]
     body = _top_body(fn)
-    assert value_ranges.bounded_exp(body, _target(body, "Exp")) is bounded
+    found = value_ranges.exp_bound(body, _target(body, "Exp"))
+    assert found == (None if most is None else pytest.approx(most))
 
 
 def _l2_normalize(x, y):

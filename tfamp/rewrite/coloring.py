@@ -437,8 +437,8 @@ class _BodyColoring:
             if list_name != "clear" and node.op in SIZE_KEEPING_COPIES and value_ranges.copies(
                     self.body, self.counts, node):
                 list_name = "clear"
-            elif list_name == "deny" and node.op == "Exp" and value_ranges.bounded_exp(
-                    self.body, node):
+            elif list_name == "deny" and node.op == "Exp" and value_ranges.exp_bound(
+                    self.body, node) is not None:
                 list_name = "infer"
             overflow = (value_ranges.rsqrt_overflow(self.body, self.counts, node, self.target)
                         if node.op in GROWING_INVERSES else "")
@@ -1577,9 +1577,9 @@ class _BodyColoring:
                 self._convert_statistic_region(slot, self.slot_node[sixteen[0]])
 
     def _add_bounded_exps(self) -> None:
-        """A bounded Exp (value_ranges.bounded_exp), with the free infer/clear ops after it, goes
-        16-bit where only 16-bit ops read the result and that moves fewer bytes,
-        even though what the Exp reads stays float32.
+        """A bounded Exp (value_ranges.exp_bound), with the free infer/clear ops
+        after it, goes 16-bit where only 16-bit ops read the result and that
+        moves fewer bytes, even though what the Exp reads stays float32.
 
         A softmax written out, exp(x - m) with m the maximum or the logsumexp
         of x, keeps x - m float32 (it is centred on a float32 statistic:
@@ -1591,11 +1591,14 @@ class _BodyColoring:
         relative error of at most |x - m| * 2^-11 (float16), and the
         probability an absolute one below 2^-11 / e, independent from element
         to element; an x - m past the 16-bit range is -inf, whose exp is 0 as
-        the true value nearly is. The ops after the Exp are free infer/clear
-        ops, which would follow it onto the path between 16-bit ops anyway."""
+        the true value nearly is. An Exp of a value clipped to at most c
+        (a graph attention's exp(clip(scores, -2, 2))) costs a relative error
+        of at most c * 2^-11 the same way. The ops after the Exp are free
+        infer/clear ops, which would follow it onto the path between 16-bit
+        ops anyway."""
         nodes = self.body.nodes
         if self._bounded_exps is None:
-            # (_make_slots made them infer where the lists say deny: value_ranges.bounded_exp)
+            # (_make_slots made them infer where the lists say deny: value_ranges.exp_bound)
             deny_exp = self.lists.list_of("Exp") == "deny"
             self._bounded_exps = [
                 slot for slot, name in enumerate(self.slot_node)
@@ -1623,7 +1626,8 @@ class _BodyColoring:
             for member in region:
                 self.kept.pop(member, None)
                 if member == slot:
-                    allow[member] = (f"infer: lies in [0, 1] and {why}", cause,
+                    bound = value_ranges.exp_bound(self.body, nodes[slot_node[slot]])
+                    allow[member] = (f"infer: lies in [0, {bound:.3g}] and {why}", cause,
                                      rk.KIND_BOUNDED_FOR_16BIT)
                 else:
                     allow[member] = (

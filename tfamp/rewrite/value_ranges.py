@@ -2,8 +2,10 @@
 
 The colouring's static range facts (``coloring._make_slots`` acts on them):
 
-* ``bounded_exp``: an Exp of something never positive (a softmax written out,
-  GELU's gradient) lies in [0, 1]: an infer op, not a deny one;
+* ``exp_bound``: an Exp of something never positive (a softmax written out,
+  GELU's gradient) lies in [0, 1], one of a value clipped from above (a graph
+  attention's scores, a policy's standard deviation) below a small constant:
+  an infer op, not a deny one;
 * ``rsqrt_overflow``: an Rsqrt that can leave the 16-bit range (an l2
   normalisation of a zero row, a normalisation over one element): a deny op;
 * ``copies``: a reduction that keeps its input's size copies it: a clear op;
@@ -17,6 +19,7 @@ switched off in a test, on its own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from tensorflow.core.framework import types_pb2
@@ -40,6 +43,11 @@ from tfamp.rewrite.traffic import NO_COPY_OPS
 
 # Ops whose output is their first input's value, same shape (a gradient stop too).
 SAME_VALUE_OPS = IDENTITIES | {"StopGradient", "PreventGradient"}
+# The most an Exp of a clipped value may reach to count as bounded (exp_bound):
+# 16 (a clip at 2.77). exp(clip(x, -2, 2)) reaches 7.4 (keras.io's graph attention,
+# a SAC policy's standard deviation); its gradient multiplies the loss-scaled
+# gradient by as much, no more than a layer's weights do.
+CLIPPED_EXP_MOST = 16.0
 # Real types: the values a sentinel walk follows (not an index, a shape, a bool).
 REAL_TYPES = FLOAT_TYPES | {types_pb2.DT_DOUBLE}
 # How many SENTINEL_CARRIERS a constant's value is followed through (a Keras
@@ -51,30 +59,65 @@ Counts = Mapping[TensorRef, "tuple[int, int] | None"]
 
 
 # -- an Exp that cannot exceed 1 -----------------------------------------------
-def bounded_exp(body: Body, node) -> bool:
-    """Is `node` (an Exp) the exponential of something never positive? Then its
-    result lies in [0, 1]: it follows its neighbours (infer) like any bounded op.
+def exp_bound(body: Body, node) -> float | None:
+    """The most `node` (an Exp) can be, whatever its input holds, where small
+    enough for a 16-bit type; else None. Bounded, it follows its neighbours
+    (infer) like any bounded op.
 
-    Two forms are recognised: minus something never negative (Neg of
-    oplists.NON_NEGATIVE_OPS, through views: TensorFlow's gradients of erf,
-    GELU's backward), and x minus an upper bound of x (_minus_its_bound: a
-    softmax written out, Keras 3's over more than one axis)."""
-    if node.data_inputs and _minus_its_bound(body, node.data_inputs[0][0]):
-        return True
-    ref = node.data_inputs[0][0] if node.data_inputs else None
+    Three forms are recognised: the exponential of minus something never
+    negative (Neg of oplists.NON_NEGATIVE_OPS, through views: TensorFlow's
+    gradients of erf, GELU's backward) and of x minus an upper bound of x
+    (_minus_its_bound: a softmax written out, Keras 3's over more than one
+    axis) lie in [0, 1]; the exponential of a value clipped from above by a
+    constant c (_clipped_to) lies in [0, e^c], bounded where that is at most
+    CLIPPED_EXP_MOST."""
+    if not node.data_inputs:
+        return None
+    ref = node.data_inputs[0][0]
+    if _minus_its_bound(body, ref):
+        return 1.0
+    clip = _clipped_to(body, ref)
+    if clip is not None and clip <= math.log(CLIPPED_EXP_MOST):
+        return math.exp(clip)
     seen_neg = False
     for _ in range(8):
-        producer = None if ref is None or ref.is_arg else body.nodes.get(ref.node)
+        producer = None if ref.is_arg else body.nodes.get(ref.node)
         if producer is None or not producer.data_inputs:
-            return False
+            return None
         if producer.op in NO_COPY_OPS:
             ref = producer.data_inputs[0][0]
         elif producer.op == "Neg" and not seen_neg:
             seen_neg = True
             ref = producer.data_inputs[0][0]
         else:
-            return seen_neg and producer.op in NON_NEGATIVE_OPS
-    return False
+            return 1.0 if seen_neg and producer.op in NON_NEGATIVE_OPS else None
+    return None
+
+
+def _clipped_to(body: Body, ref: TensorRef) -> float | None:
+    """The constant `ref` is at most by construction: it is (through copies)
+    ``minimum(x, c)`` with c a scalar constant, maybe under ``maximum(..., lo)``
+    with a scalar constant lo (tf.clip_by_value, keras.ops.clip; then the most
+    is max(c, lo)), or ``ClipByValue(x, lo, c)``; else None."""
+    nodes, floor = body.nodes, -math.inf
+    for _ in range(8):
+        node = through_copies(body, ref)
+        if node is None or len(node.data_inputs) < 2:
+            return None
+        values = [None if r.is_arg else scalar_constant(nodes.get(r.node))
+                  for r, _ in node.data_inputs]
+        if node.op == "ClipByValue" and len(values) == 3 and None not in values[1:]:
+            return max(values[1], values[2])
+        if node.op not in ("Minimum", "Maximum") or len(values) != 2:
+            return None
+        constants = [value for value in values if value is not None]
+        if len(constants) != 1:  # (a minimum of two tensors, or a constant)
+            return None
+        if node.op == "Minimum":
+            return max(constants[0], floor)
+        floor = max(floor, constants[0])
+        ref = node.data_inputs[values.index(None)][0]
+    return None
 
 
 def _minus_its_bound(body: Body, ref: TensorRef) -> bool:
