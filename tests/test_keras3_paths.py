@@ -227,13 +227,23 @@ class GuideModel(keras.Model):
         return {"loss": loss}
 
 
+class DecoratedGuideModel(GuideModel):
+    """... with its train_step decorated with tf.function (keras.io's forwardforward.py).
+    Before session 41 the first trace of the step traced it once and later traces reused
+    it: the probe found no loss (NoLossDifferentiated, a start at 2^15) and the logs had
+    no loss_scale / skipped_steps."""
+
+    train_step = tf.function(GuideModel.train_step)
+
+
+@pytest.mark.parametrize("cls", [GuideModel, DecoratedGuideModel], ids=["plain", "tf_function"])
 @pytest.mark.parametrize("use_scale_loss", [False, True])
-def test_enable_with_overridden_train_step_matches_float32(use_scale_loss):
+def test_enable_with_overridden_train_step_matches_float32(use_scale_loss, cls, caplog):
     x, y = data(32 * STEPS)
     y = 0.05 * y  # small targets: the first steps do not overflow at 2**15
 
     def train(enabled):
-        model = mlp(cls=GuideModel)
+        model = mlp(cls=cls)
         model.use_scale_loss = use_scale_loss
         model.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
         if enabled:
@@ -246,6 +256,9 @@ def test_enable_with_overridden_train_step_matches_float32(use_scale_loss):
     model, got = train(True)
     assert model.train_function.reports[0].converted.get("MatMul", 0) >= 2
     assert_same_update(got, want)
+    if not use_scale_loss:  # (the probe measured the step's own gradients)
+        assert "NoLossDifferentiated" not in caplog.text
+        assert model._tfamp_state.start_scale.scale < 2 ** 15
     before = weights_of(model)
     scale = current_loss_scale(model)  # where the probe started it, grown or not since
     bx, by = overflow_batch(x, y)

@@ -602,7 +602,7 @@ class ModelPrecision:
             from tfamp.keras.range_probe import state_variables
 
             found = start_scale.probe_step(
-                lambda data: self.cls.train_step(model, data), (batch,), {},
+                lambda data: _traced_here(self.cls.train_step)(model, data), (batch,), {},
                 extra_state=state_variables(model), min_scale=owner.min_scale,
                 op_lists=self.float16_lists(), strategy=self.strategy(), trace=trace,
                 rewritten=rewritten,
@@ -728,7 +728,7 @@ class ModelPrecision:
         if self._pending_probe is not None and not tf.executing_eagerly():
             scope.recorder = self._recorder_for(tf.compat.v1.get_default_graph())
         with step_scope.train_step_scope(scope):
-            logs = cls.train_step(model, data)
+            logs = _traced_here(cls.train_step)(model, data)
         if guard is not None:
             logs = guard.finish(logs)
         if scope.unscaled and not self.warned_unscaled:
@@ -1070,3 +1070,26 @@ def _nested_models(model, model_class) -> list:
     """The Keras models inside `model` (not itself), at any depth."""
     return [layer for layer in layers_of(model, include_self=False)
             if isinstance(layer, model_class)]
+
+
+def _traced_here(step):
+    """`step` (a model class's ``train_step``), traced in the trace that calls it.
+
+    A ``train_step`` the user decorated with ``tf.function`` (keras.io's
+    forwardforward.py) is traced once, by the first trace of the model's step,
+    and every later trace calls that same concrete function: its tapes and
+    updates never ran again in Python, so the start-scale probe found no loss
+    (``NoLossDifferentiated``) and the trace that trains reported no scale (no
+    ``loss_scale`` / ``skipped_steps`` in its logs). Inside a trace its Python
+    function runs in that trace instead, converted by AutoGraph as its
+    ``tf.function`` would (the tapes then sit in the step's own graph, where
+    the probe reads them). One compiled with XLA (``jit_compile=True``) keeps
+    its own function."""
+    python_function = getattr(step, "python_function", None)
+    if (python_function is None or tf.executing_eagerly()
+            or not isinstance(step, tf.types.experimental.GenericFunction)
+            or getattr(step, "_jit_compile", None)):
+        return step
+    if getattr(step, "_autograph", True):
+        return tf.autograph.to_graph(python_function)
+    return python_function
