@@ -352,6 +352,19 @@ def test_verdict_rules():
     assert nothing.worth == "no" and "no matrix/convolution op was converted" in nothing.line
     share = judge(VerdictInputs(**base, traffic_share=0.68))
     assert share.worth == "yes" and "(68% of float32's at large sizes)" in share.line
+    # The terms that grow with an unknown batch tie, the step's constants do not:
+    # judged with each unknown size at 32, both said, a larger batch suggested.
+    constants = judge(VerdictInputs(**base, traffic_share=0.68, traffic_share_typical=0.76,
+                                    cost_share=0.68, cost_share_typical=2.2,
+                                    runtime="executor"))
+    assert constants.worth == "marginal" and constants.ratio == pytest.approx(2.2)
+    assert constants.line.startswith(
+        "float16 costs more than float32 here (est. GPU cost on the executor, bytes + kernel "
+        "launches, at 32 for each unknown size, 0.68x at large sizes; 0.76x the bytes, "
+        "0.68x at large sizes)"), constants.line
+    assert constants.suggestions[0] == "a larger batch (0.68x float32's at large sizes)"
+    close = judge(VerdictInputs(**base, traffic_share=0.68, traffic_share_typical=0.70))
+    assert close.ratio == pytest.approx(0.68) and "for each unknown size" not in close.line
 
 
 def test_verdict_is_in_the_log_line_and_verbosity_2_adds_the_breakdown(caplog, graph_files):

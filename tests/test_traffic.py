@@ -512,6 +512,45 @@ def test_unknown_batch_still_decides_by_bytes():
         report.traffic_share)
 
 
+def _whole_graph_step(features, w1, w2, idx):
+    """A graph network's shape: the whole graph is a constant of the step, read
+    through a batch of node indices (keras.io's GAT)."""
+    h = tf.nn.relu(tf.matmul(features, w1))
+    return tf.reduce_mean(tf.matmul(tf.gather(h, idx), w2))
+
+
+def test_a_step_whose_big_tensors_are_constants_is_judged_at_a_typical_batch():
+    """For large batches only the gathered rows count (60% of float32's); at any
+    batch a user runs, the whole graph's Casts decide. The report gives both, and
+    the typical one is that of the step traced at that batch."""
+    from tfamp.rewrite.verdict import TYPICAL_SIZE
+
+    specs = [tf.TensorSpec([2708, 256]), tf.TensorSpec([256, 64]), tf.TensorSpec([64, 7])]
+    _, _, report, _ = rewritten(_whole_graph_step, *specs, tf.TensorSpec([None], tf.int32))
+    _, _, fixed, _ = rewritten(_whole_graph_step, *specs,
+                               tf.TensorSpec([TYPICAL_SIZE], tf.int32))
+    assert [n.converted for n in report.nodes] == [n.converted for n in fixed.nodes]
+    assert report.traffic_after_bytes is None
+    typical = fixed.traffic_after_bytes / fixed.traffic_before_bytes
+    assert report.traffic_share_typical == pytest.approx(typical, rel=1e-3)
+    assert report.traffic_share < 0.7 and typical > 1.1, (report.traffic_share, typical)
+    for key in ("executor", "xla"):
+        assert report.runtime_estimates[key]["share_typical"] == pytest.approx(
+            fixed.runtime_estimates[key]["share"], rel=1e-3)
+    line = report.summary_line()
+    assert (f"est. float traffic {typical:.0%} of float32's at {TYPICAL_SIZE} for each "
+            f"unknown size, {report.traffic_share:.0%} at large sizes") in line, line
+    cost = report.runtime_estimates[report.runtime]
+    assert report.verdict.ratio == pytest.approx(cost["share_typical"])
+    assert f"at {TYPICAL_SIZE} for each unknown size" in report.verdict.line
+    again = RewriteReport.from_dict(json.loads(report.to_json()))
+    assert again.traffic_share_typical == report.traffic_share_typical
+    assert again.summary_line() == line
+    # No unknown size: no typical share, and the line is the exact one.
+    assert fixed.traffic_share_typical is None and "for each unknown size" not in (
+        fixed.summary_line())
+
+
 def _product_of_two_products(x, w, u):
     return tf.identity(tf.multiply(tf.matmul(x, w), tf.matmul(x, u), name="prod"), name="out")
 

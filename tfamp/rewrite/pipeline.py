@@ -28,6 +28,7 @@ from tfamp.rewrite.traffic import (
     estimate_traffic,
     estimate_traffic_before_after,
 )
+from tfamp.rewrite.verdict import TYPICAL_SIZE
 
 log = logging.getLogger("tfamp")
 
@@ -318,6 +319,7 @@ def _traffic_fields(view, shapes, coloring, new_graph_def, new_view, outputs,
                 traffic_after_bytes=after.total_bytes(),
                 cast_bytes=after.cast_bytes(), traffic_note="; ".join(notes),
                 traffic_share=_share(before.total, after.total),
+                traffic_share_typical=_share_at(before.total, after.total, TYPICAL_SIZE),
                 runtime_estimates=_runtime_estimates(before, after))
 
 
@@ -387,6 +389,7 @@ def _runtime_estimates(before, after) -> dict[str, dict]:
             "cost_before": None if costs[0] is None else costs[0].known(),
             "cost_after": None if costs[1] is None else costs[1].known(),
             "share": _share(costs[0], costs[1]),
+            "share_typical": _share_at(costs[0], costs[1], TYPICAL_SIZE),
         }
     return estimates
 
@@ -402,6 +405,15 @@ def _share(before, after) -> float | None:
     if any(d > degree for d in top):
         return None  # (cannot happen: the rewrite changes dtypes, not shapes)
     return top.get(degree, 0) / base
+
+
+def _share_at(before, after, size: int) -> float | None:
+    """after / before with every unknown dimension at `size`; None where no
+    term depends on one (the share is then exact) or where a figure is unknown."""
+    if before is None or after is None or not any(d for d, _ in before.terms):
+        return None
+    base = before.at(size)
+    return after.at(size) / base if base > 0 else None
 
 
 def _unconsumed_float_outputs(body: Body) -> list[str]:

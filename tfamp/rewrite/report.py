@@ -8,14 +8,17 @@ with its reason sentence and reason ``kind``, see ``tfamp.rewrite.reasons``),
 casts (one per inserted Cast), and the estimated float memory traffic per step
 (traffic_before_bytes, traffic_after_bytes, cast_bytes: ints, or None when
 shapes are unknown; traffic_note says what was unknown or approximated;
-traffic_share is after / before, for large sizes where a dimension is unknown).
+traffic_share is after / before, for large sizes where a dimension is unknown;
+traffic_share_typical the same with each unknown dimension at
+``verdict.TYPICAL_SIZE``, None where none is unknown).
 What a GPU pays, per runtime (``tfamp.rewrite.runtime_cost``): runtime, the one
 whose costs placed the Casts ("executor" or "xla"), and runtime_estimates,
 {"executor": {...}, "xla": {...}}, each with bytes_before / bytes_after (the
 executor: every tensor; XLA: the tensors materialised at fusion boundaries),
 kernels_before / kernels_after, launch_bytes (what one launch is counted as),
 cost_before / cost_after (bytes + kernels x launch_bytes) and share (cost after
-/ before; None where unknown). broadcast_edits: the exact edits made
+/ before; None where unknown; share_typical: at the typical size, as
+traffic_share_typical). broadcast_edits: the exact edits made
 before colouring (``fuse_norm``, ``contract``, ``hoist`` in ``tfamp.rewrite``), each
 {"edit", "function", "node", "op", "into"}: "fused" (``tfamp.rewrite.fuse_norm``,
 on the executor), the normalised output ``node`` of a BatchNorm (op "BatchNorm") is
@@ -46,7 +49,7 @@ from typing import Any
 from tfamp.oplists import MATRIX_OPS, METADATA_OPS
 from tfamp.rewrite import reasons as rk
 from tfamp.rewrite.casts import CastRecord
-from tfamp.rewrite.verdict import format_bytes  # (the verdict's lines use it too)
+from tfamp.rewrite.verdict import LARGE, TYPICAL_SIZE, at_size, format_bytes  # (the verdict's too)
 
 SCHEMA_VERSION = 1
 NO_FLOAT_MATH = "no float32 tensors to convert"
@@ -109,6 +112,9 @@ class RewriteReport:
     # after / before; with unknown dimensions (e.g. the batch), the share for
     # large sizes (leading terms). None when shapes are unknown.
     traffic_share: float | None = None
+    # ... with each unknown dimension at verdict.TYPICAL_SIZE (None when no
+    # dimension is unknown). The verdict and the lines use it where it differs.
+    traffic_share_typical: float | None = None
     runtime: str = ""
     runtime_estimates: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     broadcast_edits: list[dict[str, str]] = dataclasses.field(default_factory=list)
@@ -182,8 +188,8 @@ class RewriteReport:
             traffic = (f", est. float traffic {format_bytes(self.traffic_before_bytes)} -> "
                        f"{format_bytes(self.traffic_after_bytes)}")
         elif self.traffic_share is not None:
-            traffic = (f", est. float traffic {self.traffic_share:.0%} of float32's "
-                       f"at large sizes")
+            share, sized = at_size(self.traffic_share, self.traffic_share_typical)
+            traffic = f", est. float traffic {share:.0%} of float32's {sized}"
         line = (f"tfamp: {name}: {total} ops -> {self.dtype}{detail}, "
                 f"{self.casts_inserted} casts, {kept} ops kept float32{traffic}")
         cost = self.runtime_sentence()
@@ -196,14 +202,29 @@ class RewriteReport:
     def runtime_sentence(self) -> str:
         """'GPU cost est. executor 91%, XLA 64% of the original's; Casts placed
         for xla.' (what each runtime pays: runtime_estimates), or '' if unknown."""
-        shares = [(label, self.runtime_estimates.get(key, {}).get("share"))
-                  for key, label in (("executor", "executor"), ("xla", "XLA"))]
-        if all(share is None for _, share in shares):
+        runtimes = (("executor", "executor"), ("xla", "XLA"))
+        large = [(label, self.runtime_estimates.get(key, {}).get("share"))
+                 for key, label in runtimes]
+        if all(share is None for _, share in large):
             return ""
-        parts = ", ".join(f"{label} {'?' if share is None else f'{share:.0%}'}"
-                          for label, share in shares)
+        sized = [(label, *self._cost_share(key)) for key, label in runtimes]
+
+        def listed(shares) -> str:
+            return ", ".join(f"{label} {'?' if share is None else f'{share:.0%}'}"
+                             for label, share, *_ in shares)
+
         placed = f"; Casts placed for {self.runtime}" if self.runtime else ""
-        return f"GPU cost est. {parts} of the original's{placed}."
+        if all(where == LARGE for *_, where in sized):
+            return f"GPU cost est. {listed(large)} of the original's{placed}."
+        typical = [(label, self.runtime_estimates.get(key, {}).get("share_typical"))
+                   for key, label in runtimes]
+        return (f"GPU cost est. {listed(typical)} of the original's at {TYPICAL_SIZE} for "
+                f"each unknown size ({listed(large)} {LARGE}){placed}.")
+
+    def _cost_share(self, key: str) -> tuple[float | None, str]:
+        """(the cost share of runtime `key` to tell, where it holds: see verdict.at_size)."""
+        est = self.runtime_estimates.get(key) or {}
+        return at_size(est.get("share"), est.get("share_typical"))
 
     def edits_line(self) -> str:
         """What the exact edits before colouring did (``broadcast_edits``), e.g.
@@ -243,9 +264,10 @@ class RewriteReport:
         for key, label in (("executor", "executor"), ("xla", "XLA fused")):
             est = self.runtime_estimates.get(key)
             if not est or est.get("bytes_before") is None or est.get("bytes_after") is None:
-                share = est.get("share") if est else None
+                share, sized = self._cost_share(key)
                 parts.append(f"{label} " + ("unknown" if share is None else
-                                            f"{share:.0%} of the original's"))
+                                            f"{share:.0%} of the original's"
+                                            + ("" if sized == LARGE else f" {sized}")))
                 continue
             share = est.get("share")
             parts.append(
@@ -262,8 +284,10 @@ class RewriteReport:
         before, after = self.traffic_before_bytes, self.traffic_after_bytes
         if (before is None or after is None) and self.traffic_share is not None:
             notes = [n for n in self.traffic_note.split("; ") if n and n != "unknown dimensions"]
-            return (f"{self.traffic_share:.0%} of float32's for large sizes of the unknown "
-                    f"dimensions" + "".join(f"; {n}" for n in notes))
+            share, sized = at_size(self.traffic_share, self.traffic_share_typical)
+            where = ("for large sizes of the unknown dimensions" if sized == LARGE else
+                     sized.replace(LARGE, "for large sizes"))
+            return (f"{share:.0%} of float32's {where}" + "".join(f"; {n}" for n in notes))
         if before is None or after is None:
             return f"unknown ({self.traffic_note or 'no shapes'})"
         text = f"{format_bytes(before)} -> {format_bytes(after)}"
@@ -290,6 +314,7 @@ class RewriteReport:
             "cast_bytes": self.cast_bytes,
             "traffic_note": self.traffic_note,
             "traffic_share": self.traffic_share,
+            "traffic_share_typical": self.traffic_share_typical,
             "matrix_flops": self.matrix_flops,
             "batch_size": self.batch_size,
             "verdict": self.verdict.to_dict(),  # derived; not read back
@@ -321,6 +346,7 @@ class RewriteReport:
             cast_bytes=data.get("cast_bytes"),
             traffic_note=data.get("traffic_note", ""),
             traffic_share=data.get("traffic_share"),
+            traffic_share_typical=data.get("traffic_share_typical"),
             runtime=data.get("runtime", ""),
             runtime_estimates=data.get("runtime_estimates") or {},
             broadcast_edits=data.get("broadcast_edits") or [],

@@ -27,6 +27,13 @@ FLOPs were not counted):
 * otherwise marginal, with the same suggestions;
 * unknown traffic (no shapes): judged on the matrix share alone.
 
+Where a size is unknown (the batch), the report's share is the one as that size
+grows (``traffic_share``: the terms that grow with it decide), and the share
+with each unknown size at ``TYPICAL_SIZE`` (``traffic_share_typical``). Where
+the two differ by ``SHARES_DIFFER`` or more, the step's big tensors are
+constants of it (a graph network's whole graph, read through a batch of node
+indices): the verdict is taken at the typical size and the line gives both.
+
 When the report carries the runtime cost estimates (``rewrite.runtime_cost``:
 bytes plus kernel launches, for the executor or XLA, whichever the Casts were
 placed for), that share takes the place of the byte ratio in these rules and
@@ -42,6 +49,12 @@ WORTH_RATIO = 0.9    # at most 90% of float32's bytes: a real memory saving
 HALF = 0.5           # at least half of the matrix work in 16-bit
 CAST_SHARE = 0.1     # Casts above 10% of the 16-bit bytes: a larger batch dilutes them
 
+# The size each unknown dimension is given for the share "at a typical size"
+# (Keras's default batch), and how far apart the two shares must be to be told.
+TYPICAL_SIZE = 32
+SHARES_DIFFER = 0.05
+LARGE = "at large sizes"
+
 YES, MARGINAL, NO, UNKNOWN = "yes", "marginal", "no", "unknown"
 
 
@@ -55,6 +68,7 @@ class VerdictInputs:
     traffic_before: int | None = None    # bytes per step, float32
     traffic_after: int | None = None     # bytes per step, 16-bit
     traffic_share: float | None = None   # after / before for large unknown dimensions
+    traffic_share_typical: float | None = None  # ... with them at TYPICAL_SIZE
     cast_bytes: int | None = None
     flop_share: float | None = None      # matrix FLOPs in 16-bit / all counted
     batch_size: int | None = None
@@ -62,6 +76,7 @@ class VerdictInputs:
     # What a GPU pays (rewrite.runtime_cost): after / before of bytes plus kernel
     # launches, for the runtime the Casts were placed for ("executor" or "xla").
     cost_share: float | None = None
+    cost_share_typical: float | None = None
     runtime: str = ""
 
     @classmethod
@@ -75,6 +90,8 @@ class VerdictInputs:
         # Only reasons a user can change (list options, keep_fp32, placement): the
         # statistics, outputs and loss-scale ops stay float32 by design.
         kept = [(k, n) for k, n in report.kept_fp32.items() if k in actionable]
+        estimate = (getattr(report, "runtime_estimates", None) or {}).get(
+            getattr(report, "runtime", ""), {})
         return cls(
             dtype=report.dtype,
             converted=sum(report.converted.values()),
@@ -83,12 +100,13 @@ class VerdictInputs:
             traffic_before=report.traffic_before_bytes,
             traffic_after=report.traffic_after_bytes,
             traffic_share=report.traffic_share,
+            traffic_share_typical=getattr(report, "traffic_share_typical", None),
             cast_bytes=report.cast_bytes,
             flop_share=(in_16 / total) if total else None,
             batch_size=getattr(report, "batch_size", None),
             top_kept=kept[0] if kept else None,
-            cost_share=(getattr(report, "runtime_estimates", None) or {}).get(
-                getattr(report, "runtime", ""), {}).get("share"),
+            cost_share=estimate.get("share"),
+            cost_share_typical=estimate.get("share_typical"),
             runtime=getattr(report, "runtime", ""))
 
 
@@ -129,24 +147,14 @@ def judge(i: VerdictInputs) -> Verdict:
         return Verdict(NO, None, i.flop_share, (), (
             f"{i.dtype} is not worth it here: {what}, so no work moves to 16-bit units "
             f"(see the reasons ops stayed float32, or tfamp inspect --why NODE)"))
-    ratio = i.traffic_share
-    bytes_text = ""
-    if i.traffic_before and i.traffic_after is not None:
-        ratio = i.traffic_after / i.traffic_before
-        bytes_text = f" ({format_bytes(i.traffic_after)} vs {format_bytes(i.traffic_before)})"
-    elif ratio is not None:
-        bytes_text = f" ({ratio:.0%} of float32's at large sizes)"
-    if i.cost_share is not None and ratio is not None:
-        # Bytes plus kernel launches on the runtime the step runs on decide; the
-        # unfused bytes are still said.
-        where = "under XLA" if i.runtime == "xla" else "on the executor"
-        bytes_text = (f" (est. GPU cost {where}, bytes + kernel launches; "
-                      f"{ratio:.2f}x the bytes{bytes_text})")
-        ratio = i.cost_share
+    ratio, large, figures = _figures(i)
+    bytes_text = f" ({figures})" if figures else ""
     share = i.flop_share
     share_text = (f"{share:.0%} of the matrix FLOPs" if share is not None else
                   f"{i.matrix_converted} matrix/convolution ops")
     suggestions = _suggestions(i, ratio)
+    if large is not None and large < ratio - SHARES_DIFFER:
+        suggestions.insert(0, f"a larger batch ({large:.2f}x float32's {LARGE})")
     tail = ": try " + " / ".join(suggestions) if suggestions else ""
     if ratio is None:
         worth = YES if share is None or share >= HALF else MARGINAL
@@ -168,6 +176,43 @@ def judge(i: VerdictInputs) -> Verdict:
             + (f" and runs only {share_text} in 16-bit" if low_share else
                f"; the matrix math ({share_text}) gains"))
     return Verdict(MARGINAL, ratio, share, tuple(suggestions), head + tail)
+
+
+def _figures(i: VerdictInputs) -> tuple[float | None, float | None, str]:
+    """(the share judged, the share at large sizes where that is another, the
+    figures behind them in words). The cost share (bytes + launches) takes the
+    place of the byte share where the report has it; the bytes are still said."""
+    known = bool(i.traffic_before) and i.traffic_after is not None
+    if known:
+        ratio, large = i.traffic_after / i.traffic_before, None
+        where = f"({format_bytes(i.traffic_after)} vs {format_bytes(i.traffic_before)})"
+    else:
+        ratio, where = at_size(i.traffic_share, i.traffic_share_typical)
+        large = None if where == LARGE else i.traffic_share
+    if ratio is None:
+        return None, None, ""
+    if i.cost_share is None:
+        return ratio, large, where[1:-1] if known else f"{ratio:.0%} of float32's {where}"
+    cost, cost_where = at_size(i.cost_share, i.cost_share_typical, "{:.2f}x")
+    runtime = "under XLA" if i.runtime == "xla" else "on the executor"
+    bytes_where = (f" {where}" if known or large is None else
+                   f", {i.traffic_share:.2f}x {LARGE}")
+    return cost, None if cost_where == LARGE else i.cost_share, (
+        f"est. GPU cost {runtime}, bytes + kernel launches"
+        + ("" if cost_where == LARGE else f", {cost_where}")
+        + f"; {ratio:.2f}x the bytes{bytes_where}")
+
+
+def at_size(share: float | None, typical: float | None,
+            form: str = "{:.0%}") -> tuple[float | None, str]:
+    """(the share to judge by, where it holds) from the share as unknown sizes
+    grow and the one with them at TYPICAL_SIZE (see the module docstring):
+    (share, LARGE) where the two agree, else (typical, "at 32 for each unknown
+    size, ... at large sizes")."""
+    if share is None or typical is None or abs(typical - share) < SHARES_DIFFER:
+        return share, LARGE
+    return typical, (f"at {TYPICAL_SIZE} for each unknown size, "
+                     f"{form.format(share)} {LARGE}")
 
 
 def _moves(i: VerdictInputs, ratio: float) -> str:
