@@ -587,3 +587,26 @@ def test_not_callable_raises_type_error(not_callable):
 def test_tf_function_options_for_existing_tf_function_raise_type_error():
     with pytest.raises(TypeError, match="jit_compile"):
         tfamp.function(tf.function(lambda x: x), jit_compile=True)
+
+
+def test_a_function_traced_again_alike_logs_its_summary_once(caplog):
+    """keras.io's forwardforward traces one tf.function per label value: the
+    same rewrite, so the same line, 11 times. Once at INFO; a trace rewritten
+    otherwise is said again."""
+    import logging
+
+    @tfamp.function
+    def shifted(x, k):
+        return tf.matmul(x, x) + float(k)
+
+    x = tf.ones([4, 4])
+    with caplog.at_level(logging.DEBUG, logger="tfamp"):
+        for k in (1, 2, 3):
+            shifted(x, k)
+        shifted(tf.ones([4, 4, 4]), 1)  # another shape: another estimate, another line
+    summaries = [r for r in caplog.records
+                 if r.getMessage().startswith("tfamp: shifted: 2 ops -> float16")]
+    assert [r.levelno for r in summaries] == [logging.INFO, logging.DEBUG, logging.DEBUG,
+                                              logging.INFO], [r.getMessage() for r in summaries]
+    assert summaries[1].getMessage().endswith("(traced again, rewritten alike)")
+    assert len(shifted._logged) == 2

@@ -124,12 +124,21 @@ def rewrite_concrete_function(
 
 
 def _built(concrete: Any, new_graph_def: graph_pb2.GraphDef, report: RewriteReport, *,
-           check: bool) -> tuple[Any, RewriteReport]:
-    """(the ConcreteFunction of a rewrite's graph, its report); logs the summary."""
+           check: bool, logged: set[str] | None = None) -> tuple[Any, RewriteReport]:
+    """(the ConcreteFunction of a rewrite's graph, its report); logs the summary,
+    at debug level where it is in `logged` (a function traced again, for another
+    Python argument, and rewritten alike: keras.io's forwardforward traces one 11
+    times) and adds it there."""
     if check:
         assert_valid_graph_def(new_graph_def)
     rewritten = _rebuild(new_graph_def, concrete, {})  # (new_graph_def is ours to consume)
-    log.info("%s", report.summary_line())
+    line = report.summary_line()
+    if logged is not None and line in logged:
+        log.debug("%s (traced again, rewritten alike)", line)
+    else:
+        log.info("%s", line)
+        if logged is not None:
+            logged.add(line)
     return rewritten, report
 
 
@@ -452,6 +461,7 @@ class RewrittenFunction(polymorphic_function.Function):
         # without tfamp (tfamp export makes a 16-bit one, checked against float32).
         self._float32_when_saving = float32_when_saving
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
+        self._logged: set[str] = set()  # the summary lines its traces logged
         # One bound RewrittenFunction per instance, as tf.function keeps (not in
         # the instance's __dict__, where a tf.Module would save it as a function).
         self._bound = weakref.WeakKeyDictionary()
@@ -569,7 +579,8 @@ class RewrittenFunction(polymorphic_function.Function):
                 # traced float32 graph and checks its scale on the rewritten one
                 # (tfamp.keras.start_scale), which it must neither keep nor change.
                 self._on_trace(concrete, RewrittenGraph(new_graph_def, report))
-            rewritten, report = _built(concrete, new_graph_def, report, check=self._check)
+            rewritten, report = _built(concrete, new_graph_def, report, check=self._check,
+                                       logged=self._logged)
             if not report.converted:
                 rewritten = concrete  # nothing to gain: run the original as traced
             _handled_function_names.add(_function_name(rewritten))
