@@ -281,6 +281,57 @@ def test_saved_model_with_a_fixed_batch_refuses_batch_size(capsys, tmp_path):
     assert code == 0 and "  batch size: 2 (fixed by the signature)" in out
 
 
+def test_batch_size_sizes_a_loop_state_and_its_list_of_time_steps(capsys, tmp_path):
+    """A recurrent signature at --batch-size: the loop's state (a While's declared
+    output_shapes) and the time step read from a TensorList inside the body (an
+    element shape given as a Const) are sized too, so every product is counted at
+    the batch, none per B. Found on a Keras 3 LSTM SavedModel: '10,304 x B'
+    counted at --batch-size 32, the known products dropped."""
+    class Recurrent(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable(tf.fill([4, 4], 0.1))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 5, 4])])
+        def __call__(self, x):
+            steps = tf.TensorArray(tf.float32, size=5).unstack(tf.transpose(x, [1, 0, 2]))
+            _, h = tf.while_loop(
+                lambda t, h: t < 5,
+                lambda t, h: (t + 1, tf.tanh(tf.matmul(steps.read(t), self.w) + h)),
+                [tf.constant(0), tf.zeros_like(x[:, 0])])
+            return tf.matmul(h, self.w)
+
+    tf.saved_model.save(Recurrent(), str(tmp_path / "recurrent"))
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "recurrent"), "--format", "json")
+    assert code == 0
+    per_row = json.loads(out)["matrix_flops"]["total"]
+    assert per_row == 6 * 2 * 4 * 4  # five steps in the loop and the product after it
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "recurrent"), "--batch-size", "8")
+    assert code == 0
+    assert f"of {8 * per_row:,} counted per step" in out, out
+    traffic = next(line for line in out.splitlines() if "memory traffic per step" in line)
+    assert "x B" not in traffic and "large sizes" not in traffic, traffic
+
+
+def test_batch_size_edits_only_constants_that_are_element_shapes():
+    from tensorflow.python.framework import tensor_util
+
+    from tfamp.inspect.fixed_batch import at_batch
+
+    graph_def = tf.compat.v1.GraphDef()
+    for name in ("own", "shared"):
+        const = graph_def.node.add(name=name, op="Const")
+        const.attr["dtype"].type = tf.int32.as_datatype_enum
+        const.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto([-1, 4], tf.int32))
+    graph_def.node.add(name="list", op="TensorListReserve", input=["own", "n"])
+    graph_def.node.add(name="other_list", op="TensorListReserve", input=["shared", "n"])
+    graph_def.node.add(name="reshape", op="Reshape", input=["x", "shared"])
+    before = graph_def.SerializeToString()
+    sized = {n.name: tensor_util.MakeNdarray(n.attr["value"].tensor).tolist()
+             for n in at_batch(graph_def, 8).node if n.op == "Const"}
+    assert sized == {"own": [8, 4], "shared": [-1, 4]}  # a Reshape's -1 means "the rest"
+    assert graph_def.SerializeToString() == before
+
+
 def test_json_output_file_says_wrote_and_rerenders_with_its_flops_line(capsys, graph_files,
                                                                         tmp_path):
     _, binary, _ = graph_files

@@ -12,13 +12,31 @@ TensorFlow's shape functions from the arguments down, callers before callees;
 shapes that never depended on the batch (variables, constants) stay as
 recorded.
 
+Two shapes are declared rather than inferred, and are sized the same way: a
+``While``'s ``output_shapes`` (its shape function returns them as they are, so
+a recurrent layer's state after its loop kept an open batch), and the
+``element_shape`` a TensorList op is given (a Const; inside a loop body the
+list arrives as an argument without its element shape, so the time step a
+Keras RNN reads from its input list kept an open batch). Such a Const is
+sized only where every reader takes it as an element shape.
+
 Only a leading -1 counts as the batch: an open dimension elsewhere (a sequence
 length) stays open, and the report then still speaks of large sizes for it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from tensorflow.core.framework import graph_pb2
+from tensorflow.python.framework import tensor_util
+
+_WHILE_OPS = frozenset({"While", "StatelessWhile"})
+# TensorList op -> the input that is its element shape.
+_ELEMENT_SHAPE_INPUT = {
+    "EmptyTensorList": 0, "TensorListReserve": 0, "TensorListFromTensor": 1,
+    "TensorListGetItem": 2, "TensorListStack": 1, "TensorListGather": 2,
+    "TensorListConcatV2": 1, "TensorListPopBack": 1,
+}
 
 
 def has_open_batch(shapes) -> bool:
@@ -41,6 +59,30 @@ def _edit_nodes(nodes, batch: int) -> None:
                 _size_shapes([node.attr["shape"].shape], batch)
         elif has_open_batch(recorded):
             del node.attr["_output_shapes"]
+        if node.op in _WHILE_OPS and "output_shapes" in node.attr:
+            _size_shapes(node.attr["output_shapes"].list.shape, batch)
+    for node in _element_shape_consts(nodes):
+        value = tensor_util.MakeNdarray(node.attr["value"].tensor)
+        if value.ndim == 1 and value.size and value[0] == -1:
+            value = value.copy()
+            value[0] = batch
+            node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+
+
+def _element_shape_consts(nodes) -> list:
+    """The Const nodes of one body whose every reader takes them as a TensorList
+    element shape."""
+    consts = {node.name: node for node in nodes if node.op == "Const"}
+    readers: dict[str, list[bool]] = {}
+    for node in nodes:
+        for index, text in enumerate(i for i in node.input if not i.startswith("^")):
+            source = text.split(":")[0]
+            if source in consts:
+                readers.setdefault(source, []).append(
+                    _ELEMENT_SHAPE_INPUT.get(node.op) == index)
+    return [consts[name] for name, roles in readers.items() if all(roles)
+            and np.dtype(tensor_util.MakeNdarray(consts[name].attr["value"].tensor).dtype)
+            .kind == "i"]
 
 
 def at_batch(graph_def: graph_pb2.GraphDef, batch: int) -> graph_pb2.GraphDef:
