@@ -283,8 +283,8 @@ def test_saved_model_with_a_fixed_batch_refuses_batch_size(capsys, tmp_path):
 
 def test_batch_size_sizes_a_loop_state_and_its_list_of_time_steps(capsys, tmp_path):
     """A recurrent signature at --batch-size: the loop's state (a While's declared
-    output_shapes) and the time step read from a TensorList inside the body (an
-    element shape given as a Const) are sized too, so every product is counted at
+    output_shapes), the time step read from a TensorList inside the body (an
+    element shape given as a Const) and the time-major input are sized too, so every product is counted at
     the batch, none per B. Found on a Keras 3 LSTM SavedModel: '10,304 x B'
     counted at --batch-size 32, the known products dropped."""
     class Recurrent(tf.Module):
@@ -309,7 +309,9 @@ def test_batch_size_sizes_a_loop_state_and_its_list_of_time_steps(capsys, tmp_pa
     assert code == 0
     assert f"of {8 * per_row:,} counted per step" in out, out
     traffic = next(line for line in out.splitlines() if "memory traffic per step" in line)
+    # (the input transposed to time-major holds the batch second: sized too)
     assert "x B" not in traffic and "large sizes" not in traffic, traffic
+    assert "left out" not in traffic, traffic
 
 
 def test_batch_size_edits_only_constants_that_are_element_shapes():

@@ -6,8 +6,10 @@ depends on it, so its traffic is a share "for large B" and its FLOPs are per B.
 signature's function keeps the shapes it was saved with (calling it at a fixed
 batch does not re-shape its body), so the GraphDef is edited instead: the
 arguments' leading -1 becomes N (top-graph Placeholders and library functions'
-argument attributes), and every other recorded shape with a leading -1 is
-dropped. tfamp's shape inference (``rewrite.shape_inference``) then runs
+argument attributes), and every other recorded shape with an open dimension
+is dropped (wherever the -1 stands: a time-major RNN's transpose of its input
+holds the batch second; where the -1 was a sequence length, inference gives it
+back from the arguments). tfamp's shape inference (``rewrite.shape_inference``) then runs
 TensorFlow's shape functions from the arguments down, callers before callees;
 shapes that never depended on the batch (variables, constants) stay as
 recorded.
@@ -20,8 +22,8 @@ list arrives as an argument without its element shape, so the time step a
 Keras RNN reads from its input list kept an open batch). Such a Const is
 sized only where every reader takes it as an element shape.
 
-Only a leading -1 counts as the batch: an open dimension elsewhere (a sequence
-length) stays open, and the report then still speaks of large sizes for it.
+Only an argument's leading -1 counts as the batch: an open dimension elsewhere
+(a sequence length) stays open, and the report then still speaks of large sizes for it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,6 @@ _ELEMENT_SHAPE_INPUT = {
 }
 
 
-def has_open_batch(shapes) -> bool:
-    return any(shape.dim and shape.dim[0].size == -1 for shape in shapes)
-
-
 def _size_shapes(shapes, batch: int) -> None:
     for shape in shapes:
         if shape.dim and shape.dim[0].size == -1:
@@ -57,7 +55,7 @@ def _edit_nodes(nodes, batch: int) -> None:
             _size_shapes(recorded, batch)
             if "shape" in node.attr:
                 _size_shapes([node.attr["shape"].shape], batch)
-        elif has_open_batch(recorded):
+        elif any(dim.size == -1 for shape in recorded for dim in shape.dim):
             del node.attr["_output_shapes"]
         if node.op in _WHILE_OPS and "output_shapes" in node.attr:
             _size_shapes(node.attr["output_shapes"].list.shape, batch)
