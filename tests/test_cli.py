@@ -314,6 +314,24 @@ def test_batch_size_sizes_a_loop_state_and_its_list_of_time_steps(capsys, tmp_pa
     assert "left out" not in traffic, traffic
 
 
+def test_a_product_whose_rows_tensorflow_cannot_infer_counts_its_kernel_size(capsys, tmp_path):
+    """A Dense on a sequence of open length reshapes its input to a computed shape,
+    which TensorFlow records as [-1, -1]; the contracted size is the kernel's.
+    Counted as 64 x B^2 before (2 x 32 x one unknown for the contracted 16)."""
+    class OnASequence(tf.Module):
+        def __init__(self):
+            self.w = tf.Variable(tf.fill([16, 32], 0.1))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, None, 16])])
+        def __call__(self, x):
+            return tf.tensordot(x, self.w, [[2], [0]])
+
+    tf.saved_model.save(OnASequence(), str(tmp_path / "sequence"))
+    code, out, _ = run(capsys, "inspect", str(tmp_path / "sequence"))
+    assert code == 0
+    assert "of 1,024 x B counted per step" in out, out  # 2 x 16 x 32 per position
+
+
 def test_batch_size_edits_only_constants_that_are_element_shapes():
     from tensorflow.python.framework import tensor_util
 

@@ -85,18 +85,9 @@ def _node_flops(node, shapes) -> tuple[int, int] | None:
         return _einsum_from_dims(equation, inputs)
     if out is None or not inputs:
         return None
-    if kind == "MatMul":
-        a = inputs[0]
-        if a is None or len(a) != 2:
-            return None
-        k = a[0] if "transpose_a" in attr and attr["transpose_a"].b else a[1]
-        return _mono(2, *out, k)
-    if kind.startswith("BatchMatMul"):
-        a = inputs[0]
-        if a is None or len(a) < 2:
-            return None
-        k = a[-2] if "adj_x" in attr and attr["adj_x"].b else a[-1]
-        return _mono(2, *out, k)
+    if kind == "MatMul" or kind.startswith("BatchMatMul"):
+        k = _contracted(kind, attr, *(inputs + [None])[:2])
+        return None if k is None else _mono(2, *out, k)
     if kind in ("Conv2D", "Conv3D", "DepthwiseConv2dNative"):
         kernel = inputs[1] if len(inputs) > 1 else None
         if kernel is None:
@@ -109,6 +100,21 @@ def _node_flops(node, shapes) -> tuple[int, int] | None:
         return None
     channels = 1 if "Depthwise" in kind else filter_shape[-2]
     return _mono(2, *grad, *filter_shape[:-2], channels)
+
+
+def _contracted(kind: str, attr, a, b) -> int | None:
+    """The size of a product's contracted dimension: from either operand, so
+    a row count TensorFlow could not infer (Keras's Dense on a sequence reshapes
+    its input to a computed [-1, -1]) does not lose it: the kernel knows it."""
+    batched = kind != "MatMul"
+    flag_a, flag_b = ("adj_x", "adj_y") if batched else ("transpose_a", "transpose_b")
+    sizes = []
+    if a is not None and len(a) >= 2 and (batched or len(a) == 2):
+        sizes.append(a[-2] if flag_a in attr and attr[flag_a].b else a[-1])
+    if b is not None and len(b) >= 2 and (batched or len(b) == 2):
+        sizes.append(b[-1] if flag_b in attr and attr[flag_b].b else b[-2])
+    known = [size for size in sizes if size >= 0]
+    return known[0] if known else (sizes[0] if sizes else None)
 
 
 def _einsum_from_dims(equation: str, inputs) -> tuple[int, int] | None:
