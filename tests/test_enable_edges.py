@@ -266,6 +266,28 @@ def test_build_after_compile_then_fit(keras_name):
     assert float(np.asarray(optimizer.loss_scale)) > 1.0  # (the step scaled its loss)
 
 
+@pytest.mark.parametrize("form", ["one", "nested", "callback_list"])
+@pytest.mark.parametrize("keras_name", ["tf_keras", "keras"])
+def test_fit_takes_its_callbacks_in_every_form_keras_does(keras_name, form, tmp_path):
+    """tensorflow/docs' simple_audio passes `callbacks=EarlyStopping(...)`, one
+    callback and no list, which Keras accepts; tfamp's fit added its own callback
+    with `[*callbacks, ours]` and raised TypeError. Every form Keras takes keeps
+    working, the user's callback runs, and fit's logs still have loss_scale."""
+    k = pytest.importorskip(keras_name)
+    k.utils.set_random_seed(0)
+    model = k.Sequential([k.Input((4,)), k.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    tfamp.enable(model, dtype="float16", verbose=False, ranges=str(tmp_path))  # (reads them too)
+    seen = []
+    mine = k.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(epoch))
+    given = {"one": mine, "nested": [[mine]],
+             "callback_list": k.callbacks.CallbackList([mine])}[form]
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    history = model.fit(x, x[:, :1], epochs=2, verbose=0, callbacks=given)
+    assert seen == [0, 1]
+    assert "loss_scale" in history.history and len(history.history["loss"]) == 2
+
+
 def _two_part_model(k):
     """TensorFlow's CVAE tutorial's shape: a model whose step calls its parts itself."""
     class TwoPart(k.Model):

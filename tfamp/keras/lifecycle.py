@@ -1011,11 +1011,14 @@ def _read_once(read):
 
 def _with_callback(args, kwargs, callback) -> tuple[tuple, dict]:
     """fit's (args, kwargs) with `callback` appended to its callbacks (None: as they are)."""
+    from tfamp.keras.range_monitor import fit_callbacks
+
     if callback is None:
         return tuple(args), kwargs
+    callbacks = [*fit_callbacks(args, kwargs), callback]
     if len(args) > 5:  # callbacks given positionally
-        return (*args[:5], [*(args[5] or []), callback], *args[6:]), kwargs
-    return tuple(args), {**kwargs, "callbacks": [*(kwargs.get("callbacks") or []), callback]}
+        return (*args[:5], callbacks, *args[6:]), kwargs
+    return tuple(args), {**kwargs, "callbacks": callbacks}
 
 
 @functools.cache

@@ -201,7 +201,7 @@ def monitor_for_fit(settings, args: Sequence, kwargs: dict) -> RangeMonitor | No
                     "tf.data.Dataset; add tfamp.RangeMonitor(data=...) to callbacks "
                     "yourself.")
         return None
-    callbacks = (args[5] if len(args) > 5 else kwargs.get("callbacks")) or []
+    callbacks = fit_callbacks(args, kwargs)
     if any(isinstance(c, RangeMonitor) for c in callbacks):
         return None
     tensorboard = next((c for c in callbacks
@@ -210,25 +210,18 @@ def monitor_for_fit(settings, args: Sequence, kwargs: dict) -> RangeMonitor | No
                         tensorboard_dir=getattr(tensorboard, "log_dir", None))
 
 
-def prepare_fit(model, ranges, args: Sequence, kwargs: dict) -> tuple[tuple, dict]:
-    """What an enabled model's ``fit`` hook does first (tf_keras and Keras 3 alike).
-
-    Keeps a way to re-read one batch of fit's data (for the stuck-at-floor
-    diagnosis) on the model, and, when `ranges` is set (``tfamp.enable(ranges=)``
-    / ``TFAMP_RANGES``), adds a RangeMonitor to fit's callbacks.
-
-    Returns:
-      fit's (args, kwargs), with the monitor added to the callbacks.
-    """
-    object.__setattr__(model, "_tfamp_fit_batch", fit_batch_source(args, kwargs))
-    if ranges is None:
-        return tuple(args), kwargs
-    monitor = monitor_for_fit(ranges, args, kwargs)
-    if monitor is None:
-        return tuple(args), kwargs
-    if len(args) > 5:  # callbacks given positionally
-        return (*args[:5], [*(args[5] or []), monitor], *args[6:]), kwargs
-    return tuple(args), {**kwargs, "callbacks": [*(kwargs.get("callbacks") or []), monitor]}
+def fit_callbacks(args: Sequence, kwargs: dict) -> list:
+    """fit's callbacks as a new list, in whichever form fit was given them: None,
+    one callback (tensorflow/docs' simple_audio passes an EarlyStopping alone), a
+    list or tuple, nested or not (Keras flattens them), or a CallbackList (its
+    callbacks; fit adds History and the progress bar only where they are
+    missing)."""
+    value = args[5] if len(args) > 5 else kwargs.get("callbacks")
+    if value is None:
+        return []
+    if any(isinstance(value, f.keras.callbacks.CallbackList) for f in all_flavours()):
+        return list(value.callbacks)
+    return tf.nest.flatten(value)
 
 
 def fit_batch_source(args: Sequence, kwargs: dict):
