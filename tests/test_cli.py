@@ -284,9 +284,10 @@ def test_saved_model_with_a_fixed_batch_refuses_batch_size(capsys, tmp_path):
 def test_batch_size_sizes_a_loop_state_and_its_list_of_time_steps(capsys, tmp_path):
     """A recurrent signature at --batch-size: the loop's state (a While's declared
     output_shapes), the time step read from a TensorList inside the body (an
-    element shape given as a Const) and the time-major input are sized too, so every product is counted at
-    the batch, none per B. Found on a Keras 3 LSTM SavedModel: '10,304 x B'
-    counted at --batch-size 32, the known products dropped."""
+    element shape given as a Const) and the time-major input are sized too,
+    so every product is counted at the batch, none per B. Found on a Keras 3
+    LSTM SavedModel: '10,304 x B' counted at --batch-size 32, the known
+    products dropped."""
     class Recurrent(tf.Module):
         def __init__(self):
             self.w = tf.Variable(tf.fill([4, 4], 0.1))
