@@ -170,6 +170,35 @@ def _rewrite_with_fixed_signatures(graph_def, dtype, outputs=("Identity:0",)):
         boundaries._MAX_ROUNDS = saved
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_call_that_only_moves_values_stays_float32(dtype):
+    """pix2pix's tf.data augmentation (tensorflow/docs), under TFAMP_ENABLE: a
+    tf.cond around a flip, no matrix op anywhere. The cond's argument and its
+    result each paid off while the other was 16-bit (one saved the other's Cast
+    in each branch), so both went 16-bit: two Casts where none were needed, the
+    values rounded to 16 bits and 70000 turned into inf."""
+    def flip_sometimes(x, flip):
+        return tf.cond(flip, lambda: tf.reverse(x, [1]), lambda: tf.identity(x))
+
+    graph_def, new_graph_def, report = rewrite(
+        flip_sometimes, tf.TensorSpec([1, 3]), tf.TensorSpec([], tf.bool), dtype=dtype)
+    assert not report.casts and not any(n.converted for n in report.nodes)
+    assert new_graph_def == graph_def
+    x = np.array([[0.1, 7e4, 1.0001]], np.float32)
+    got = run_graph_def(new_graph_def, {"x": x, "flip": True}, ["Identity:0"])[0]
+    np.testing.assert_array_equal(got, x[:, ::-1])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_call_whose_branches_multiply_still_goes_16bit_together(dtype):
+    """The coupled check weighs a call's groups together; where a branch holds a
+    MatMul, 16-bit arguments still save its Casts (the If's Tin goes 16-bit)."""
+    _, new_graph_def, _ = rewrite(cond_matmul_both, M, M, tf.TensorSpec([], tf.bool),
+                                  dtype=dtype)
+    (_, call), = _calls(new_graph_def, ("If", "StatelessIf"))
+    assert _types(call.attr["Tin"]) == [dtype, dtype]
+
+
 def test_a_graph_output_from_a_call_keeps_its_dtype():
     # The If's own output is named a graph output: its Tout stays float32
     # (one Cast in each branch); its arguments may still go 16-bit.

@@ -712,6 +712,31 @@ class _Solver:
         return (self.weighted_casts(index, plan)
                 < self.weighted_casts(index, plan - {index}))
 
+    def components(self, plan: set[int]) -> list[list[int]]:
+        """The groups of `plan` joined by a function whose arguments or results
+        they are (a call's arguments and its results; a loop's carried values),
+        in plan order."""
+        uf = _UnionFind()
+        for index in sorted(plan):
+            uf.find(("group", index))
+            for member in self.a.groups[index].members:
+                if member[0] in ("arg", "ret"):
+                    uf.union(("group", index), ("function", member[1]))
+        return sorted(([item[1] for item in cls if item[0] == "group"]
+                       for cls in uf.classes()), key=min)
+
+    def together_pays_off(self, component: list[int], plan: set[int]) -> bool:
+        """True if the groups of `component`, all 16-bit, need fewer (weighted)
+        Casts than all float32 in the bodies they touch: groups that each pay
+        off only while the others are 16-bit must also pay off together."""
+        names = dict.fromkeys(m[1] for index in component
+                              for m in self.a.groups[index].members)
+        without = plan - set(component)
+        return (sum(self.a.weight.get(n, 1) * self._casts(self.a.bodies[n], plan)
+                    for n in names)
+                < sum(self.a.weight.get(n, 1) * self._casts(self.a.bodies[n], without)
+                      for n in names))
+
     def color_all(self, plan: set[int]) -> dict:
         decisions, denied, ranged = {}, {}, {}
         for body in self.a.view.bodies:
@@ -1093,6 +1118,13 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
             rejected |= drop
         else:
             decisions = solver.color_all(plan)
+    # Each group above paid off with the others 16-bit; coupled ones must also
+    # pay off together. A call's argument and result that only clear ops join
+    # (a tf.cond around a flip, no matrix op anywhere) each saved the other's
+    # Casts and held the value in 16-bit for nothing: 2 Casts against none.
+    for component in solver.components(plan):
+        if not solver.together_pays_off(component, plan):
+            plan -= set(component)
     decisions = solver.color_all(plan)
     signatures: dict[str, SignatureTypes] = {}
     for index in sorted(plan):
