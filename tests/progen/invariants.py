@@ -12,7 +12,9 @@ checked without running):
    every edge's dtype matches);
 4. the step's outputs keep their dtypes;
 5. variables stay float32 (no op that reads or writes a resource gets a 16-bit
-   type);
+   type), and nothing goes 16-bit where no allow-list op does (a program of
+   data movement alone, a tf.cond around a flip, rounded for nothing: pix2pix's
+   augmentation, session 43);
 6. run on the CPU from the same variable values, the rewritten step's outputs
    and its variable updates agree with float32's within the tolerance below
    (a compiled run with the float32 step compiled by XLA, whose lowerings it
@@ -109,7 +111,7 @@ CONFIGS = (Config("float16", True), Config("float16", False), Config("bfloat16",
 @dataclasses.dataclass
 class Failure:
     invariant: str  # program, raises, input_mutated, invalid_graph, output_dtype,
-    # variable_dtype, runs, nonfinite, numerics
+    # variable_dtype, sixteen_without_allow, runs, nonfinite, numerics
     config: str
     message: str
     detail: str = ""  # (what the signature adds: an exception's type and place)
@@ -293,13 +295,20 @@ def _rewrite_checked(graph_def, outputs, config: Config, jit: bool, outcome: Out
     """Invariants 1-5 for one configuration; the rewritten GraphDef, or None."""
     serialized = graph_def.SerializeToString(deterministic=True)
     try:
-        new, _ = tfamp.rewrite_graph_def(
+        new, report = tfamp.rewrite_graph_def(
             graph_def, tfamp.AmpConfig(dtype=config.dtype, device_type=config.device,
                                        runtime=config.runtime, **changes),
             outputs=outputs, jit_compile=jit)
     except Exception as err:
         outcome.failures.append(Failure("raises", str(config), _describe(err), _where(err)))
         return None
+    converted = [n for n in report.nodes if n.converted]
+    if converted and not any(n.list == "allow" for n in converted):
+        outcome.failures.append(Failure(
+            "sixteen_without_allow", str(config),
+            f"{len(converted)} ops converted with no allow-list op converted (first: "
+            f"{converted[0].op} {converted[0].name!r}: {converted[0].reason[:120]})",
+            converted[0].op))
     if graph_def.SerializeToString(deterministic=True) != serialized:
         outcome.failures.append(Failure("input_mutated", str(config),
                                         _what_changed(graph_def, serialized)))
