@@ -68,6 +68,40 @@ def test_keras_mixed_policy_under_tfamp_enable_trains_as_keras_alone(tmp_path, f
     assert "tfamp steps aside" in lines[0]
 
 
+PIPELINE_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    import tensorflow as tf
+
+    @tf.function
+    def prep(a):
+        return tf.matmul(a, tf.eye(3)) + 0.0
+
+    x = np.array([[0.1, 7e4, 1.0001]], np.float32)
+    mapped = [v.numpy().tolist() for v in tf.data.Dataset.from_tensors(x).map(prep)]
+    batched = [v.numpy().tolist() for v in tf.data.Dataset.from_tensors(x).map(
+        lambda a: tf.cond(tf.reduce_all(a > -1e9), lambda: prep(a), lambda: a))]
+    print(json.dumps({"mapped": mapped, "nested": batched,
+                      "step": prep(tf.constant(x)).dtype.name}))
+""")
+
+
+def test_a_function_inside_a_tf_data_pipeline_runs_float32(tmp_path):
+    """tensorflow/docs' pix2pix calls a tf.function of its own in Dataset.map: it
+    was rewritten like a training step, so the host-side pipeline computed in
+    16 bits (a product of 7e4 gave inf and nan). Inside a pipeline, nested in a
+    cond too, it now runs as traced; called as a step it is still rewritten."""
+    script = tmp_path / "pipeline.py"
+    script.write_text(PIPELINE_SCRIPT)
+    result = run(script, tmp_path, TFAMP_ENABLE="1")
+    out = last_json(result)
+    x = [[0.1, 7e4, 1.0001]]
+    assert out["mapped"] == [np.float32(x).tolist()] == out["nested"]
+    assert out["step"] == "float32"  # (its outputs keep their dtype)
+    assert [line for line in tfamp_lines(result.stderr)
+            if line.startswith("tfamp: prep: ")], result.stderr  # the step, rewritten
+
+
 def test_exit_notice_is_silent_after_a_crash(tmp_path):
     # A crash before any tf.function: the notice "traced no tf.function" would
     # be true, but after a traceback it is noise.

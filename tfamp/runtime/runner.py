@@ -98,6 +98,22 @@ def _in_save_context() -> bool:
     return save_context.in_save_context()
 
 
+# tf.data names the functions it traces after their transformation
+# (structured_function.py: "Dataset.map()" -> "Dataset_map_<fn>",
+# "tf.data.experimental.scan()" -> "tf_data_experimental_scan_<fn>").
+_INPUT_PIPELINE_PREFIXES = ("Dataset_", "tf_data_")
+
+
+def _in_input_pipeline() -> bool:
+    """Is a function of a tf.data input pipeline (or one nested in it) being traced?"""
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "building_function", False):
+        if graph.name.startswith(_INPUT_PIPELINE_PREFIXES):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
 class RewrittenGraph(NamedTuple):
     """A traced function's rewrite before it is built: the GraphDef a run of it
     executes and the rewrite's report."""
@@ -459,6 +475,9 @@ class RewrittenFunction(polymorphic_function.Function):
         # save a model too (SavedModel, and TFLite's converter, which saves one
         # first): a script that saves its float32 model gets a float32 one, as
         # without tfamp (tfamp export makes a 16-bit one, checked against float32).
+        # So is a function the script calls inside its tf.data pipeline (pix2pix's
+        # augmentation), which runs on the host, where 16 bits gain nothing: it runs
+        # as traced, float32 (a product of values past 65504 gave inf and nan).
         self._float32_when_saving = float32_when_saving
         self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
         self._logged: set[str] = set()  # the summary lines its traces logged
@@ -620,6 +639,9 @@ class RewrittenFunction(polymorphic_function.Function):
     # the whole rewrite pass: 25-40 s on the first trace of a two-op function.
     @tf.autograph.experimental.do_not_convert
     def __call__(self, *args, **kwargs):
+        if (self._float32_when_saving and not tf.executing_eagerly()
+                and _in_input_pipeline()):
+            return self._tf_function(*args, **kwargs)
         # A first call traces, rewrites and (under XLA) compiles: said in one line
         # when it takes long (runtime/progress.py).
         entered = progress.enter(self)

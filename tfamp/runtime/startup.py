@@ -7,7 +7,8 @@ then patches, once:
 
 * ``tf.function``: every function the script traces is rewritten by tfamp
   (Keras fit/evaluate/predict and the user's own; tf.data builds its functions
-  without the public ``tf.function``, so pipelines are left alone), except while
+  without the public ``tf.function``, so pipelines are left alone, and a
+  tf.function a pipeline calls runs as traced), except while
   a model is saved (``model.save``, ``tf.saved_model.save``, TFLite's converter):
   the script's float32 model is what it saves;
 * ``Model.compile`` of tf_keras and of Keras 3 calls ``tfamp.enable`` (tfamp's
