@@ -100,6 +100,12 @@ def test_a_function_inside_a_tf_data_pipeline_runs_float32(tmp_path):
     assert out["step"] == "float32"  # (its outputs keep their dtype)
     assert [line for line in tfamp_lines(result.stderr)
             if line.startswith("tfamp: prep: ")], result.stderr  # the step, rewritten
+    # A script whose only tf.function is its pipeline's is told so at exit.
+    script.write_text(PIPELINE_SCRIPT.replace('"step": prep(tf.constant(x)).dtype.name', ""))
+    result = run(script, tmp_path, TFAMP_ENABLE="1")
+    assert last_json(result)["mapped"] == [np.float32(x).tolist()]
+    assert "the script's only tf.functions (prep) ran inside its tf.data pipeline, which " \
+        "stays float32" in result.stderr, result.stderr
 
 
 def test_exit_notice_is_silent_after_a_crash(tmp_path):

@@ -98,6 +98,9 @@ def _in_save_context() -> bool:
     return save_context.in_save_context()
 
 
+# Names of the tf.functions called inside a tf.data pipeline and so left float32
+# (for TFAMP_ENABLE's exit notice).
+left_in_pipelines: set[str] = set()
 # tf.data names the functions it traces after their transformation
 # (structured_function.py: "Dataset.map()" -> "Dataset_map_<fn>",
 # "tf.data.experimental.scan()" -> "tf_data_experimental_scan_<fn>").
@@ -641,6 +644,7 @@ class RewrittenFunction(polymorphic_function.Function):
     def __call__(self, *args, **kwargs):
         if (self._float32_when_saving and not tf.executing_eagerly()
                 and _in_input_pipeline()):
+            left_in_pipelines.add(self.__name__)
             return self._tf_function(*args, **kwargs)
         # A first call traces, rewrites and (under XLA) compiles: said in one line
         # when it takes long (runtime/progress.py).

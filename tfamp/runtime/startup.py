@@ -747,6 +747,14 @@ def _exit_notice(active: _Activation) -> None:
     converted = sum(sum(r.converted.values()) for r in active.reports)
     if converted or active.stepped_aside or active.told_eager:
         return  # a model that stepped aside, or an eager step, was announced when it did
+    from tfamp.runtime.runner import left_in_pipelines
+
+    if not active.reports and left_in_pipelines:
+        log.warning("tfamp: TFAMP_ENABLE is on but the script's only tf.functions (%s) ran "
+                    "inside its tf.data pipeline, which stays float32, so nothing was "
+                    "rewritten. Wrap the training step in @tf.function (Keras fit does "
+                    "this unless run_eagerly=True).", ", ".join(sorted(left_in_pipelines)))
+        return
     if not active.reports:
         log.warning("tfamp: TFAMP_ENABLE is on but the script traced no tf.function, so "
                     "nothing was rewritten: eager code runs as written. Wrap the training "
