@@ -190,6 +190,38 @@ def test_a_call_that_only_moves_values_stays_float32(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_differentiated_function_without_a_matrix_op_stays_float32(dtype):
+    """Generated program 65000198 (tests/progen/regressions): a nested tf.function
+    with a tape of its own and an inference batch norm, differentiated by the
+    step, no matrix op. Its forward function's
+    results and its backward function's arguments meet in the caller; each group
+    paid off while the others were 16-bit, so 102 ops went bfloat16 for nothing.
+    The groups now must reach a 16-bit computation."""
+    scale, offset = tf.Variable(tf.ones([2])), tf.Variable(tf.zeros([2]))
+    mean, variance = tf.Variable(tf.zeros([2])), tf.Variable(tf.ones([2]))
+
+    @tf.function
+    def inner(h):
+        with tf.GradientTape() as tape:
+            tape.watch(h)
+            total = tf.reduce_sum(tf.square(h)) * 0.5
+        h = h + 0.5 * tape.gradient(total, h)
+        normed = tf.compat.v1.nn.fused_batch_norm(
+            tf.reshape(h, [-1, 2, 4, 2]), scale, offset, mean=mean, variance=variance,
+            is_training=False)[0]
+        return tf.reshape(normed, [-1, 4])
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(inner(x))
+        return loss, tape.gradient(loss, x)
+
+    _, _, report = rewrite(step, M, dtype=dtype)
+    assert not [n.name for n in report.nodes if n.converted] and not report.casts
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_call_whose_branches_multiply_still_goes_16bit_together(dtype):
     """The coupled check weighs a call's groups together; where a branch holds a
     MatMul, 16-bit arguments still save its Casts (the If's Tin goes 16-bit)."""

@@ -712,30 +712,66 @@ class _Solver:
         return (self.weighted_casts(index, plan)
                 < self.weighted_casts(index, plan - {index}))
 
-    def components(self, plan: set[int]) -> list[list[int]]:
-        """The groups of `plan` joined by a function whose arguments or results
-        they are (a call's arguments and its results; a loop's carried values),
-        in plan order."""
-        uf = _UnionFind()
-        for index in sorted(plan):
-            uf.find(("group", index))
-            for member in self.a.groups[index].members:
-                if member[0] in ("arg", "ret"):
-                    uf.union(("group", index), ("function", member[1]))
-        return sorted(([item[1] for item in cls if item[0] == "group"]
-                       for cls in uf.classes()), key=min)
+    def grounded(self, plan: set[int]) -> set[int]:
+        """The groups of `plan` whose 16-bit values reach a 16-bit computation.
 
-    def together_pays_off(self, component: list[int], plan: set[int]) -> bool:
-        """True if the groups of `component`, all 16-bit, need fewer (weighted)
-        Casts than all float32 in the bodies they touch: groups that each pay
-        off only while the others are 16-bit must also pay off together."""
-        names = dict.fromkeys(m[1] for index in component
-                              for m in self.a.groups[index].members)
-        without = plan - set(component)
-        return (sum(self.a.weight.get(n, 1) * self._casts(self.a.bodies[n], plan)
-                    for n in names)
-                < sum(self.a.weight.get(n, 1) * self._casts(self.a.bodies[n], without)
-                      for n in names))
+        Under `plan`'s colouring (``color_all``), every converted node is joined
+        to the converted producers it reads in 16 bits, to the 16-bit groups whose
+        slot, argument or result it is, and a group to all its members; a node on
+        the allow list, or one reading a value the input already held in 16 bits,
+        grounds what it is joined to. A group joined to no such node holds values
+        in 16 bits for nothing: only ops that follow their neighbours (clear,
+        infer) and other such groups keep it there. Each group weighed alone
+        paid off while the others were 16-bit (a call's argument and its result
+        save each other's Casts), so the Cast counts cannot see it."""
+        sixteen = (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)
+        member_group = {m: i for i in plan for m in self.a.groups[i].members}
+        uf, seeds = _UnionFind(), []
+        for body in self.a.view.bodies:
+            overrides = self.overrides(body, plan)
+            for name, node in body.nodes.items():
+                decision = self.decisions.get((body.name, name))
+                if decision is None or not decision.converted_attrs:
+                    continue
+                item = ("node", body.name, name)
+                uf.find(item)
+                if decision.list == "allow":
+                    seeds.append(item)
+                for attr in decision.converted_attrs:
+                    group = member_group.get(("slot", body.name, name, attr))
+                    if group is not None:
+                        uf.union(item, ("group", group))
+                for index, (ref, _) in enumerate(node.data_inputs):
+                    if (index >= len(node.inputs)
+                            or node.inputs[index].type_attr not in decision.converted_attrs):
+                        continue
+                    if ref.is_arg:
+                        group = member_group.get(("arg", body.name, ref.node))
+                        if group is not None and ref.node in overrides.args:
+                            uf.union(item, ("group", group))
+                        elif body.arg_dtypes.get(ref.node) in sixteen:
+                            seeds.append(item)
+                        continue
+                    port = body.producer_port(ref)
+                    producer = self.decisions.get((body.name, ref.node))
+                    if port is None:
+                        continue
+                    if producer is not None and port.type_attr in producer.converted_attrs:
+                        uf.union(item, ("node", body.name, ref.node))
+                    elif port.dtype in sixteen:
+                        seeds.append(item)
+            for ret, (ref, _, _) in body.rets.items():
+                group = member_group.get(("ret", body.name, ret))
+                if group is None or ret not in overrides.rets:
+                    continue
+                if ref.is_arg:
+                    source = member_group.get(("arg", body.name, ref.node))
+                    if source is not None and ref.node in overrides.args:
+                        uf.union(("group", group), ("group", source))
+                else:
+                    uf.union(("group", group), ("node", body.name, ref.node))
+        roots = {uf.find(seed) for seed in seeds}
+        return {i for i in plan if uf.find(("group", i)) in roots}
 
     def color_all(self, plan: set[int]) -> dict:
         decisions, denied, ranged = {}, {}, {}
@@ -1118,13 +1154,13 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
             rejected |= drop
         else:
             decisions = solver.color_all(plan)
-    # Each group above paid off with the others 16-bit; coupled ones must also
-    # pay off together. A call's argument and result that only clear ops join
-    # (a tf.cond around a flip, no matrix op anywhere) each saved the other's
-    # Casts and held the value in 16-bit for nothing: 2 Casts against none.
-    for component in solver.components(plan):
-        if not solver.together_pays_off(component, plan):
-            plan -= set(component)
+    # Each group above paid off while the others were 16-bit; those that reach no
+    # 16-bit computation go (a tf.cond around a flip, no matrix op anywhere: its
+    # argument and its result each saved the other's Casts, and the values were
+    # rounded to 16 bits for nothing; a nested function's forward and backward
+    # functions, the same across the caller).
+    decisions = solver.color_all(plan)
+    plan &= solver.grounded(plan)
     decisions = solver.color_all(plan)
     signatures: dict[str, SignatureTypes] = {}
     for index in sorted(plan):
