@@ -1159,8 +1159,9 @@ def solve(view: GraphView, config: AmpConfig, pinned: set[TensorRef],
     # argument and its result each saved the other's Casts, and the values were
     # rounded to 16 bits for nothing; a nested function's forward and backward
     # functions, the same across the caller).
-    decisions = solver.color_all(plan)
-    plan &= solver.grounded(plan)
+    if plan:
+        solver.color_all(plan)
+        plan &= solver.grounded(plan)
     decisions = solver.color_all(plan)
     signatures: dict[str, SignatureTypes] = {}
     for index in sorted(plan):
