@@ -9,8 +9,8 @@ arguments' leading -1 becomes N (top-graph Placeholders and library functions'
 argument attributes), and every other recorded shape with an open dimension
 is dropped (wherever the -1 stands: a time-major RNN's transpose of its input
 holds the batch second; where the -1 was a sequence length, inference gives it
-back from the arguments). tfamp's shape inference (``rewrite.shape_inference``) then runs
-TensorFlow's shape functions from the arguments down, callers before callees;
+back from the arguments). tfamp's shape inference (``rewrite.shape_inference``)
+then runs TensorFlow's shape functions from the arguments down, callers before callees;
 shapes that never depended on the batch (variables, constants) stay as
 recorded.
 
@@ -28,11 +28,11 @@ Only an argument's leading -1 counts as the batch: an open dimension elsewhere
 
 from __future__ import annotations
 
-import numpy as np
-from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import graph_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 _WHILE_OPS = frozenset({"While", "StatelessWhile"})
+_INDEX_TYPES = (types_pb2.DT_INT32, types_pb2.DT_INT64)
 # TensorList op -> the input that is its element shape.
 _ELEMENT_SHAPE_INPUT = {
     "EmptyTensorList": 0, "TensorListReserve": 0, "TensorListFromTensor": 1,
@@ -79,8 +79,7 @@ def _element_shape_consts(nodes) -> list:
                 readers.setdefault(source, []).append(
                     _ELEMENT_SHAPE_INPUT.get(node.op) == index)
     return [consts[name] for name, roles in readers.items() if all(roles)
-            and np.dtype(tensor_util.MakeNdarray(consts[name].attr["value"].tensor).dtype)
-            .kind == "i"]
+            and consts[name].attr["dtype"].type in _INDEX_TYPES]
 
 
 def at_batch(graph_def: graph_pb2.GraphDef, batch: int) -> graph_pb2.GraphDef:
