@@ -131,7 +131,7 @@ def test_tf_keras_jit_compile_model_runs_its_xla_step_rewritten():
     tfamp.enable(model, verbose=False)
     history = model.fit(x, x[:, :1], epochs=2, batch_size=32, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
-    (_, rewritten, report), = model.train_function._rewritten.values()
+    (_, rewritten, report, _), = model.train_function._rewritten.values()
     assert report.converted.get("MatMul", 0) >= 4
     # The XLA-compiled step Keras calls is the rewritten one: 16-bit MatMuls inside.
     calls = [n.attr["f"].func.name for n in rewritten.graph.as_graph_def().node

@@ -71,7 +71,7 @@ def _step_graph_defs(model):
     rewritten = getattr(function, "rewritten", None) or [function]
     graph_defs = []
     for fn in rewritten:
-        for _, new, _ in fn._rewritten.values():
+        for _, new, _, _ in fn._rewritten.values():
             graph_defs.append(new.graph.as_graph_def())
     return graph_defs
 

@@ -447,6 +447,8 @@ class RewrittenFunction(polymorphic_function.Function):
                  on_trace: Callable[[Any, RewrittenGraph], None] | None = None,
                  before_new_trace_runs: Callable[[Any, Any, tuple, dict], None] | None = None,
                  float32_when_saving: bool = False,
+                 config_of: Callable[[], AmpConfig] | None = None,
+                 after_eager_call: Callable[[Any, tuple, dict], None] | None = None,
                  **tf_function_kwargs):
         if not callable(fn):
             raise TypeError(
@@ -465,6 +467,10 @@ class RewrittenFunction(polymorphic_function.Function):
         else:
             self._tf_function = tf.function(fn, **tf_function_kwargs)
         self._config = config or AmpConfig()
+        # () -> the AmpConfig to rewrite with now, where it can change while the
+        # function lives (TFAMP_ENABLE's process config, which a custom loop's float32
+        # fallback extends): a trace rewritten with another config is rewritten again.
+        self._config_of = config_of
         self._check = check
         self._after_call = after_call
         self._on_report = on_report
@@ -474,6 +480,9 @@ class RewrittenFunction(polymorphic_function.Function):
         # start-scale probe: tfamp.runtime.startup); ids of those that ran
         self._before_new_trace_runs = before_new_trace_runs
         self._ran: set[int] = set()
+        # (tf.function, args, kwargs) -> None, after each call made eagerly (a custom
+        # loop's float32 fallback watching its skipped steps: tfamp.runtime.startup)
+        self._after_eager_call = after_eager_call
         # Under TFAMP_ENABLE every tf.function is one of these, those Keras traces to
         # save a model too (SavedModel, and TFLite's converter, which saves one
         # first): a script that saves its float32 model gets a float32 one, as
@@ -482,7 +491,8 @@ class RewrittenFunction(polymorphic_function.Function):
         # augmentation), which runs on the host, where 16 bits gain nothing: it runs
         # as traced, float32 (a product of values past 65504 gave inf and nan).
         self._float32_when_saving = float32_when_saving
-        self._rewritten: dict[int, tuple[Any, Any, RewriteReport]] = {}
+        # id(traced) -> (traced, rewritten, report, the config it was rewritten with)
+        self._rewritten: dict[int, tuple[Any, Any, RewriteReport | None, AmpConfig]] = {}
         self._logged: set[str] = set()  # the summary lines its traces logged
         # One bound RewrittenFunction per instance, as tf.function keeps (not in
         # the instance's __dict__, where a tf.Module would save it as a function).
@@ -491,11 +501,19 @@ class RewrittenFunction(polymorphic_function.Function):
 
     @property
     def config(self) -> AmpConfig:
-        return self._config
+        return self._config_of() if self._config_of is not None else self._config
 
     @property
     def reports(self) -> list[RewriteReport]:
-        return [report for _, _, report in self._rewritten.values() if report is not None]
+        return [entry[2] for entry in self._rewritten.values() if entry[2] is not None]
+
+    def _current(self, concrete):
+        """The rewritten ConcreteFunction of traced `concrete` with the config of now,
+        or None where it has none yet."""
+        entry = self._rewritten.get(id(concrete))
+        if entry is None or entry[0] is not concrete or entry[3] is not self.config:
+            return None
+        return entry[1]
 
     def set_after_call(self, after_call: Callable[[Any], None] | None) -> None:
         """Sets the hook run with the outputs after every call (e.g. a monitor)."""
@@ -562,10 +580,8 @@ class RewrittenFunction(polymorphic_function.Function):
         """The rewritten ConcreteFunction for these arguments (traced if new)."""
         with _tracing_for_tfamp():
             concrete = self._tf_function.get_concrete_function(*args, **kwargs)
-        entry = self._rewritten.get(id(concrete))
-        if entry is not None and entry[0] is concrete:
-            return entry[1]
-        return self._rewritten_for(concrete)
+        rewritten = self._current(concrete)
+        return rewritten if rewritten is not None else self._rewritten_for(concrete)
 
     def _get_concrete_function_garbage_collected(self, *args, **kwargs):
         # What tf.saved_model's signatures= asks a tf.function for.
@@ -584,18 +600,18 @@ class RewrittenFunction(polymorphic_function.Function):
     def _rewritten_for(self, concrete):
         if self._float32_when_saving and _in_save_context():
             return concrete
-        entry = self._rewritten.get(id(concrete))
-        if entry is None or entry[0] is not concrete:
-            if only_calls_handled_functions(concrete.graph, self._config):
+        config = self.config
+        rewritten = self._current(concrete)
+        if rewritten is None:
+            if only_calls_handled_functions(concrete.graph, config):
                 # e.g. Keras 3's multi_step_on_iterator around the rewritten step:
                 # nothing of its own to convert, so no second rewrite or log line.
                 log.debug("tfamp: %s only calls functions tfamp already rewrote; run as "
                           "traced", _display_name(concrete.graph.name))
                 _handled_function_names.add(_function_name(concrete))
-                entry = (concrete, concrete, None)
-                self._rewritten[id(concrete)] = entry
+                self._rewritten[id(concrete)] = (concrete, concrete, None, config)
                 return concrete
-            new_graph_def, report = _rewrite(concrete, self._config)
+            new_graph_def, report = _rewrite(concrete, config)
             if self._on_trace is not None:
                 # A new trace, before it first runs: the start-scale probe reads the
                 # traced float32 graph and checks its scale on the rewritten one
@@ -606,11 +622,10 @@ class RewrittenFunction(polymorphic_function.Function):
             if not report.converted:
                 rewritten = concrete  # nothing to gain: run the original as traced
             _handled_function_names.add(_function_name(rewritten))
-            entry = (concrete, rewritten, report)
-            self._rewritten[id(concrete)] = entry
+            self._rewritten[id(concrete)] = (concrete, rewritten, report, config)
             if self._on_report is not None:
                 self._on_report(report)
-        return entry[1]
+        return rewritten
 
     def _clone(self, python_function):
         # How tf.distribute's MirroredStrategy.run lifts a tf.function around its
@@ -628,14 +643,17 @@ class RewrittenFunction(polymorphic_function.Function):
                                  after_call=self._after_call, on_report=self._on_report,
                                  on_trace=self._on_trace,
                                  before_new_trace_runs=self._before_new_trace_runs,
-                                 float32_when_saving=self._float32_when_saving)
+                                 float32_when_saving=self._float32_when_saving,
+                                 after_eager_call=self._after_eager_call)
 
     def _rewrapped(self, tf_function) -> RewrittenFunction:
         return RewrittenFunction(tf_function, self._config, check=self._check,
                                  after_call=self._after_call, on_report=self._on_report,
                                  on_trace=self._on_trace,
                                  before_new_trace_runs=self._before_new_trace_runs,
-                                 float32_when_saving=self._float32_when_saving)
+                                 float32_when_saving=self._float32_when_saving,
+                                 config_of=self._config_of,
+                                 after_eager_call=self._after_eager_call)
 
     # Called inside another function's trace (a user's tf.function around a
     # tfamp.function), autograph would otherwise convert this call and, through it,
@@ -653,12 +671,17 @@ class RewrittenFunction(polymorphic_function.Function):
             outputs = self._call_traced(args, kwargs)
             if outputs is _NOT_TRACED:
                 concrete = self.get_concrete_function(*args, **kwargs)
+                config = self.config
                 self._before_first_run(concrete, args, kwargs)
+                if self.config is not config:  # (the hook moved layers to float32)
+                    concrete = self.get_concrete_function(*args, **kwargs)
                 outputs = concrete(*args, **kwargs)
         finally:
             progress.leave(entered)
         if self._after_call is not None:
             self._after_call(outputs)
+        if self._after_eager_call is not None and tf.executing_eagerly():
+            self._after_eager_call(self._tf_function, args, kwargs)
         return outputs
 
     def _before_first_run(self, concrete, args, kwargs) -> None:
@@ -688,11 +711,12 @@ class RewrittenFunction(polymorphic_function.Function):
             original._is_pure)
         with _tracing_for_tfamp():
             concrete = tracing_compilation.trace_function(bound.args, bound.kwargs, config)
-        entry = self._rewritten.get(id(concrete))
-        if entry is None or entry[0] is not concrete:
+        rewritten = self._current(concrete)
+        if rewritten is None:
             return _NOT_TRACED
-        rewritten = entry[1]
         self._before_first_run(rewritten, args, kwargs)
+        if self._current(concrete) is not rewritten:  # (the hook moved layers to float32)
+            return _NOT_TRACED
         flat = rewritten.function_type.unpack_inputs(
             rewritten.function_type.bind(*bound.args, **bound.kwargs))
         return rewritten._call_flat(flat, captured_inputs=rewritten.captured_inputs)
