@@ -144,7 +144,7 @@ def test_decide_says_a_float32_overflow_is_not_fixed_by_moving():
     first, last = decision.findings
     assert first.inserted_cast and first.keep_fp32 == "pipe/frozen/"
     assert (last.node, last.dtype, last.ran_16bit) == ("pipe/frozen/MatMul", "float32", False)
-    message = fallback.stopped_message(model, decision)
+    message = fallback.stopped_message("model 'pipe'", decision)
     assert "computing in float32 too after keeping 'pipe/frozen/' float32" in message
     assert "will not retry" in message and "Expected finite values in float32" in message
 
@@ -152,11 +152,10 @@ def test_decide_says_a_float32_overflow_is_not_fixed_by_moving():
 def test_no_batch_here_is_not_blamed_on_another_worker():
     """A single process whose fit data cannot be re-read once said "on another replica or
     worker's batch" (a helper's Keras 3 run, session 23)."""
-    model = pipeline_model(tf_keras)
-    here = fallback.stopped_message(model, fallback.FallbackDecision(fallback.NO_BATCH))
+    here = fallback.stopped_message("model 'pipe'", fallback.FallbackDecision(fallback.NO_BATCH))
     assert "cannot be re-read" in here and "another" not in here, here
     there = fallback.stopped_message(
-        model, fallback.FallbackDecision(fallback.NO_BATCH, elsewhere=True))
+        "model 'pipe'", fallback.FallbackDecision(fallback.NO_BATCH, elsewhere=True))
     assert "on another replica or worker's batch" in there, there
 
 

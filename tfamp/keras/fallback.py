@@ -212,36 +212,56 @@ def decide(model, config, batch, *, room: int = MAX_MOVED, strategy=None) -> Fal
 
     start = time.perf_counter()
     x, y, sample_weight = batch
+    # One trace for every candidate: only the rewrite and the runs repeat.
+    with keras_step_locator(model, x, y, sample_weight, loss_scale=1.0,
+                            strategy=strategy) as locate:
+        return decide_with(locate, config, room=room, start=start)
+
+
+def decide_with(locate, config, *, room: int = MAX_MOVED,
+                start: float | None = None) -> FallbackDecision:
+    """The decision loop of ``decide`` for any step: `locate` (AmpConfig -> the first
+    ``NonFiniteOp`` of the step rewritten with it at loss scale 1, or None) is asked
+    with `config`, then with each layer found kept float32 as well.
+
+    Args:
+      locate: the step's locator (``overflow_locator.keras_step_locator``'s, or
+        ``step_locator``'s for a custom loop's step).
+      config: the AmpConfig the step runs with now.
+      room: layers that may still move.
+      start: ``time.perf_counter()`` when deciding began (default: now).
+    """
+    start = time.perf_counter() if start is None else start
     candidate, patterns, findings = config, [], []
 
     def done(kind: str) -> FallbackDecision:
         moved = tuple(patterns) if kind == MOVED else ()
         return FallbackDecision(kind, moved, tuple(findings), time.perf_counter() - start)
 
-    # One trace for every candidate: only the rewrite and the runs repeat.
-    with keras_step_locator(model, x, y, sample_weight, loss_scale=1.0,
-                            strategy=strategy) as locate:
-        while True:
-            found = locate(candidate)
-            if found is None:
-                return done(MOVED if patterns else NOT_FOUND)
-            findings.append(found)
-            if not found.ran_16bit:
-                return done(OVERFLOWS_IN_FP32)
-            pattern = found.keep_fp32  # (the layer's every call: ``call_scopes``)
-            one_call = scope_keep_pattern(found.layer)
-            if pattern in candidate.keep_fp32 or one_call in candidate.keep_fp32:
-                return done(NOT_COVERED)
-            if len(patterns) >= room:
-                return done(CAP_REACHED)
-            patterns.append(pattern)
-            candidate = candidate.replace(keep_fp32=(*candidate.keep_fp32, pattern))
+    while True:
+        found = locate(candidate)
+        if found is None:
+            return done(MOVED if patterns else NOT_FOUND)
+        findings.append(found)
+        if not found.ran_16bit:
+            return done(OVERFLOWS_IN_FP32)
+        pattern = found.keep_fp32  # (the layer's every call: ``call_scopes``)
+        one_call = scope_keep_pattern(found.layer)
+        if pattern in candidate.keep_fp32 or one_call in candidate.keep_fp32:
+            return done(NOT_COVERED)
+        if len(patterns) >= room:
+            return done(CAP_REACHED)
+        patterns.append(pattern)
+        candidate = candidate.replace(keep_fp32=(*candidate.keep_fp32, pattern))
 
 
 # -- the log lines ---------------------------------------------------------------------
 
-def moved_message(model, config, decision: FallbackDecision, *, restored: bool = False) -> str:
-    """The one loud line: what moved, why, its cost, and how to make it permanent."""
+def moved_message(who: str, config, decision: FallbackDecision, *,
+                  restored: bool = False) -> str:
+    """The one loud line: what moved, why, its cost, and how to make it permanent.
+
+    `who`: what moved them ("model 'name'", "custom loop step 'train_step'")."""
     names = ", ".join(shell_quoted(p) for p in decision.patterns)
     keep = list(config.keep_fp32)
     if restored:
@@ -258,41 +278,43 @@ def moved_message(model, config, decision: FallbackDecision, *, restored: bool =
         shown = ", ".join(decision.repaired[:2]) + (", ..." if len(decision.repaired) > 2 else "")
         why += (f"; the skipped steps had written inf/nan into {len(decision.repaired)} "
                 f"non-trainable variables ({shown} entries), reset to their initial values")
-    return (f"tfamp: float32 fallback on model {model.name!r}: now keeping {names} float32 "
+    return (f"tfamp: float32 fallback on {who}: now keeping {names} float32 "
             f"({why}). The step functions are rewritten again (one more trace and "
             f"rewrite); those layers now cost float32 time and memory. To make it "
             f"permanent and skip the lost steps: TFAMP_KEEP_FP32={shell_quoted(','.join(keep))} or "
             f"AmpConfig(keep_fp32={keep!r}).")
 
 
-def stopped_message(model, decision: FallbackDecision) -> str:
-    """The one line when tfamp will not move anything (and will not try again)."""
+def stopped_message(who: str, decision: FallbackDecision) -> str:
+    """The one line when tfamp will not move anything (and will not try again).
+
+    `who`: as ``moved_message``'s."""
     found = decision.last
     where = f"{found.op} '{found.node}' (layer/scope '{found.layer}')" if found else "?"
     if decision.elsewhere:
-        return (f"tfamp: no float32 fallback on model {model.name!r}: on another replica "
+        return (f"tfamp: no float32 fallback on {who}: on another replica "
                 f"or worker's batch, {decision.kind} (its line says more); tfamp will not "
                 f"retry, on any worker.")
     if decision.kind == OVERFLOWS_IN_FP32:
         tried = (f" after keeping {', '.join(repr(f.keep_fp32) for f in decision.findings[:-1])}"
                  f" float32" if len(decision.findings) > 1 else "")
-        return (f"tfamp: no float32 fallback on model {model.name!r}: {where} gives "
+        return (f"tfamp: no float32 fallback on {who}: {where} gives "
                 f"{found.value} computing in float32 too{tried}, so moving it to float32 "
                 f"would not help; tfamp leaves the rewrite as it is and will not retry. "
                 f"Expected finite values in float32; check the data's scale, the "
                 f"learning rate and the model.")
     if decision.kind == NOT_COVERED:
-        return (f"tfamp: no float32 fallback on model {model.name!r}: {where} still "
+        return (f"tfamp: no float32 fallback on {who}: {where} still "
                 f"computes in {found.dtype} though keep_fp32 has {found.keep_fp32!r} "
                 f"(its name is outside that pattern); tfamp will not retry. Keep it float32 "
                 f"with a keep_fp32 pattern matching {found.node!r}, or "
                 f"{found.fix_oplist_api}.")
     if decision.kind == CAP_REACHED:
-        return (f"tfamp: no more float32 fallback on model {model.name!r}: with the "
+        return (f"tfamp: no more float32 fallback on {who}: with the "
                 f"most layers it moves ({MAX_MOVED}) float32, {where} would still "
                 f"overflow float16; tfamp moves none of them and will not retry. Keep the "
                 f"region float32 yourself ({found.fix_api}) or use dtype='bfloat16'.")
-    return (f"tfamp: no float32 fallback on model {model.name!r}: fit's data cannot be "
+    return (f"tfamp: no float32 fallback on {who}: fit's data cannot be "
             f"re-read (expected arrays or a tf.data.Dataset), so tfamp cannot find the op "
             f"that overflows; the stuck-scale warning will name what it can.")
 

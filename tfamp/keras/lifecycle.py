@@ -663,8 +663,8 @@ class ModelPrecision:
         if missing:
             self.apply_fallback(missing)
             decision = fallback.FallbackDecision(fallback.MOVED, missing)
-            log.warning("%s", fallback.moved_message(self.model, self.config, decision,
-                                                     restored=True))
+            log.warning("%s", fallback.moved_message(f"model {self.model.name!r}", self.config,
+                                                     decision, restored=True))
         owner = self.step_owner or self.loss_scale_optimizer()
         skipped = getattr(owner, "skipped_steps", None)
         if skipped is not None:  # count skipped steps in a row from here
@@ -800,7 +800,8 @@ class ModelPrecision:
         if decision.kind == fallback.MOVED:
             decision = dataclasses.replace(decision, repaired=repaired)
             self.apply_fallback(decision.patterns)
-            log.warning("%s", fallback.moved_message(self.model, self.config, decision))
+            log.warning("%s", fallback.moved_message(f"model {self.model.name!r}", self.config,
+                                                     decision))
             self._probe_after_fallback(owner, batch)
             return True
         undo()
@@ -809,7 +810,7 @@ class ModelPrecision:
                       "loss scale 1: loss scaling's to fix; next look after %d.",
                       state.consecutive, self.model.name, state.next_probe_at)
         elif not (decision.kind == fallback.FAILED and local.kind == fallback.FAILED):
-            log.warning("%s", fallback.stopped_message(self.model, decision))
+            log.warning("%s", fallback.stopped_message(f"model {self.model.name!r}", decision))
         return False
 
     def _decide_locally(self, room: int):

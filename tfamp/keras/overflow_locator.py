@@ -150,6 +150,56 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
         restore()
 
 
+@contextlib.contextmanager
+def step_locator(step, args: tuple, kwargs: dict):
+    """``locate(config)`` for one batch of a custom loop's training step, traced once.
+
+    The step (a Python function that trains on one batch: its tapes and optimizer
+    updates, as ``TFAMP_ENABLE`` rewrites it whole) is traced in probe mode
+    (``step_scope.probe_mode``): every tape's float loss differentiated unscaled,
+    every optimizer update skipped; the variables the trace still writes (a
+    BatchNorm's statistics, a metric, a random generator's state) are restored
+    after each answer. Its arguments must be arrays or tensors (one device).
+
+    Raises:
+      NoLossDifferentiated: the step differentiated no float loss with a tape.
+
+    Example:
+      >>> with step_locator(train_step.python_function, (x, y), {}) as locate:
+      ...     found = locate(AmpConfig())
+    """
+    tape_hooks.install()  # (the probe's tape and optimizer hooks; once per process)
+
+    def gradients(args, kwargs):
+        recorder = Recorder()
+        with probe_mode(recorder), plain_calls():
+            step(*args, **kwargs)
+        _, weights = recorder.in_graph(tf.compat.v1.get_default_graph())
+        if not weights:
+            raise NoLossDifferentiated(
+                "the step differentiated no float loss with a GradientTape: nothing to locate")
+        return [g for _, g in weights]
+
+    concrete = plain_function(gradients).get_concrete_function(args, kwargs)
+    saved = [(c, c.numpy()) for v in assigned_variables(concrete)
+             for c in replicas.local_components(v)]
+
+    def restore():
+        for component, value in saved:
+            component.assign(value)
+
+    def locate(config: AmpConfig) -> NonFiniteOp | None:
+        try:
+            return nonfinite.locate_nonfinite(concrete, (args, kwargs), config, loss_scale=1.0)
+        finally:
+            restore()
+
+    try:
+        yield locate
+    finally:
+        restore()
+
+
 def own_step_gradients(model, train_step, batch):
     """(0, the weight gradients) of a model's own ``train_step`` on `batch`, traced in
     probe mode (``step_scope.probe_mode``): every tape's float loss differentiated

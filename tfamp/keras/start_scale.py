@@ -157,6 +157,9 @@ class StartScale:
       extra_room: halvings below ``choose_scale(max_abs)`` taken because they
         lose no weight-gradient values (``extra_room``; down to USUAL_START
         where that takes more than EXTRA_ROOM_BITS).
+      forward_overflow: the check on the float16 step overflowed at every scale it
+        tried (three, 2^8 apart): most likely an overflow no loss scale fixes (a
+        forward pass's), the float32 fallback's case, which looks at scale 1.
     """
 
     scale: float
@@ -171,6 +174,7 @@ class StartScale:
     extra_room: int = 0
     subnormal_share: float = 0.0
     room_underflow: float = 0.0  # the share of underflow_share the extra room added
+    forward_overflow: bool = False
 
     def message(self) -> str:
         exponent = int(math.log2(self.scale))
@@ -514,7 +518,8 @@ def probe_step(step, args, kwargs, *, extra_state=(), min_scale: float = 1.0,
                                       - local.underflow_share(before_room)) if taken else 0.0,
                       subnormal_share=local.subnormal_share(scale),
                       seconds=time.perf_counter() - start, batch_size=_rows(args), how=how,
-                      checked=local.checked, extra_room=taken)
+                      checked=local.checked, extra_room=taken,
+                      forward_overflow=local.forward_overflow)
 
 
 def _extra_room_agreed(local, top: float, scale: float, *, strategy, min_scale: float,
@@ -552,6 +557,7 @@ class _Found:
     weight_max: float
     weights: object  # TensorRange of every weight-gradient value together, or None
     checked: str = ""  # what the check on the 16-bit step found (StartScale.checked)
+    forward_overflow: bool = False  # (StartScale.forward_overflow)
 
     def underflow_share(self, scale: float) -> float:
         return self.weights.underflow_share(scale) if self.weights is not None else 0.0
@@ -902,7 +908,7 @@ def _checked_on_16bit(found: _Found, concrete, recorder: Recorder, batch, rewrit
         scale = max(floor, scale / 2.0 ** SIXTEEN_BIT_RETRY_BITS)
     powers = [f"2^{int(math.log2(t))}" for t in tried]
     if not np.all(np.isfinite(maxes)):
-        return dataclasses.replace(found, checked=(
+        return dataclasses.replace(found, forward_overflow=True, checked=(
             f"the float16 step overflowed at {', '.join(powers)}: no loss scale helps "
             f"there (an overflow in the forward pass: fit and train_on_batch then move "
             f"its layer to float32; a custom loop keeps it float32 with keep_fp32 / "

@@ -329,11 +329,11 @@ _process_owner = None
 _process_config = None
 
 
-def set_process_owner(get_owner, config=None) -> None:
+def set_process_owner(get_owner, get_config=None) -> None:
     """Registers () -> TFAMP_ENABLE's custom-loop scale owner (or None when off), and
-    the AmpConfig its functions are rewritten with."""
+    () -> the AmpConfig its functions are rewritten with now."""
     global _process_owner, _process_config
-    _process_owner, _process_config = get_owner, config
+    _process_owner, _process_config = get_owner, get_config
 
 
 def process_owner():
@@ -342,8 +342,8 @@ def process_owner():
 
 
 def process_config():
-    """The AmpConfig TFAMP_ENABLE rewrites functions with, or None (not active)."""
-    return _process_config
+    """The AmpConfig TFAMP_ENABLE rewrites functions with now, or None (not active)."""
+    return _process_config() if _process_config is not None else None
 
 
 def process_scaling_registered() -> bool:

@@ -60,6 +60,9 @@ class _Activation:
 
     def __init__(self, settings: EnvSettings):
         self.settings = settings
+        # The AmpConfig functions are rewritten with now: the environment's, plus the
+        # layers a custom loop's float32 fallback moved (_custom_loop_fallback).
+        self.config = settings.config
         self.reports = []
         self.quiet = False  # no exit notice (quiet_exit_notice)
         self.report_files = 0
@@ -80,6 +83,9 @@ class _Activation:
         # whether its start scale was looked for (_custom_loop_start_scale).
         self.custom_loop_scaled = False
         self.start_scale_sought = False
+        # Traces that scaled a tape so far, and the custom loop's fallback watch.
+        self.scaled_traces = 0
+        self.loop_watch = _LoopWatch()
 
 
 _active: _Activation | None = None
@@ -141,6 +147,8 @@ def _patch_tf_function(active: _Activation) -> None:
     before_run = (functools.partial(_custom_loop_start_scale, active)
                   if settings.loss_scale == "dynamic" and settings.initial_scale == "auto"
                   else None)
+    watch = (functools.partial(_custom_loop_watch, active)
+             if settings.loss_scale == "dynamic" else None)
 
     @functools.wraps(original)
     def function(func=None, **kwargs):
@@ -151,9 +159,10 @@ def _patch_tf_function(active: _Activation) -> None:
         if (getattr(active.stepping_aside, "on", False)
                 or active.steps_aside_for(getattr(func, "__self__", None))):
             return original(func, **kwargs)
-        return RewrittenFunction(original(func, **kwargs), active.settings.config,
+        return RewrittenFunction(original(func, **kwargs), active.config,
                                  on_report=on_report, before_new_trace_runs=before_run,
-                                 float32_when_saving=True)
+                                 float32_when_saving=True, config_of=lambda: active.config,
+                                 after_eager_call=watch)
 
     function._tfamp_original = original
     function._tfamp_on_report = on_report  # for functions tfamp.enable builds itself
@@ -215,7 +224,7 @@ def _patch_compile(active: _Activation, model_class) -> None:
         result = original(self, *args, **kwargs)
         if isinstance(self, _keras_model_classes()):
             activation.enable_for_compile(
-                self, config=settings.config, loss_scale=settings.loss_scale,
+                self, config=active.config, loss_scale=settings.loss_scale,
                 initial_scale=settings.initial_scale, ranges=settings.ranges_dir)
         return result
 
@@ -400,7 +409,7 @@ def _patch_custom_loops(active: _Activation) -> None:
     from tfamp.keras import optimizer_tf_keras, step_scope
     from tfamp.keras.scale_update import is_loss_target, is_scaled, seed, unscale
 
-    step_scope.set_process_owner(process_scale_state, active.settings.config)
+    step_scope.set_process_owner(process_scale_state, lambda: active.config)
 
     original_gradient = tf.GradientTape.gradient
 
@@ -415,6 +424,7 @@ def _patch_custom_loops(active: _Activation) -> None:
         scale = _scale_state(active).current_loss_scale
         if not tf.executing_eagerly():
             active.custom_loop_scaled = True
+            active.scaled_traces += 1
         grads = original_gradient(self, target, sources, seed(target, scale), **kwargs)
         step_scope.push_process_scaled()
         return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
@@ -496,7 +506,11 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
     try:  # the loop must run whatever the probe meets
         why_not = _no_probe_reason(concrete, args, kwargs)
         if not why_not:
-            start_scale.calibrate_step(tf_function, args, kwargs)
+            found = start_scale.calibrate_step(tf_function, args, kwargs)
+            if found.forward_overflow and _custom_loop_fallback(active, tf_function, args,
+                                                                kwargs):
+                # The start scale of the step that will run, with those layers float32.
+                start_scale.calibrate_step(tf_function, args, kwargs)
             return
     except start_scale.NoLossDifferentiated:
         # Not the step (its tape was traced inside another function, first run
@@ -509,6 +523,142 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
              "dynamic scaling starts at 2^15 and may skip its first steps. Fix: call "
              "tfamp.calibrate_loss_scale(step, batch) before the loop, with the function "
              "that trains on one batch, or set TFAMP_INITIAL_SCALE=<number>.", name, why_not)
+
+
+def _custom_loop_fallback(active: _Activation, tf_function, args, kwargs) -> bool:
+    """The float32 fallback for a custom loop's step (as ``fit``'s,
+    ``tfamp.keras.fallback``): the first inf/nan op of the step, on this call's
+    batch, at loss scale 1 is found, its layer is kept float32 and the search
+    repeats, up to ``fallback.MAX_MOVED`` layers. Where every value is then finite,
+    the layers join the process's ``keep_fp32``: every function is rewritten
+    again before it next runs. Returns whether layers moved; one line says what
+    moved, or why nothing can (then the watch stops: ``_custom_loop_watch``).
+
+    Asked before the loop's first step where the start scale's check found the
+    float16 step inf at every scale it tried, and later by the watch on skipped
+    steps in a row: such an overflow skips every step (the scale halving to its
+    floor) and the loop prints NaN losses where float32 trains.
+    """
+    from tfamp.keras import fallback, overflow_locator
+
+    who = f"custom loop step {getattr(tf_function, '__name__', 'step')!r}"
+    watch = active.loop_watch
+    if not _locatable(args, kwargs):
+        watch.stop("its arguments are not all arrays or tensors on one device, which the "
+                   "search for the op needs (an iterator, a distributed batch, a Python "
+                   "value)", who)
+        return False
+    try:
+        concrete = tf_function.get_concrete_function(*args, **kwargs)  # (traced: cached)
+        elsewhere = _talks_to_other_workers(concrete)
+    except Exception:  # noqa: BLE001 (not known: as if it did)
+        elsewhere = True
+    if elsewhere:  # (every worker must move alike, at one step: left to the user)
+        watch.stop("it runs under a multi-worker tf.distribute strategy, whose workers "
+                   "would have to decide together", who)
+        return False
+    step = getattr(tf_function, "python_function", tf_function)
+    config = active.config
+    try:
+        with overflow_locator.step_locator(step, args, kwargs) as locate:
+            decision = fallback.decide_with(locate, config,
+                                            room=fallback.MAX_MOVED - len(watch.moved))
+    except Exception as err:  # noqa: BLE001 (the loop runs as it would have; said here)
+        watch.stop(f"looking for the op that overflows failed ({type(err).__name__}: "
+                   f"{err})", who)
+        return False
+    watch.record(decision)
+    if decision.kind == fallback.NOT_FOUND:
+        log.info("tfamp: %s skips steps, but its float16 step is finite at loss scale 1 on "
+                 "this batch: loss scaling's to fix.", who)
+        return False
+    if decision.kind != fallback.MOVED:
+        log.warning("%s", fallback.stopped_message(who, decision))
+        return False
+    active.config = config.replace(keep_fp32=(*config.keep_fp32, *decision.patterns))
+    log.warning("%s", fallback.moved_message(who, active.config, decision))
+    return True
+
+
+def _locatable(args, kwargs) -> bool:
+    import numpy as np
+    import tensorflow as tf
+
+    # (as the start-scale check's: the trace's inputs are exactly these leaves)
+    return all(isinstance(leaf, (np.ndarray, tf.Tensor))
+               for leaf in tf.nest.flatten((args, kwargs)))
+
+
+# A custom loop's watch reads the skipped-step counter once every CHECK_EVERY calls
+# of its step (a host read waits for the device: not every step), and looks for an
+# op to move once LOOK_AFTER steps in a row were skipped (doubled after each look
+# that found nothing at loss scale 1: dynamic scaling's own skips are 1-2 in a row).
+CHECK_EVERY = 16
+LOOK_AFTER = 16
+
+
+class _LoopWatch:
+    """A custom loop's float32 fallback after its start (``_custom_loop_watch``)."""
+
+    def __init__(self):
+        self.steps: set[int] = set()  # ids of the tf.functions whose traces scaled a tape
+        self.traces_seen = 0  # active.scaled_traces when last looked
+        self.calls = 0
+        self.skipped = 0  # the counter at the last read
+        self.in_a_row = 0
+        self.look_after = LOOK_AFTER
+        self.moved: tuple[str, ...] = ()
+        self.stopped = ""
+
+    def record(self, decision) -> None:
+        from tfamp.keras import fallback
+
+        if decision.kind == fallback.MOVED:
+            self.moved = (*self.moved, *decision.patterns)
+            self.look_after = LOOK_AFTER
+        elif decision.kind == fallback.NOT_FOUND:
+            self.look_after *= 2
+        else:
+            self.stopped = decision.kind
+        self.in_a_row = 0
+
+    def stop(self, why: str, who: str) -> None:
+        self.stopped = why
+        log.warning("tfamp: no float32 fallback on %s: %s; the loop runs as rewritten. "
+                    "The start-scale line names the fix where it found an overflow; "
+                    "TFAMP_KEEP_FP32=<layer scope> keeps a layer float32.", who, why)
+
+
+def _custom_loop_watch(active: _Activation, tf_function, args, kwargs) -> None:
+    """After each eager call of a function ``TFAMP_ENABLE`` rewrote: where it is a
+    custom loop's step (its trace scaled a tape), every CHECK_EVERY calls, read the
+    skipped-step counter; where every step since the last read was skipped, and
+    LOOK_AFTER or more in a row, ``_custom_loop_fallback`` looks on this call's
+    batch and, where layers moved, the start scale is found again for the step
+    as it now runs (the skips halved it to its floor)."""
+    watch = active.loop_watch
+    if active.scaled_traces != watch.traces_seen:  # (this call traced the step)
+        watch.traces_seen = active.scaled_traces
+        watch.steps.add(id(tf_function))
+    if watch.stopped or id(tf_function) not in watch.steps:
+        return
+    watch.calls += 1
+    if watch.calls % CHECK_EVERY:
+        return
+    skipped = int(_scale_state(active).skipped_steps.numpy())
+    rise, watch.skipped = skipped - watch.skipped, skipped
+    watch.in_a_row = watch.in_a_row + rise if rise >= CHECK_EVERY else 0
+    if watch.in_a_row < watch.look_after:
+        return
+    if _custom_loop_fallback(active, tf_function, args, kwargs):
+        from tfamp.keras import start_scale
+
+        try:
+            start_scale.calibrate_step(tf_function, args, kwargs)
+        except Exception as err:  # noqa: BLE001 (dynamic scaling grows it back; said)
+            log.info("tfamp: after the float32 fallback, no start loss scale from the "
+                     "step's gradients (%s: %s); dynamic scaling grows it back from its "
+                     "floor.", type(err).__name__, err)
 
 
 def _no_probe_reason(concrete, args, kwargs) -> str:
@@ -784,8 +934,20 @@ def _tell_custom_loop_skips(active: _Activation) -> None:
         scale = float(state.current_loss_scale.numpy())
     except Exception:  # noqa: BLE001 (interpreter shutdown: nothing to say)
         return
-    if skipped:
-        log.info("tfamp: your training loop's dynamic loss scale skipped %d step%s "
-                 "(float16 gradients overflowed: those updates were not applied) and ends "
-                 "at %g; TFAMP_INITIAL_SCALE=<number> sets where it starts.",
-                 skipped, "" if skipped == 1 else "s", scale)
+    if not skipped:
+        return
+    moved = active.loop_watch.moved
+    if moved:  # (most of those skips were the overflow the fallback then moved)
+        from tfamp.numerics.nonfinite import shell_quoted
+
+        keep = shell_quoted(",".join(active.config.keep_fp32))
+        log.info("tfamp: your training loop's dynamic loss scale skipped %d step%s (float16 "
+                 "values overflowed: those updates were not applied, most of them before "
+                 "the float32 fallback kept %s float32) and ends at %g; "
+                 "TFAMP_KEEP_FP32=%s keeps them float32 from the start.",
+                 skipped, "" if skipped == 1 else "s", ", ".join(moved), scale, keep)
+        return
+    log.info("tfamp: your training loop's dynamic loss scale skipped %d step%s "
+             "(float16 gradients overflowed: those updates were not applied) and ends "
+             "at %g; TFAMP_INITIAL_SCALE=<number> sets where it starts.",
+             skipped, "" if skipped == 1 else "s", scale)
