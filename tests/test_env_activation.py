@@ -305,6 +305,14 @@ OVERFLOWING_LAYER_LOOP = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     flavour, fallback, when = sys.argv[1], sys.argv[2], sys.argv[3]
+    mirrored = sys.argv[4:] == ["mirrored"]  # one machine, two replicas
+    if mirrored:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    else:
+        strategy = tf.distribute.get_strategy()
     if flavour == "tf_keras":
         import tf_keras as keras
     else:
@@ -317,29 +325,39 @@ OVERFLOWING_LAYER_LOOP = textwrap.dedent("""
     # scaled down after: float32 trains; its float16 forward pass is inf at any scale.
     # "later": from the 17th batch on (inputs 10x larger, weights 1e3).
     steps = 8 if when == "start" else 64
-    inputs = keras.Input((16,))
-    frozen = keras.layers.Dense(32, name="frozen", trainable=False)
-    hidden = keras.layers.Lambda(lambda t: t * 1e-5, name="shrink")(frozen(inputs))
-    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
-    weight = 1e4 if when == "start" else 1e3
-    frozen.set_weights([np.full((16, 32), weight, np.float32), np.zeros(32, np.float32)])
-    optimizer = keras.optimizers.SGD(0.01)
+    with strategy.scope():
+        inputs = keras.Input((16,))
+        frozen = keras.layers.Dense(32, name="frozen", trainable=False)
+        hidden = keras.layers.Lambda(lambda t: t * 1e-5, name="shrink")(frozen(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
+        weight = 1e4 if when == "start" else 1e3
+        frozen.set_weights([np.full((16, 32), weight, np.float32), np.zeros(32, np.float32)])
+        optimizer = keras.optimizers.SGD(0.01)
     rng = np.random.default_rng(0)
     x = rng.uniform(0.5, 1.0, size=(32 * steps, 16)).astype("float32")
     if when == "later":
         x[32 * 16:] *= 10.0
     y = rng.normal(size=(32 * steps, 1)).astype("float32")
 
-    @tf.function
-    def step(xb, yb):
+    def train(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    losses = [float(step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)]))
-              for i in range(steps)]
+    if mirrored:  # the step calls strategy.run on a distributed batch
+        @tf.function
+        def step(batch):
+            return strategy.reduce("MEAN", strategy.run(train, args=batch), axis=None)
+
+        data = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
+        losses = [float(step(batch)) for batch in data]
+    else:
+        step = tf.function(train)
+        losses = [float(step(x[32 * i:32 * (i + 1)], y[32 * i:32 * (i + 1)]))
+                  for i in range(steps)]
     from tfamp.runtime import startup
     print(json.dumps({"skipped": int(startup.process_scale_state().skipped_steps.numpy()),
                       "finite": all(math.isfinite(v) for v in losses),
@@ -366,26 +384,30 @@ def test_a_custom_loop_layer_that_overflows_float16_moves_to_float32(tmp_path, f
     [pattern] = got["keep_fp32"]
     assert "frozen" in pattern, pattern
     [line] = [s for s in result.stderr.splitlines() if "tfamp: float32 fallback on" in s]
-    assert "custom loop step 'step'" in line and "gave inf in float16" in line, line
+    assert "custom loop step 'train'" in line and "gave inf in float16" in line, line
     assert f"TFAMP_KEEP_FP32='{pattern}'" in line, line
 
 
-def test_a_custom_loop_layer_that_starts_overflowing_later_moves_too(tmp_path):
+@pytest.mark.parametrize("feed", ["batches", "mirrored"])
+def test_a_custom_loop_layer_that_starts_overflowing_later_moves_too(tmp_path, feed):
     """The watch: every 16 calls of the step the skipped-step counter is read; 16
     skipped in a row (here from the 17th batch on, the inputs 10x larger) make the
-    fallback look on that call's batch. The loop's last steps then train, finite,
-    where every step from the 17th was skipped (and printed NaN) before."""
+    fallback look on that call's batch, a distributed one included (each replica's
+    copy of the step checked). The loop's last steps then train, finite, where every
+    step from the 17th was skipped (and printed NaN) before."""
     script = tmp_path / "loop.py"
     script.write_text(OVERFLOWING_LAYER_LOOP)
-    off = last_json(run([str(script), "keras3", "off", "later"], tmp_path, TFAMP_ENABLE="1"))
-    assert off["skipped"] == 48 and not off["finite_at_end"], off
-    result = run([str(script), "keras3", "on", "later"], tmp_path, TFAMP_ENABLE="1")
+    if feed == "batches":
+        off = last_json(run([str(script), "keras3", "off", "later"], tmp_path,
+                            TFAMP_ENABLE="1"))
+        assert off["skipped"] == 48 and not off["finite_at_end"], off
+    result = run([str(script), "keras3", "on", "later", feed], tmp_path, TFAMP_ENABLE="1")
     got = last_json(result)
     # Calls 17-32 skipped; read at the 32nd, moved; 33-64 train.
     assert got["skipped"] == 16 and got["finite_at_end"], (got, result.stderr[-3000:])
     [pattern] = got["keep_fp32"]
     assert "frozen" in pattern, pattern
-    assert "tfamp: float32 fallback on custom loop step 'step'" in result.stderr
+    assert "tfamp: float32 fallback on custom loop step '" in result.stderr
     assert result.stderr.count("tfamp: start loss scale 2^") == 2, result.stderr[-3000:]
     assert "most of them before the float32 fallback kept" in result.stderr
 

@@ -160,7 +160,8 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
     # of the bare graph decides otherwise and may not overflow where the step does.
     rewritten, _ = rewritten_graph_def(concrete, config)
     body = build_view(rewritten).bodies[0]
-    flat_args = [a for a in tf.nest.flatten(args) if a is not None]
+    # (a distributed batch's values, a ragged tensor's parts: the trace's flat inputs)
+    flat_args = [a for a in tf.nest.flatten(args, expand_composites=True) if a is not None]
     first = _first_nonfinite(concrete, rewritten, body, flat_args, frozenset())
     if first is None:
         return None

@@ -544,9 +544,8 @@ def _custom_loop_fallback(active: _Activation, tf_function, args, kwargs) -> boo
     who = f"custom loop step {getattr(tf_function, '__name__', 'step')!r}"
     watch = active.loop_watch
     if not _locatable(args, kwargs):
-        watch.stop("its arguments are not all arrays or tensors on one device, which the "
-                   "search for the op needs (an iterator, a distributed batch, a Python "
-                   "value)", who)
+        watch.stop("its arguments are not all arrays or tensors, which the search for the "
+                   "op needs (an iterator, a Python value)", who)
         return False
     try:
         concrete = tf_function.get_concrete_function(*args, **kwargs)  # (traced: cached)
@@ -584,9 +583,10 @@ def _locatable(args, kwargs) -> bool:
     import numpy as np
     import tensorflow as tf
 
-    # (as the start-scale check's: the trace's inputs are exactly these leaves)
+    # The trace's inputs must be exactly these leaves (a distributed batch's are its
+    # replicas' tensors; a Python value would be a constant of the trace).
     return all(isinstance(leaf, (np.ndarray, tf.Tensor))
-               for leaf in tf.nest.flatten((args, kwargs)))
+               for leaf in tf.nest.flatten((args, kwargs), expand_composites=True))
 
 
 # A custom loop's watch reads the skipped-step counter once every CHECK_EVERY calls
