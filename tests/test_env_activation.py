@@ -305,7 +305,11 @@ OVERFLOWING_LAYER_LOOP = textwrap.dedent("""
     import numpy as np
     import tensorflow as tf
     flavour, fallback, when = sys.argv[1], sys.argv[2], sys.argv[3]
-    mirrored = sys.argv[4:] == ["mirrored"]  # one machine, two replicas
+    mirrored = "mirrored" in sys.argv[4:]  # one machine, two replicas
+    norm = "norm" in sys.argv[4:]  # a BatchNorm after the overflow
+    if fallback == "unrepaired":  # (the moving statistics left as the skips wrote them)
+        from tfamp.keras import overflow_locator
+        overflow_locator.reset_moving_statistics = lambda variables: ()
     if mirrored:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
@@ -329,6 +333,8 @@ OVERFLOWING_LAYER_LOOP = textwrap.dedent("""
         inputs = keras.Input((16,))
         frozen = keras.layers.Dense(32, name="frozen", trainable=False)
         hidden = keras.layers.Lambda(lambda t: t * 1e-5, name="shrink")(frozen(inputs))
+        if norm:
+            hidden = keras.layers.BatchNormalization(name="norm")(hidden)
         model = keras.Model(inputs, keras.layers.Dense(1, name="head")(hidden))
         weight = 1e4 if when == "start" else 1e3
         frozen.set_weights([np.full((16, 32), weight, np.float32), np.zeros(32, np.float32)])
@@ -362,6 +368,8 @@ OVERFLOWING_LAYER_LOOP = textwrap.dedent("""
     print(json.dumps({"skipped": int(startup.process_scale_state().skipped_steps.numpy()),
                       "finite": all(math.isfinite(v) for v in losses),
                       "finite_at_end": all(math.isfinite(v) for v in losses[-16:]),
+                      "inference_finite": bool(np.isfinite(
+                          model(x[:32], training=False).numpy()).all()),
                       "keep_fp32": list(startup._active.config.keep_fp32)}))
 """)
 
@@ -388,21 +396,28 @@ def test_a_custom_loop_layer_that_overflows_float16_moves_to_float32(tmp_path, f
     assert f"TFAMP_KEEP_FP32='{pattern}'" in line, line
 
 
-@pytest.mark.parametrize("feed", ["batches", "mirrored"])
+@pytest.mark.parametrize("feed", ["batches", "mirrored", "norm"])
 def test_a_custom_loop_layer_that_starts_overflowing_later_moves_too(tmp_path, feed):
     """The watch: every 16 calls of the step the skipped-step counter is read; 16
     skipped in a row (here from the 17th batch on, the inputs 10x larger) make the
     fallback look on that call's batch, a distributed one included (each replica's
     copy of the step checked). The loop's last steps then train, finite, where every
-    step from the 17th was skipped (and printed NaN) before."""
+    step from the 17th was skipped (and printed NaN) before. "norm": a BatchNorm after
+    the overflow, whose moving statistics the skipped steps' forward passes filled
+    with inf/nan; reset to 0 / 1, inference is finite again (NaN without)."""
     script = tmp_path / "loop.py"
     script.write_text(OVERFLOWING_LAYER_LOOP)
     if feed == "batches":
         off = last_json(run([str(script), "keras3", "off", "later"], tmp_path,
                             TFAMP_ENABLE="1"))
         assert off["skipped"] == 48 and not off["finite_at_end"], off
+    if feed == "norm":
+        unrepaired = last_json(run([str(script), "keras3", "unrepaired", "later", feed],
+                                   tmp_path, TFAMP_ENABLE="1"))
+        assert unrepaired["finite_at_end"] and not unrepaired["inference_finite"], unrepaired
     result = run([str(script), "keras3", "on", "later", feed], tmp_path, TFAMP_ENABLE="1")
     got = last_json(result)
+    assert got["inference_finite"], (got, result.stderr[-3000:])
     # Calls 17-32 skipped; read at the 32nd, moved; 33-64 train.
     assert got["skipped"] == 16 and got["finite_at_end"], (got, result.stderr[-3000:])
     [pattern] = got["keep_fp32"]

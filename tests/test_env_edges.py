@@ -503,3 +503,43 @@ def test_tf_keras_tensorboard_writes_the_train_graph(tmp_path):
     assert "ops -> float16 (MatMul" in result.stderr
     assert np.isfinite(out["loss"]).all()
     assert "MatMul" in out["ops"], out["ops"]
+
+
+def _watch_calls(skipped_at, calls):
+    """Drives a custom loop's watch: `skipped_at(i)` says whether call i (1-based)
+    skipped. Returns (the calls it read the counter after, the call it looked at)."""
+    from tfamp.runtime.startup import _LoopWatch
+
+    watch, skipped, reads = _LoopWatch(), 0, []
+    for i in range(1, calls + 1):
+        skipped += bool(skipped_at(i))
+        if watch.due():
+            reads.append(i)
+            if watch.observe(skipped):
+                return reads, i
+    return reads, None
+
+
+def test_a_custom_loops_watch_reads_rarely_and_looks_soon_after_skips_begin():
+    """Reads every 16 calls while steps apply (a host read waits for the device); once
+    a read finds skips, after every call, so an overflow that began mid-window is
+    looked at 4 skipped steps in a row later, not at the next full window (a helper's
+    real script lost 27 of 50 steps to the first rule, which needed 16 in a row)."""
+    from tfamp.keras import fallback
+    from tfamp.runtime.startup import CHECK_EVERY, LOOK_AFTER, _LoopWatch
+
+    reads, looked = _watch_calls(lambda i: False, 100)
+    assert reads == list(range(CHECK_EVERY, 101, CHECK_EVERY)) and looked is None
+    # Skipping from call 25 on: the read at 32 sees 8, then one read per call.
+    reads, looked = _watch_calls(lambda i: i >= 25, 100)
+    assert reads == [16, 32, 33, 34, 35, 36] and looked == 32 + LOOK_AFTER
+    # Skipping from call 17: the whole window skipped, looked at its read.
+    assert _watch_calls(lambda i: i >= 17, 100)[1] == 32
+    # Dynamic scaling's own single skips (one every 40 calls) never make it look, and
+    # the reads go back to every 16 calls after the one that followed a skip.
+    reads, looked = _watch_calls(lambda i: i % 40 == 0, 200)
+    assert looked is None and len(reads) <= 200 // CHECK_EVERY + 2 * (200 // 40), reads
+    # A look that finds nothing at loss scale 1 doubles the run it waits for.
+    watch = _LoopWatch()
+    watch.record(fallback.FallbackDecision(fallback.NOT_FOUND))
+    assert watch.look_after == 2 * LOOK_AFTER

@@ -910,10 +910,13 @@ def _checked_on_16bit(found: _Found, concrete, recorder: Recorder, batch, rewrit
     if not np.all(np.isfinite(maxes)):
         return dataclasses.replace(found, forward_overflow=True, checked=(
             f"the float16 step overflowed at {', '.join(powers)}: no loss scale helps "
-            f"there (an overflow in the forward pass: fit and train_on_batch then move "
-            f"its layer to float32; a custom loop keeps it float32 with keep_fp32 / "
-            f"TFAMP_KEEP_FP32, or runs in bfloat16)"))
+            f"there (an overflow in the forward pass: fit, train_on_batch and a custom "
+            f"loop under TFAMP_ENABLE then move its layer to float32; keep_fp32 / "
+            f"TFAMP_KEEP_FP32 keeps it float32 from the start, or run in bfloat16)"))
     sixteen = np.where(mask, maxes, 0.0)
+    if not mask.any():  # (every layer kept float32: a fallback's, or keep_fp32's)
+        return dataclasses.replace(found, checked=(
+            f"the step holds no backward value in float16 (checked at {powers[-1]})"))
     k = int(np.argmax(sixteen))
     overflowed = f"; it overflowed at {', '.join(powers[:-1])}" if len(tried) > 1 else ""
     lowered = (choose_scale(float(sixteen[k]), min_scale=min_scale, headroom_bits=headroom_bits)

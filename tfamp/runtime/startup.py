@@ -20,7 +20,11 @@ then patches, once:
   (a scalar or a per-example vector) is seeded with the loss scale, the
   gradients are unscaled in float32, and a step whose gradients are not
   finite on some replica is skipped on every replica (weights and slots
-  untouched) while the scale adapts once.
+  untouched) while the scale adapts once. A custom loop's step gets ``fit``'s
+  float32 fallback too: before its first run where the start scale's check
+  finds its float16 step inf at every scale, and later from a watch on its
+  skipped steps (``_custom_loop_watch``); what moves joins the process's
+  config (``_Activation.config``), which every rewritten function reads.
 
 Loss scaling happens exactly once: a loss a loss-scale optimizer's
 ``scale_loss`` returned is marked and the tape leaves it alone; the inner
@@ -539,6 +543,8 @@ def _custom_loop_fallback(active: _Activation, tf_function, args, kwargs) -> boo
     steps in a row: such an overflow skips every step (the scale halving to its
     floor) and the loop prints NaN losses where float32 trains.
     """
+    import dataclasses
+
     from tfamp.keras import fallback, overflow_locator
 
     who = f"custom loop step {getattr(tf_function, '__name__', 'step')!r}"
@@ -562,6 +568,9 @@ def _custom_loop_fallback(active: _Activation, tf_function, args, kwargs) -> boo
         with overflow_locator.step_locator(step, args, kwargs) as locate:
             decision = fallback.decide_with(locate, config,
                                             room=fallback.MAX_MOVED - len(watch.moved))
+        if decision.kind == fallback.MOVED:
+            decision = dataclasses.replace(decision, repaired=(
+                overflow_locator.reset_moving_statistics(locate.written)))
     except Exception as err:  # noqa: BLE001 (the loop runs as it would have; said here)
         watch.stop(f"looking for the op that overflows failed ({type(err).__name__}: "
                    f"{err})", who)
@@ -590,11 +599,12 @@ def _locatable(args, kwargs) -> bool:
 
 
 # A custom loop's watch reads the skipped-step counter once every CHECK_EVERY calls
-# of its step (a host read waits for the device: not every step), and looks for an
+# of its step (a host read waits for the device: not every step); once a read finds
+# skipped steps it reads after every call until one is applied, and it looks for an
 # op to move once LOOK_AFTER steps in a row were skipped (doubled after each look
 # that found nothing at loss scale 1: dynamic scaling's own skips are 1-2 in a row).
 CHECK_EVERY = 16
-LOOK_AFTER = 16
+LOOK_AFTER = 4
 
 
 class _LoopWatch:
@@ -603,12 +613,36 @@ class _LoopWatch:
     def __init__(self):
         self.steps: set[int] = set()  # ids of the tf.functions whose traces scaled a tape
         self.traces_seen = 0  # active.scaled_traces when last looked
-        self.calls = 0
+        self.since_read = 0  # calls of a step since the last read
+        self.every = CHECK_EVERY  # calls between reads now
         self.skipped = 0  # the counter at the last read
-        self.in_a_row = 0
+        self.in_a_row = 0  # steps known skipped in a row, up to the last read
         self.look_after = LOOK_AFTER
         self.moved: tuple[str, ...] = ()
         self.stopped = ""
+
+    def due(self) -> bool:
+        """After a call of a step: is it time to read the counter?"""
+        self.since_read += 1
+        return self.since_read >= self.every
+
+    def observe(self, skipped: int) -> bool:
+        """The counter read now: is it time to look for an op to move?
+
+        Every call since the last read skipped: they extend the run of skipped
+        steps. Some did: the run is not known to be unbroken, so it starts again,
+        and the next reads come after every call (the skipped steps show where an
+        overflow began, and each call read then tells one more step). None did:
+        back to a read every CHECK_EVERY calls.
+        """
+        calls, self.since_read = self.since_read, 0
+        rise, self.skipped = skipped - self.skipped, skipped
+        if rise >= calls:
+            self.in_a_row += rise
+        else:
+            self.in_a_row = 0
+        self.every = 1 if rise > 0 else CHECK_EVERY
+        return self.in_a_row >= self.look_after
 
     def record(self, decision) -> None:
         from tfamp.keras import fallback
@@ -631,24 +665,18 @@ class _LoopWatch:
 
 def _custom_loop_watch(active: _Activation, tf_function, args, kwargs) -> None:
     """After each eager call of a function ``TFAMP_ENABLE`` rewrote: where it is a
-    custom loop's step (its trace scaled a tape), every CHECK_EVERY calls, read the
-    skipped-step counter; where every step since the last read was skipped, and
-    LOOK_AFTER or more in a row, ``_custom_loop_fallback`` looks on this call's
-    batch and, where layers moved, the start scale is found again for the step
-    as it now runs (the skips halved it to its floor)."""
+    custom loop's step (its trace scaled a tape), read the skipped-step counter when
+    ``_LoopWatch`` says so; after LOOK_AFTER or more skipped steps in a row,
+    ``_custom_loop_fallback`` looks on this call's batch and, where layers moved,
+    the start scale is found again for the step as it now runs (the skips halved
+    it towards its floor)."""
     watch = active.loop_watch
     if active.scaled_traces != watch.traces_seen:  # (this call traced the step)
         watch.traces_seen = active.scaled_traces
         watch.steps.add(id(tf_function))
-    if watch.stopped or id(tf_function) not in watch.steps:
+    if watch.stopped or id(tf_function) not in watch.steps or not watch.due():
         return
-    watch.calls += 1
-    if watch.calls % CHECK_EVERY:
-        return
-    skipped = int(_scale_state(active).skipped_steps.numpy())
-    rise, watch.skipped = skipped - watch.skipped, skipped
-    watch.in_a_row = watch.in_a_row + rise if rise >= CHECK_EVERY else 0
-    if watch.in_a_row < watch.look_after:
+    if not watch.observe(int(_scale_state(active).skipped_steps.numpy())):
         return
     if _custom_loop_fallback(active, tf_function, args, kwargs):
         from tfamp.keras import start_scale
