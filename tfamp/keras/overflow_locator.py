@@ -159,7 +159,9 @@ def step_locator(step, args: tuple, kwargs: dict):
     (``step_scope.probe_mode``): every tape's float loss differentiated unscaled,
     every optimizer update skipped; the variables the trace still writes (a
     BatchNorm's statistics, a metric, a random generator's state) are restored
-    after each answer. Its arguments must be arrays or tensors (one device).
+    after each answer. Its arguments' leaves must be arrays or tensors (a
+    distributed batch's are its replicas' tensors; the step then calls
+    ``strategy.run`` itself, and every replica's copy is checked).
 
     Raises:
       NoLossDifferentiated: the step differentiated no float loss with a tape.
@@ -181,8 +183,8 @@ def step_locator(step, args: tuple, kwargs: dict):
         return [g for _, g in weights]
 
     concrete = plain_function(gradients).get_concrete_function(args, kwargs)
-    saved = [(c, c.numpy()) for v in assigned_variables(concrete)
-             for c in replicas.local_components(v)]
+    written = tuple({id(v): v for v in assigned_variables(concrete)}.values())
+    saved = [(c, c.numpy()) for v in written for c in replicas.local_components(v)]
 
     def restore():
         for component, value in saved:
@@ -196,8 +198,7 @@ def step_locator(step, args: tuple, kwargs: dict):
 
     # What the step writes besides its updates (a BatchNorm's moving statistics, ...):
     # skipped steps may have filled them with inf/nan (``reset_moving_statistics``).
-    locate.written = tuple(v for v, _ in {id(v): (v, 0) for v in
-                                          assigned_variables(concrete)}.values())
+    locate.written = written
     try:
         yield locate
     finally:
