@@ -396,7 +396,7 @@ def test_a_custom_loop_layer_that_overflows_float16_moves_to_float32(tmp_path, f
     assert f"TFAMP_KEEP_FP32='{pattern}'" in line, line
 
 
-@pytest.mark.parametrize("feed", ["batches", "mirrored", "norm"])
+@pytest.mark.parametrize("feed", ["batches", "mirrored", "norm", "fixed"])
 def test_a_custom_loop_layer_that_starts_overflowing_later_moves_too(tmp_path, feed):
     """The watch: every 16 calls of the step the skipped-step counter is read; 16
     skipped in a row (here from the 17th batch on, the inputs 10x larger) make the
@@ -404,7 +404,8 @@ def test_a_custom_loop_layer_that_starts_overflowing_later_moves_too(tmp_path, f
     copy of the step checked). The loop's last steps then train, finite, where every
     step from the 17th was skipped (and printed NaN) before. "norm": a BatchNorm after
     the overflow, whose moving statistics the skipped steps' forward passes filled
-    with inf/nan; reset to 0 / 1, inference is finite again (NaN without)."""
+    with inf/nan; reset to 0 / 1, inference is finite again (NaN without). "fixed": a
+    fixed loss scale moves alike and keeps its value (no start scale sought again)."""
     script = tmp_path / "loop.py"
     script.write_text(OVERFLOWING_LAYER_LOOP)
     if feed == "batches":
@@ -415,15 +416,22 @@ def test_a_custom_loop_layer_that_starts_overflowing_later_moves_too(tmp_path, f
         unrepaired = last_json(run([str(script), "keras3", "unrepaired", "later", feed],
                                    tmp_path, TFAMP_ENABLE="1"))
         assert unrepaired["finite_at_end"] and not unrepaired["inference_finite"], unrepaired
-    result = run([str(script), "keras3", "on", "later", feed], tmp_path, TFAMP_ENABLE="1")
+    env = {"TFAMP_LOSS_SCALE": "1024"} if feed == "fixed" else {}
+    result = run([str(script), "keras3", "on", "later", feed], tmp_path, TFAMP_ENABLE="1",
+                 **env)
     got = last_json(result)
     assert got["inference_finite"], (got, result.stderr[-3000:])
+    if feed == "fixed":
+        assert "fixed loss scale skipped 16 steps" in result.stderr, result.stderr[-3000:]
+        assert "and ends at 1024;" in result.stderr
+        assert "tfamp: start loss scale" not in result.stderr
     # Calls 17-32 skipped; read at the 32nd, moved; 33-64 train.
     assert got["skipped"] == 16 and got["finite_at_end"], (got, result.stderr[-3000:])
     [pattern] = got["keep_fp32"]
     assert "frozen" in pattern, pattern
     assert "tfamp: float32 fallback on custom loop step '" in result.stderr
-    assert result.stderr.count("tfamp: start loss scale 2^") == 2, result.stderr[-3000:]
+    assert result.stderr.count("tfamp: start loss scale 2^") == (feed != "fixed") * 2, \
+        result.stderr[-3000:]
     assert "most of them before the float32 fallback kept" in result.stderr
 
 

@@ -152,7 +152,7 @@ def _patch_tf_function(active: _Activation) -> None:
                   if settings.loss_scale == "dynamic" and settings.initial_scale == "auto"
                   else None)
     watch = (functools.partial(_custom_loop_watch, active)
-             if settings.loss_scale == "dynamic" else None)
+             if settings.loss_scale is not None else None)  # (dynamic or fixed)
 
     @functools.wraps(original)
     def function(func=None, **kwargs):
@@ -667,9 +667,10 @@ def _custom_loop_watch(active: _Activation, tf_function, args, kwargs) -> None:
     """After each eager call of a function ``TFAMP_ENABLE`` rewrote: where it is a
     custom loop's step (its trace scaled a tape), read the skipped-step counter when
     ``_LoopWatch`` says so; after LOOK_AFTER or more skipped steps in a row,
-    ``_custom_loop_fallback`` looks on this call's batch and, where layers moved,
-    the start scale is found again for the step as it now runs (the skips halved
-    it towards its floor)."""
+    ``_custom_loop_fallback`` looks on this call's batch and, where layers moved
+    and the scale is dynamic from an automatic start, the start scale is found
+    again for the step as it now runs (the skips halved it towards its floor; a
+    fixed scale, or a start the user set, is left as it is)."""
     watch = active.loop_watch
     if active.scaled_traces != watch.traces_seen:  # (this call traced the step)
         watch.traces_seen = active.scaled_traces
@@ -678,7 +679,9 @@ def _custom_loop_watch(active: _Activation, tf_function, args, kwargs) -> None:
         return
     if not watch.observe(int(_scale_state(active).skipped_steps.numpy())):
         return
-    if _custom_loop_fallback(active, tf_function, args, kwargs):
+    settings = active.settings
+    if (_custom_loop_fallback(active, tf_function, args, kwargs)
+            and settings.loss_scale == "dynamic" and settings.initial_scale == "auto"):
         from tfamp.keras import start_scale
 
         try:
@@ -964,18 +967,20 @@ def _tell_custom_loop_skips(active: _Activation) -> None:
         return
     if not skipped:
         return
+    kind = "dynamic" if active.settings.loss_scale == "dynamic" else "fixed"
     moved = active.loop_watch.moved
     if moved:  # (most of those skips were the overflow the fallback then moved)
         from tfamp.numerics.nonfinite import shell_quoted
 
         keep = shell_quoted(",".join(active.config.keep_fp32))
-        log.info("tfamp: your training loop's dynamic loss scale skipped %d step%s (float16 "
+        log.info("tfamp: your training loop's %s loss scale skipped %d step%s (float16 "
                  "values overflowed: those updates were not applied, most of them before "
                  "the float32 fallback kept %s float32) and ends at %g; "
                  "TFAMP_KEEP_FP32=%s keeps them float32 from the start.",
-                 skipped, "" if skipped == 1 else "s", ", ".join(moved), scale, keep)
+                 kind, skipped, "" if skipped == 1 else "s", ", ".join(moved), scale, keep)
         return
-    log.info("tfamp: your training loop's dynamic loss scale skipped %d step%s "
+    log.info("tfamp: your training loop's %s loss scale skipped %d step%s "
              "(float16 gradients overflowed: those updates were not applied) and ends "
-             "at %g; TFAMP_INITIAL_SCALE=<number> sets where it starts.",
-             skipped, "" if skipped == 1 else "s", scale)
+             "at %g; %s.", kind, skipped, "" if skipped == 1 else "s", scale,
+             "TFAMP_INITIAL_SCALE=<number> sets where it starts" if kind == "dynamic"
+             else "TFAMP_LOSS_SCALE=dynamic adapts it")
