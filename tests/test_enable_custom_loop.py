@@ -334,3 +334,30 @@ def test_a_gans_generator_loss_through_the_discriminator_is_scaled(flavour):
     cosine = update @ reference / (np.linalg.norm(update) * np.linalg.norm(reference) + 1e-30)
     assert cosine > 0.99, cosine
     assert 0.9 < np.linalg.norm(update) / np.linalg.norm(reference) < 1.1
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_loop_whose_steps_are_skipped_hears_it_at_exit(flavour, caplog):
+    """An enabled model's custom loop has no History and no per-call hook: every step
+    skipped (a forward overflow, here inputs of 1e6) printed NaN losses and tfamp said
+    nothing. At exit (``tell_skips``, registered when the loop first scaled) one line
+    counts the skips and, at the floor, names the fix."""
+    from tfamp.keras import custom_loop
+
+    model, used = make_model(flavour, optimizer="sgd")
+    tfamp.enable(model, verbose=False)
+    step = make_step(model, used, flavour)
+    x, y = data()
+    step(x, y)  # a good step: nothing to say about it
+    loop = model._tfamp_state.loop
+    with caplog.at_level("INFO", logger="tfamp"):
+        custom_loop.tell_skips(lambda: loop)
+    assert "skipped" not in caplog.text
+    bad = x.copy()
+    bad[:, 0] = 1e6
+    for _ in range(16):  # 2^15 halves to its floor, 1, and stays there
+        step(bad, y)
+    with caplog.at_level("INFO", logger="tfamp"):
+        custom_loop.tell_skips(lambda: loop)
+    assert "its loss scale skipped 16 steps" in caplog.text, caplog.text
+    assert "ends at 1. It ends at its floor" in caplog.text and "keep_fp32" in caplog.text

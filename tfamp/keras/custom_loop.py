@@ -24,6 +24,7 @@ GradientTape.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import types
@@ -63,6 +64,7 @@ class ModelLoop:
         self.warned_eager = False
         self.warned_control_flow = False
         self.noted_start_scale = False
+        self.skipped_before = None  # the owner's skipped steps when a loop first scaled
 
     def note_start_scale(self) -> None:
         """Once per model, where the user's own step scales its loss: says that the
@@ -72,6 +74,7 @@ class ModelLoop:
         if self.noted_start_scale:
             return
         self.noted_start_scale = True
+        self._tell_skips_at_exit()
         model = self.model_ref()
         state = getattr(model, "_tfamp_state", None) if model is not None else None
         if (state is None or not state.settings.auto_start or state.start_scale is not None
@@ -91,6 +94,16 @@ class ModelLoop:
                  "before the loop, or pass initial_scale=<number> to tfamp.enable.",
                  model.name, start)
 
+    def _tell_skips_at_exit(self) -> None:
+        """A custom loop has no History: at exit, one line if its steps were skipped
+        (``tell_skips``), counted from now (``fit`` may share the scale)."""
+        owner = self.scale_owner()
+        if owner is None:
+            return
+        with tf.init_scope():
+            self.skipped_before = int(owner.skipped_steps.numpy())
+        atexit.register(tell_skips, weakref.ref(self))
+
     def forward(self) -> RewrittenFunction:
         """The rewritten call (made again when the model's config changed)."""
         config = self._config_of()
@@ -104,6 +117,36 @@ class ModelLoop:
             self._forward = RewrittenFunction(call, config, check=self._check)
             self._forward_config = config
         return self._forward
+
+
+def tell_skips(loop_ref) -> None:
+    """At exit: how many steps an enabled model's custom loop skipped, and, where its
+    scale ended at its floor (every step overflowing whatever the scale: a layer that
+    overflows float16, which ``fit`` and ``TFAMP_ENABLE`` move by themselves), the fix.
+    Without it a loop that printed NaN losses heard nothing from tfamp."""
+    loop = loop_ref()
+    model = loop.model_ref() if loop is not None else None
+    owner = loop.scale_owner() if model is not None else None
+    if owner is None or loop.skipped_before is None:
+        return
+    try:
+        skipped = int(owner.skipped_steps.numpy()) - loop.skipped_before
+        scale = float(owner.scale_tensor().numpy())
+    except Exception:  # noqa: BLE001 (interpreter shutdown: nothing to say)
+        return
+    if skipped <= 0:
+        return
+    fix = ""
+    if scale <= owner.min_scale:
+        fix = (" It ends at its floor, where a step overflows whatever the scale: most "
+               "likely a layer computing in float16 overflows (values past 65504). Keep "
+               "it float32 with tfamp.enable(model, config=tfamp.AmpConfig(keep_fp32="
+               "[<layer scope>])) (running the script with TFAMP_ENABLE=1 finds and "
+               "moves it by itself and names it), or use dtype='bfloat16'.")
+    (log.warning if fix else log.info)(
+        "tfamp: model %r in your own training step: its loss scale skipped %d step%s "
+        "(float16 values overflowed: those updates were not applied) and ends at %g.%s",
+        model.name, skipped, "" if skipped == 1 else "s", scale, fix)
 
 
 def run_call(loop: ModelLoop, model, args, kwargs):
