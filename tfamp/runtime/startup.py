@@ -50,6 +50,7 @@ import os
 import re
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 from tfamp.env import EnvError, EnvSettings, settings_from_env
@@ -87,8 +88,9 @@ class _Activation:
         # whether its start scale was looked for (_custom_loop_start_scale).
         self.custom_loop_scaled = False
         self.start_scale_sought = False
-        # Traces that scaled a tape so far, and the custom loop's fallback watch.
-        self.scaled_traces = 0
+        # The outermost graphs of the traces that scaled a tape (a custom loop's steps),
+        # and the custom loop's fallback watch.
+        self.scaled_graphs = weakref.WeakSet()
         self.loop_watch = _LoopWatch()
 
 
@@ -428,7 +430,7 @@ def _patch_custom_loops(active: _Activation) -> None:
         scale = _scale_state(active).current_loss_scale
         if not tf.executing_eagerly():
             active.custom_loop_scaled = True
-            active.scaled_traces += 1
+            active.scaled_graphs.add(_outermost_graph())
         grads = original_gradient(self, target, sources, seed(target, scale), **kwargs)
         step_scope.push_process_scaled()
         return tf.nest.map_structure(lambda g: unscale(g, scale), grads)
@@ -612,7 +614,7 @@ class _LoopWatch:
 
     def __init__(self):
         self.steps: set[int] = set()  # ids of the tf.functions whose traces scaled a tape
-        self.traces_seen = 0  # active.scaled_traces when last looked
+        self.others: set[int] = set()  # ids of those whose traces did not
         self.since_read = 0  # calls of a step since the last read
         self.every = CHECK_EVERY  # calls between reads now
         self.skipped = 0  # the counter at the last read
@@ -663,19 +665,44 @@ class _LoopWatch:
                     "TFAMP_KEEP_FP32=<layer scope> keeps a layer float32.", who, why)
 
 
+def _outermost_graph():
+    import tensorflow as tf
+
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(getattr(graph, "outer_graph", None), "building_function", False):
+        graph = graph.outer_graph
+    return graph
+
+
+def _is_step(active: _Activation, tf_function, args, kwargs) -> bool:
+    """Is `tf_function` a custom loop's step (its trace for these arguments scaled a
+    tape with the process scale)? Asked once per function, after a tape was scaled."""
+    if not active.scaled_graphs:
+        return False  # (asked again after the first scaled trace)
+    watch = active.loop_watch
+    try:
+        graph = tf_function.get_concrete_function(*args, **kwargs).graph  # (cached)
+    except Exception:  # noqa: BLE001 (not known: not watched)
+        graph = None
+    step = graph is not None and graph in active.scaled_graphs
+    (watch.steps if step else watch.others).add(id(tf_function))
+    return step
+
+
 def _custom_loop_watch(active: _Activation, tf_function, args, kwargs) -> None:
     """After each eager call of a function ``TFAMP_ENABLE`` rewrote: where it is a
-    custom loop's step (its trace scaled a tape), read the skipped-step counter when
+    custom loop's step (``_is_step``), read the skipped-step counter when
     ``_LoopWatch`` says so; after LOOK_AFTER or more skipped steps in a row,
     ``_custom_loop_fallback`` looks on this call's batch and, where layers moved
     and the scale is dynamic from an automatic start, the start scale is found
     again for the step as it now runs (the skips halved it towards its floor; a
     fixed scale, or a start the user set, is left as it is)."""
     watch = active.loop_watch
-    if active.scaled_traces != watch.traces_seen:  # (this call traced the step)
-        watch.traces_seen = active.scaled_traces
-        watch.steps.add(id(tf_function))
-    if watch.stopped or id(tf_function) not in watch.steps or not watch.due():
+    key = id(tf_function)
+    if key not in watch.steps and (key in watch.others or not _is_step(active, tf_function,
+                                                                       args, kwargs)):
+        return
+    if watch.stopped or not watch.due():
         return
     if not watch.observe(int(_scale_state(active).skipped_steps.numpy())):
         return
