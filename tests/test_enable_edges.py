@@ -389,3 +389,27 @@ def test_a_sequential_model_without_an_input_shape_trains():
     model, got = run(True)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-2)
     assert got["skipped_steps"] == [0] and model._tfamp_state.start_scale  # probed
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tf_keras_progress_bar_shows_the_scale_and_skips_of_each_step(enabled):
+    """tf_keras's progress bar averaged tfamp's per-step logs over the epoch (after one
+    skipped step: ``loss_scale: 21845.3333 - skipped_steps: 0.6667``; a helper's
+    simple_audio run). For an enabled model they are shown as they are; a float32
+    model's progress bar is left alone."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    if enabled:
+        tfamp.enable(model, verbose=False)
+    logger = keras.callbacks.ProgbarLogger(count_mode="steps")
+    logger.set_model(model)
+    logger.set_params({"verbose": 1, "epochs": 1, "steps": 3})
+    logger._maybe_init_progbar()
+    kept = {"loss_scale", "skipped_steps"} <= set(logger.progbar.stateful_metrics)
+    assert kept == enabled, logger.progbar.stateful_metrics
+    # What the bar prints after three steps, one of them skipped:
+    for step, (scale, skipped) in enumerate([(32768.0, 0), (16384.0, 1), (16384.0, 1)]):
+        logger.progbar.update(step + 1, [("loss_scale", scale), ("skipped_steps", skipped)])
+    value = logger.progbar._values["skipped_steps"]
+    shown = value[0] / max(1, value[1]) if isinstance(value, list) else value
+    assert (shown == 1) == enabled, shown

@@ -671,3 +671,20 @@ def test_saved_model_flop_share_counts_library_functions(
     assert "estimated float memory traffic per step: " in out
     assert "per step: unknown" not in out
     assert ("of float32's for large sizes" not in out) == traffic_known
+
+
+def test_a_function_without_floating_point_ops_says_so_and_logs_quietly(caplog):
+    """A function of integers and strings (TextVectorization's adapt step, which
+    TFAMP_ENABLE rewrites as any tf.function) was told "float16 is not worth it here:
+    nothing was converted ... see the reasons ops stayed float32" with 0 ops kept
+    float32 (a helper's word2vec run). It now says there is no float math, and its
+    line is a debug one."""
+    _, _, report, _ = rewritten(lambda x: tf.strings.length(tf.strings.as_string(x * 2)),
+                                tf.TensorSpec([None], tf.int32))
+    assert not report.converted and not report.kept_fp32
+    assert "no op computes a floating-point value" in report.verdict.line, report.verdict.line
+    with caplog.at_level("DEBUG", logger="tfamp"):
+        step = tfamp.function(lambda x: tf.strings.length(tf.strings.as_string(x * 2)))
+        step(tf.constant([1, 2]))
+    [record] = [r for r in caplog.records if "no op computes" in r.getMessage()]
+    assert record.levelname == "DEBUG"

@@ -122,6 +122,37 @@ class KerasFlavour:
         """tf_keras sums the logs of the replicas (so tfamp reads its values once)."""
         return not self.is_keras3
 
+    def show_logs_per_step(self, names: tuple[str, ...]) -> None:
+        """Makes fit's progress bar show the logs `names` as each step's own values.
+
+        tf_keras's ``Progbar`` shows a log that is not one of the model's metrics as
+        its running mean over the epoch: after one skipped step tfamp's logs read
+        ``loss_scale: 21845.3333 - skipped_steps: 0.6667`` (History had them right;
+        a helper's simple_audio run, session 44). Its ``ProgbarLogger`` keeps the
+        names it shows as they are in ``stateful_metrics``; for an enabled model
+        `names` join them (one patch of the class, once). Keras 3 shows them as
+        they are already.
+        """
+        if self.is_keras3:
+            return
+        _PROGBAR_NAMES.update(names)
+        from tf_keras.src import callbacks
+
+        logger = callbacks.ProgbarLogger
+        if getattr(logger, "_tfamp_names_kept", False):
+            return
+        original = logger._maybe_init_progbar
+
+        @functools.wraps(original)
+        def _maybe_init_progbar(self):
+            original(self)
+            if getattr(getattr(self, "model", None), "_tfamp_state", None) is not None:
+                self.stateful_metrics = set(self.stateful_metrics) | _PROGBAR_NAMES
+                self.progbar._update_stateful_metrics(self.stateful_metrics)
+
+        logger._maybe_init_progbar = _maybe_init_progbar
+        logger._tfamp_names_kept = True
+
     def flatten_logs(self, model, logs: dict):
         """`logs` as ``train_on_batch(return_dict=False)`` returns them: values in
         the model's metric order, a single one as itself."""
@@ -415,6 +446,9 @@ class _TfWithRewrittenStep:
 
 
 _build_lock = threading.Lock()
+# The logs tf_keras's progress bar shows per step for an enabled model
+# (``KerasFlavour.show_logs_per_step``).
+_PROGBAR_NAMES: set[str] = set()
 
 
 def _make_keras3_function(model, maker, attr: str, force: bool, rewrite):

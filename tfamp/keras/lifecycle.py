@@ -163,6 +163,7 @@ class ModelPrecision:
             previous.disable()
         object.__setattr__(model, "_tfamp_state", self)
         self._install_hooks()
+        self.flavour.show_logs_per_step(LOG_KEYS)
         if getattr(model, "optimizer", None) is not None:
             model.optimizer = self._wrapped_optimizer()
         self._reset_functions()

@@ -78,6 +78,7 @@ class VerdictInputs:
     cost_share: float | None = None
     cost_share_typical: float | None = None
     runtime: str = ""
+    kept_float32: int | None = None      # ops left float32, for any reason
 
     @classmethod
     def from_report(cls, report) -> VerdictInputs:
@@ -107,7 +108,8 @@ class VerdictInputs:
             top_kept=kept[0] if kept else None,
             cost_share=estimate.get("share"),
             cost_share_typical=estimate.get("share_typical"),
-            runtime=getattr(report, "runtime", ""))
+            runtime=getattr(report, "runtime", ""),
+            kept_float32=sum(report.kept_fp32.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,10 @@ def verdict_of(report) -> Verdict:
 
 def judge(i: VerdictInputs) -> Verdict:
     """The verdict for `i` (see the module docstring for the rules)."""
+    if i.converted == 0 and i.kept_float32 == 0:
+        # (a tf.data-like step of integers and strings: TextVectorization's adapt_step)
+        return Verdict(NO, None, i.flop_share, (), (
+            f"{i.dtype} has nothing to do here: no op computes a floating-point value"))
     if i.converted == 0 or i.matrix_converted == 0:
         what = "nothing was converted" if i.converted == 0 else (
             "no matrix/convolution op was converted")

@@ -154,6 +154,8 @@ def _built(concrete: Any, new_graph_def: graph_pb2.GraphDef, report: RewriteRepo
     line = report.summary_line()
     if logged is not None and line in logged:
         log.debug("%s (traced again, rewritten alike)", line)
+    elif not report.converted and not report.kept_fp32:
+        log.debug("%s", line)  # (no floating-point op: nothing for the user to read)
     else:
         log.info("%s", line)
         if logged is not None:
