@@ -600,11 +600,14 @@ def _locatable(args, kwargs) -> bool:
                for leaf in tf.nest.flatten((args, kwargs), expand_composites=True))
 
 
-# A custom loop's watch reads the skipped-step counter once every CHECK_EVERY calls
-# of its step (a host read waits for the device: not every step); once a read finds
-# skipped steps it reads after every call until one is applied, and it looks for an
-# op to move once LOOK_AFTER steps in a row were skipped (doubled after each look
-# that found nothing at loss scale 1: dynamic scaling's own skips are 1-2 in a row).
+# A custom loop's watch reads the skipped-step counter after the 2nd call of its
+# step, then after twice as many calls each time up to one read every CHECK_EVERY
+# calls (a host read waits for the device: not every step; the first reads see an
+# overflow from the first step early); once a read finds skipped steps it reads
+# after every call until one is applied, and it looks for an op to move once
+# LOOK_AFTER steps in a row were skipped (doubled after each look that found
+# nothing at loss scale 1: dynamic scaling's own skips are 1-2 in a row).
+FIRST_READ = 2
 CHECK_EVERY = 16
 LOOK_AFTER = 4
 
@@ -616,7 +619,7 @@ class _LoopWatch:
         self.steps: set[int] = set()  # ids of the tf.functions whose traces scaled a tape
         self.others: set[int] = set()  # ids of those whose traces did not
         self.since_read = 0  # calls of a step since the last read
-        self.every = CHECK_EVERY  # calls between reads now
+        self.every = FIRST_READ  # calls between reads now
         self.skipped = 0  # the counter at the last read
         self.in_a_row = 0  # steps known skipped in a row, up to the last read
         self.look_after = LOOK_AFTER
@@ -632,18 +635,19 @@ class _LoopWatch:
         """The counter read now: is it time to look for an op to move?
 
         Every call since the last read skipped: they extend the run of skipped
-        steps. Some did: the run is not known to be unbroken, so it starts again,
-        and the next reads come after every call (the skipped steps show where an
-        overflow began, and each call read then tells one more step). None did:
-        back to a read every CHECK_EVERY calls.
+        steps. Some did: they are counted as if they ended the window (an overflow
+        that began in it; a look costs one probe, and one that finds nothing
+        doubles the wait), and the next reads come after every call, each telling
+        one more step. None did: the run is over, and twice as many calls to the
+        next read, up to CHECK_EVERY.
         """
         calls, self.since_read = self.since_read, 0
         rise, self.skipped = skipped - self.skipped, skipped
         if rise >= calls:
             self.in_a_row += rise
         else:
-            self.in_a_row = 0
-        self.every = 1 if rise > 0 else CHECK_EVERY
+            self.in_a_row = rise
+        self.every = 1 if rise > 0 else min(CHECK_EVERY, max(FIRST_READ, 2 * self.every))
         return self.in_a_row >= self.look_after
 
     def record(self, decision) -> None:
