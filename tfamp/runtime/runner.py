@@ -450,7 +450,7 @@ class RewrittenFunction(polymorphic_function.Function):
                  before_new_trace_runs: Callable[[Any, Any, tuple, dict], None] | None = None,
                  float32_when_saving: bool = False,
                  config_of: Callable[[], AmpConfig] | None = None,
-                 after_eager_call: Callable[[Any, tuple, dict], None] | None = None,
+                 after_eager_call: Callable[[Any, tuple, dict, Any], None] | None = None,
                  **tf_function_kwargs):
         if not callable(fn):
             raise TypeError(
@@ -482,8 +482,8 @@ class RewrittenFunction(polymorphic_function.Function):
         # start-scale probe: tfamp.runtime.startup); ids of those that ran
         self._before_new_trace_runs = before_new_trace_runs
         self._ran: set[int] = set()
-        # (tf.function, args, kwargs) -> None, after each call made eagerly (a custom
-        # loop's float32 fallback watching its skipped steps: tfamp.runtime.startup)
+        # (tf.function, args, kwargs, outputs) -> None, after each call made eagerly (a
+        # custom loop's float32 fallback watching its skipped steps: runtime.startup)
         self._after_eager_call = after_eager_call
         # Under TFAMP_ENABLE every tf.function is one of these, those Keras traces to
         # save a model too (SavedModel, and TFLite's converter, which saves one
@@ -683,7 +683,7 @@ class RewrittenFunction(polymorphic_function.Function):
         if self._after_call is not None:
             self._after_call(outputs)
         if self._after_eager_call is not None and tf.executing_eagerly():
-            self._after_eager_call(self._tf_function, args, kwargs)
+            self._after_eager_call(self._tf_function, args, kwargs, outputs)
         return outputs
 
     def _before_first_run(self, concrete, args, kwargs) -> None:

@@ -693,11 +693,28 @@ def _is_step(active: _Activation, tf_function, args, kwargs) -> bool:
     return step
 
 
-def _custom_loop_watch(active: _Activation, tf_function, args, kwargs) -> None:
+def _forward_overflowed(state, outputs) -> bool:
+    """After skipped steps in a row: is this a forward pass's overflow, which no loss
+    scale fixes, rather than dynamic scaling halving from too high a start (a step
+    that reads an iterator starts at 2^15 and may skip several)? Yes where a float
+    value the step returned (its loss, usually) is inf/nan, or where the scale is at
+    its floor, as ``fit``'s fallback asks (its logs' inf/nan, or the floor)."""
+    import numpy as np
+    import tensorflow as tf
+
+    for value in tf.nest.flatten(outputs, expand_composites=True):
+        if (isinstance(value, tf.Tensor) and value.dtype.is_floating
+                and not np.all(np.isfinite(value.numpy()))):
+            return True
+    return float(state.current_loss_scale.numpy()) <= state.min_scale
+
+
+def _custom_loop_watch(active: _Activation, tf_function, args, kwargs, outputs) -> None:
     """After each eager call of a function ``TFAMP_ENABLE`` rewrote: where it is a
     custom loop's step (``_is_step``), read the skipped-step counter when
-    ``_LoopWatch`` says so; after LOOK_AFTER or more skipped steps in a row,
-    ``_custom_loop_fallback`` looks on this call's batch and, where layers moved
+    ``_LoopWatch`` says so; after LOOK_AFTER or more skipped steps in a row, where
+    a forward pass overflowed (``_forward_overflowed``), ``_custom_loop_fallback``
+    looks on this call's batch and, where layers moved
     and the scale is dynamic from an automatic start, the start scale is found
     again for the step as it now runs (the skips halved it towards its floor; a
     fixed scale, or a start the user set, is left as it is)."""
@@ -708,7 +725,11 @@ def _custom_loop_watch(active: _Activation, tf_function, args, kwargs) -> None:
         return
     if watch.stopped or not watch.due():
         return
-    if not watch.observe(int(_scale_state(active).skipped_steps.numpy())):
+    state = _scale_state(active)
+    if not watch.observe(int(state.skipped_steps.numpy())):
+        return
+    if not _forward_overflowed(state, outputs):
+        watch.in_a_row = 0  # (gradients that overflow at this scale: the scale's to fix)
         return
     settings = active.settings
     if (_custom_loop_fallback(active, tf_function, args, kwargs)
