@@ -714,10 +714,10 @@ def _custom_loop_watch(active: _Activation, tf_function, args, kwargs, outputs) 
     custom loop's step (``_is_step``), read the skipped-step counter when
     ``_LoopWatch`` says so; after LOOK_AFTER or more skipped steps in a row, where
     a forward pass overflowed (``_forward_overflowed``), ``_custom_loop_fallback``
-    looks on this call's batch and, where layers moved
-    and the scale is dynamic from an automatic start, the start scale is found
-    again for the step as it now runs (the skips halved it towards its floor; a
-    fixed scale, or a start the user set, is left as it is)."""
+    looks on this call's batch. Where layers moved and the scale is dynamic from an
+    automatic start, the start scale is found again for the step as it now runs
+    (the skips halved it towards its floor; a fixed scale, or a start the user set,
+    keeps its value)."""
     watch = active.loop_watch
     key = id(tf_function)
     if key not in watch.steps and (key in watch.others or not _is_step(active, tf_function,
