@@ -68,7 +68,10 @@ so one record, and each re-applies its own lines only (a line without a name,
 as older records hold, is every model's).
 
 This module decides and says; the lifecycle (``lifecycle.py``) asks it after
-each train call and applies what it decides.
+each train call and applies what it decides. A custom loop's step under
+``TFAMP_ENABLE`` is asked about by the start-up hook (``tfamp.runtime.startup``:
+before its first run, and from a watch on its skipped steps), with ``decide_with``
+on ``overflow_locator.step_locator``.
 """
 
 from __future__ import annotations
