@@ -308,8 +308,8 @@ OVERFLOWING_LAYER_LOOP = textwrap.dedent("""
     mirrored = "mirrored" in sys.argv[4:]  # one machine, two replicas
     norm = "norm" in sys.argv[4:]  # a BatchNorm after the overflow
     if fallback == "unrepaired":  # (the moving statistics left as the skips wrote them)
-        from tfamp.keras import overflow_locator
-        overflow_locator.reset_moving_statistics = lambda variables: ()
+        from tfamp.keras import fallback
+        fallback.reset_moving_statistics = lambda variables: ()
     if mirrored:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(

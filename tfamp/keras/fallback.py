@@ -422,6 +422,40 @@ def repair_state(model) -> tuple[tuple[str, ...], object]:
     return tuple(repaired), undo
 
 
+# A Keras BatchNormalization's moving statistics and their default initial values
+# (both Kerases: ``moving_mean_initializer="zeros"``, ``moving_variance_initializer="ones"``).
+_MOVING_STATISTICS = (("moving_mean", 0.0), ("moving_variance", 1.0))
+
+
+def reset_moving_statistics(variables) -> tuple[str, ...]:
+    """Resets the inf/nan entries of BatchNorm moving statistics among `variables` to
+    the layer's default initial values (0 for the mean, 1 for the variance).
+
+    A custom loop's skipped steps still ran their forward pass, whose BatchNorm
+    updates wrote a float16 overflow's inf/nan into these: once there, every later
+    inference (``training=False``) is NaN. ``fit``'s fallback resets them from the
+    layer's own initializers (``repair_state``); a custom loop's step has no
+    model to read them from, so the variable's name decides.
+
+    Returns:
+      ("name: entries", ...) of what was reset.
+    """
+    repaired = []
+    for variable in variables:
+        name = getattr(variable, "path", None) or variable.name
+        base = name.split(":")[0].rsplit("/", 1)[-1]
+        start = dict(_MOVING_STATISTICS).get(base)
+        if start is None or not variable.dtype.is_floating:
+            continue
+        for component in replicas.local_components(variable):
+            value = np.asarray(component.numpy())
+            bad = ~np.isfinite(value)
+            if bad.any():
+                component.assign(np.where(bad, np.asarray(start, value.dtype), value))
+                repaired.append(f"{name}: {int(bad.sum())}")
+    return tuple(repaired)
+
+
 # -- one decision for every worker ------------------------------------------------------
 
 def encode_decision(decision: FallbackDecision) -> np.ndarray:

@@ -674,8 +674,8 @@ class RewrittenFunction(polymorphic_function.Function):
             if outputs is _NOT_TRACED:
                 concrete = self.get_concrete_function(*args, **kwargs)
                 config = self.config
-                self._before_first_run(concrete, args, kwargs)
-                if self.config is not config:  # (the hook moved layers to float32)
+                if (self._before_first_run(concrete, args, kwargs)
+                        and self.config is not config):  # (the hook moved layers to float32)
                     concrete = self.get_concrete_function(*args, **kwargs)
                 outputs = concrete(*args, **kwargs)
         finally:
@@ -686,12 +686,16 @@ class RewrittenFunction(polymorphic_function.Function):
             self._after_eager_call(self._tf_function, args, kwargs, outputs)
         return outputs
 
-    def _before_first_run(self, concrete, args, kwargs) -> None:
+    def _before_first_run(self, concrete, args, kwargs) -> bool:
+        """Runs the before-first-run hook once per rewritten trace; True if it ran
+        (and may have changed the config: the caller looks the trace up again)."""
         if self._before_new_trace_runs is None or id(concrete) in self._ran:
-            return
-        if tf.executing_eagerly():  # (called inside another trace, it does not run now)
-            self._ran.add(id(concrete))
-            self._before_new_trace_runs(self._tf_function, concrete, args, kwargs)
+            return False
+        if not tf.executing_eagerly():  # (called inside another trace: it does not run now)
+            return False
+        self._ran.add(id(concrete))
+        self._before_new_trace_runs(self._tf_function, concrete, args, kwargs)
+        return True
 
     def _call_traced(self, args, kwargs):
         """The call of an already rewritten trace, as cheap as a tf.function's own.
@@ -716,8 +720,8 @@ class RewrittenFunction(polymorphic_function.Function):
         rewritten = self._current(concrete)
         if rewritten is None:
             return _NOT_TRACED
-        self._before_first_run(rewritten, args, kwargs)
-        if self._current(concrete) is not rewritten:  # (the hook moved layers to float32)
+        if (self._before_first_run(rewritten, args, kwargs)
+                and self._current(concrete) is not rewritten):  # (the hook moved layers)
             return _NOT_TRACED
         flat = rewritten.function_type.unpack_inputs(
             rewritten.function_type.bind(*bound.args, **bound.kwargs))

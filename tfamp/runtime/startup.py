@@ -572,7 +572,7 @@ def _custom_loop_fallback(active: _Activation, tf_function, args, kwargs) -> boo
                                             room=fallback.MAX_MOVED - len(watch.moved))
         if decision.kind == fallback.MOVED:
             decision = dataclasses.replace(decision, repaired=(
-                overflow_locator.reset_moving_statistics(locate.written)))
+                fallback.reset_moving_statistics(locate.written)))
     except Exception as err:  # noqa: BLE001 (the loop runs as it would have; said here)
         watch.stop(f"looking for the op that overflows failed ({type(err).__name__}: "
                    f"{err})", who)
