@@ -361,3 +361,61 @@ def test_a_loop_whose_steps_are_skipped_hears_it_at_exit(flavour, caplog):
         custom_loop.tell_skips(lambda: loop)
     assert "its loss scale skipped 16 steps" in caplog.text, caplog.text
     assert "ends at 1. It ends at its floor" in caplog.text and "keep_fp32" in caplog.text
+    assert "calibrate_loss_scale(step, x_batch, y_batch, model=model)" in caplog.text
+
+
+def overflowing_model(k):
+    """A frozen Dense whose float16 outputs pass 65504 (16 inputs near 1 times 1e4),
+    scaled down after: float32 trains, the float16 forward pass is inf at any scale."""
+    k.utils.set_random_seed(0)
+    inputs = k.Input((16,))
+    frozen = k.layers.Dense(32, name="frozen", trainable=False)
+    hidden = k.layers.Lambda(lambda t: t * 1e-5, name="shrink")(frozen(inputs))
+    model = k.Model(inputs, k.layers.Dense(1, name="head")(hidden), name="pipe")
+    frozen.set_weights([np.full((16, 32), 1e4, np.float32), np.zeros(32, np.float32)])
+    model.compile(optimizer=k.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_calibrate_keeps_a_layer_that_overflows_float16_float32_before_the_loop(flavour,
+                                                                                caplog):
+    """An enabled model's custom loop has no per-call hook, so no fallback once it runs:
+    every step was skipped and the loop printed NaN. ``calibrate_loss_scale`` checks
+    the start scale on the step with the model's call 16-bit; overflowing at every
+    scale, it finds the layer at loss scale 1 and keeps it float32 before the step is
+    traced, as fit's fallback would. The pattern it names (the layer's scope in a
+    trace of the step) must also match the layer in the model's rewritten call: that
+    call runs in the model's name scope, as Keras's own steps call it."""
+    k = tf_keras if flavour == "tf_keras" else keras3
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.0, size=(32, 16)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+
+    def run(enable: bool, calibrate: bool):
+        model = overflowing_model(k)
+        if enable:
+            tfamp.enable(model, verbose=False)
+        step = make_step(model, model.optimizer, flavour)
+        if calibrate:
+            tfamp.calibrate_loss_scale(step, x, y, model=model)
+        losses = [float(step(x, y)) for _ in range(4)]
+        return model, step, losses
+
+    _, _, want = run(False, False)
+    if flavour == "keras3":  # (without it: every step skipped, the loss inf)
+        model, _, losses = run(True, False)
+        assert not np.isfinite(losses).any(), losses
+        assert int(model._tfamp_state.scale_owner().skipped_steps.numpy()) == 4
+    with caplog.at_level("INFO", logger="tfamp"):
+        model, step, got = run(True, True)
+    [line] = [s for s in caplog.messages if "float32 fallback on model 'pipe'" in s]
+    assert "gave inf in float16" in line, line
+    [pattern] = model._tfamp_state.config.keep_fp32
+    assert "frozen" in pattern, pattern
+    assert int(model._tfamp_state.scale_owner().skipped_steps.numpy()) == 0
+    np.testing.assert_allclose(got, want, rtol=1e-2)
+    found = matmul_types(step.get_concrete_function(x, y))
+    [forward] = [types for name, types in found.items()
+                 if name.startswith("__inference_pipe_call")]
+    assert sorted(forward) == sorted([tf.float32.as_datatype_enum, HALF]), found

@@ -22,7 +22,7 @@ _EXPORTS = {
     "RangeMonitor": "tfamp.keras.range_monitor",
     "RewriteReport": "tfamp.rewrite.report",
     "LossScaleOptimizer": "tfamp.keras.optimizer_tf_keras",
-    "calibrate_loss_scale": "tfamp.keras.start_scale",
+    "calibrate_loss_scale": "tfamp.keras.calibrate",
     "check_graph_def": "tfamp.rewrite.check",
     "disable": "tfamp.keras.activation",
     "enable": "tfamp.keras.activation",
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from tfamp.keras.activation import disable, enable
     from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
     from tfamp.keras.range_monitor import RangeMonitor
-    from tfamp.keras.start_scale import calibrate_loss_scale
+    from tfamp.keras.calibrate import calibrate_loss_scale
     from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
     from tfamp.rewrite.check import GraphCheckError, check_graph_def
     from tfamp.rewrite.pipeline import rewrite_graph_def

@@ -51,3 +51,15 @@ def pattern_for(model):
     """``scope -> keep_fp32 pattern`` for `model`'s layers (``every_call``)."""
     names = layer_names(model)
     return lambda scope: every_call(scope, names)
+
+
+def outside_pattern(model) -> str:
+    r"""A keep_fp32 pattern matching every node outside `model`'s calls (and their
+    gradients): what a trace of a custom loop's step holds besides the enabled
+    model, which ``tfamp.enable`` leaves float32 there.
+
+    Example:
+      >>> re.search(outside_pattern(model), "gradient_tape/pipe_1/dense/MatMul") is None
+      True
+    """
+    return rf"^(?!(gradient_tape/)?{re.escape(model.name)}(_\d+)?/)"

@@ -111,7 +111,11 @@ class ModelLoop:
             model_ref, class_call = self.model_ref, self.class_call
 
             def call(*args, **kwargs):
-                return class_call(model_ref(), *args, **kwargs)
+                model = model_ref()
+                # In the model's name scope, as Keras's own steps call it: a keep_fp32
+                # pattern (the fallback's, the report's) names a layer alike in both.
+                with tf.name_scope(model.name):
+                    return class_call(model, *args, **kwargs)
 
             call.__name__ = f"{_safe_name(self.model_ref().name)}_call"
             self._forward = RewrittenFunction(call, config, check=self._check)
@@ -139,10 +143,12 @@ def tell_skips(loop_ref) -> None:
     fix = ""
     if scale <= owner.min_scale:
         fix = (" It ends at its floor, where a step overflows whatever the scale: most "
-               "likely a layer computing in float16 overflows (values past 65504). Keep "
-               "it float32 with tfamp.enable(model, config=tfamp.AmpConfig(keep_fp32="
-               "[<layer scope>])) (running the script with TFAMP_ENABLE=1 finds and "
-               "moves it by itself and names it), or use dtype='bfloat16'.")
+               "likely a layer computing in float16 overflows (values past 65504). "
+               "tfamp.calibrate_loss_scale(step, x_batch, y_batch, model=model), called "
+               "once before the loop, finds such a layer and keeps it float32 (so does "
+               "running the script with TFAMP_ENABLE=1); or keep it float32 yourself "
+               "with tfamp.enable(model, config=tfamp.AmpConfig(keep_fp32=[<layer "
+               "scope>])), or use dtype='bfloat16'.")
     (log.warning if fix else log.info)(
         "tfamp: model %r in your own training step: its loss scale skipped %d step%s "
         "(float16 values overflowed: those updates were not applied) and ends at %g.%s",

@@ -151,7 +151,7 @@ def keras_step_locator(model, x, y=None, sample_weight=None, *, loss_scale: floa
 
 
 @contextlib.contextmanager
-def step_locator(step, args: tuple, kwargs: dict):
+def step_locator(step, args: tuple, kwargs: dict, *, scope_pattern=None):
     """``locate(config)`` for one batch of a custom loop's training step, traced once.
 
     The step (a Python function that trains on one batch: its tapes and optimizer
@@ -161,7 +161,9 @@ def step_locator(step, args: tuple, kwargs: dict):
     BatchNorm's statistics, a metric, a random generator's state) are restored
     after each answer. Its arguments' leaves must be arrays or tensors (a
     distributed batch's are its replicas' tensors; the step then calls
-    ``strategy.run`` itself, and every replica's copy is checked).
+    ``strategy.run`` itself, and every replica's copy is checked). `scope_pattern`:
+    a layer scope's keep_fp32 pattern (``call_scopes.pattern_for``; default: the
+    scope itself).
 
     Raises:
       NoLossDifferentiated: the step differentiated no float loss with a tape.
@@ -192,7 +194,8 @@ def step_locator(step, args: tuple, kwargs: dict):
 
     def locate(config: AmpConfig) -> NonFiniteOp | None:
         try:
-            return nonfinite.locate_nonfinite(concrete, (args, kwargs), config, loss_scale=1.0)
+            return nonfinite.locate_nonfinite(concrete, (args, kwargs), config, loss_scale=1.0,
+                                              scope_pattern=scope_pattern)
         finally:
             restore()
 

@@ -41,7 +41,7 @@ batch its worker read; the largest magnitude over every replica of every
 worker (``replicas.agree_rows``) sets the one start scale. A probe that fails
 on one worker fails on all (each warns and starts at the default scale).
 
-Custom training loops call ``calibrate_loss_scale(step, *args, model=...)``
+Custom training loops call ``calibrate_loss_scale(step, *args, model=...)`` (``calibrate.py``)
 once before the loop (the same probe on the user's step function). Under
 ``TFAMP_ENABLE`` the start-up hook does that itself, before the step's first
 run, with the batch it was called with (``tfamp.runtime.startup``).
@@ -1112,84 +1112,3 @@ def read_ahead(iterator, steps: int):
     replay = tf.data.experimental.from_variant(tf.data.experimental.to_variant(replay),
                                                iterator.element_spec)
     return elements, iter(replay)
-
-
-# -- custom loops -----------------------------------------------------------------------
-
-def calibrate_loss_scale(step, *args, model=None, strategy=None, **kwargs) -> StartScale:
-    """Sets the start loss scale of a custom loop from its step's own gradients.
-
-    Call it once before the loop, with the step and its first batch. The step
-    runs once in float32 in probe mode (nothing is applied, variables it
-    writes are restored) and the scale its tapes use is set: `model`'s
-    (an enabled model: its loss-scale optimizer or custom-loop scale) or,
-    under ``TFAMP_ENABLE``, the process-wide custom-loop scale.
-
-    Under a tf.distribute strategy, call it on every worker with the batch it
-    read: the step (which calls ``strategy.run`` itself) runs once, and every
-    worker sets the one scale the largest value of all of them gives.
-
-    Args:
-      step: the training step, a Python function or a tf.function.
-      *args, **kwargs: its arguments for one batch.
-      model: the enabled model whose scale the step uses (None: TFAMP_ENABLE's).
-      strategy: the strategy the step distributes with (default: the model's,
-        else the one in scope).
-
-    Returns:
-      the StartScale (also logged).
-
-    Example:
-      >>> tfamp.enable(model)
-      >>> tfamp.calibrate_loss_scale(train_step, x[:32], y[:32], model=model)
-      >>> for x_batch, y_batch in data: train_step(x_batch, y_batch)
-    """
-    return calibrate_step(step, args, kwargs, model=model, strategy=strategy)
-
-
-def calibrate_step(step, args: tuple, kwargs: dict, *, model=None,
-                   strategy=None) -> StartScale:
-    """``calibrate_loss_scale`` with the step's arguments as they were passed (a step
-    may take keyword arguments named ``model`` or ``strategy``)."""
-    from tfamp.keras.range_probe import state_variables
-
-    lifecycle = getattr(model, "_tfamp_state", None) if model is not None else None
-    owner = _custom_loop_owner(model, lifecycle)
-    if strategy is None:
-        strategy = (lifecycle.strategy() if lifecycle is not None
-                    else tf.distribute.get_strategy())
-    python_step = getattr(step, "python_function", step)
-    # Under TFAMP_ENABLE the step runs rewritten whole, as the probe's trace of it
-    # can be: the scale is checked on that trace's rewrite. Without it only an
-    # enabled model's call is rewritten (a nested function, whose backward is
-    # 16-bit wherever its forward is): no whole-step rewrite to check on.
-    config = step_scope.process_config()
-    found = probe_step(python_step, args, kwargs,
-                       extra_state=state_variables(model) if model is not None else [],
-                       min_scale=owner.min_scale,
-                       op_lists=lifecycle.float16_lists() if lifecycle is not None else None,
-                       strategy=strategy, per_replica=False, check_config=config)
-    owner.set_scale(found.scale)
-    if lifecycle is not None:
-        lifecycle.start_scale = found
-    log.info("%s", found.message())
-    return found
-
-
-def _custom_loop_owner(model, lifecycle):
-    if model is not None:
-        owner = lifecycle.scale_owner() if lifecycle is not None else None
-        if owner is None:
-            raise ValueError(
-                f"calibrate_loss_scale needs a model tfamp.enable was called on with "
-                f"loss scaling; model {getattr(model, 'name', model)!r} has none. Call "
-                f"tfamp.enable(model) first (loss_scale='dynamic'), or pass model=None "
-                f"under TFAMP_ENABLE=1.")
-        return owner
-    owner = step_scope.process_owner()
-    if owner is None:
-        raise ValueError(
-            "calibrate_loss_scale(model=None) sets TFAMP_ENABLE's custom-loop scale, but "
-            "TFAMP_ENABLE is not on (or its loss scaling is off). Pass the enabled model "
-            "(model=...), or run the script with TFAMP_ENABLE=1.")
-    return owner

@@ -498,7 +498,7 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
     """
     if not active.custom_loop_scaled or active.start_scale_sought:
         return
-    from tfamp.keras import scale_state, start_scale
+    from tfamp.keras import calibrate, scale_state, start_scale
 
     active.start_scale_sought = True
     state = _scale_state(active)
@@ -512,11 +512,11 @@ def _custom_loop_start_scale(active: _Activation, tf_function, concrete, args,
     try:  # the loop must run whatever the probe meets
         why_not = _no_probe_reason(concrete, args, kwargs)
         if not why_not:
-            found = start_scale.calibrate_step(tf_function, args, kwargs)
+            found = calibrate.calibrate_step(tf_function, args, kwargs)
             if found.forward_overflow and _custom_loop_fallback(active, tf_function, args,
                                                                 kwargs):
                 # The start scale of the step that will run, with those layers float32.
-                start_scale.calibrate_step(tf_function, args, kwargs)
+                calibrate.calibrate_step(tf_function, args, kwargs)
             return
     except start_scale.NoLossDifferentiated:
         # Not the step (its tape was traced inside another function, first run
@@ -734,10 +734,10 @@ def _custom_loop_watch(active: _Activation, tf_function, args, kwargs, outputs) 
     settings = active.settings
     if (_custom_loop_fallback(active, tf_function, args, kwargs)
             and settings.loss_scale == "dynamic" and settings.initial_scale == "auto"):
-        from tfamp.keras import start_scale
+        from tfamp.keras import calibrate
 
         try:
-            start_scale.calibrate_step(tf_function, args, kwargs)
+            calibrate.calibrate_step(tf_function, args, kwargs)
         except Exception as err:  # noqa: BLE001 (dynamic scaling grows it back; said)
             log.info("tfamp: after the float32 fallback, no start loss scale from the "
                      "step's gradients (%s: %s); dynamic scaling grows it back from its "
