@@ -55,9 +55,9 @@ __all__ = [
 if TYPE_CHECKING:
     from tfamp.config import AmpConfig
     from tfamp.keras.activation import disable, enable
+    from tfamp.keras.calibrate import calibrate_loss_scale
     from tfamp.keras.optimizer_tf_keras import LossScaleOptimizer
     from tfamp.keras.range_monitor import RangeMonitor
-    from tfamp.keras.calibrate import calibrate_loss_scale
     from tfamp.oplists import DEFAULT_OP_LISTS, OpLists
     from tfamp.rewrite.check import GraphCheckError, check_graph_def
     from tfamp.rewrite.pipeline import rewrite_graph_def

@@ -62,7 +62,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfamp.keras import replicas, scale_update, step_scope, tape
+from tfamp.keras import replicas, scale_update, tape
 from tfamp.keras.scale_update import is_loss_target
 from tfamp.keras.step_scope import probe_mode
 from tfamp.runtime.plain import plain_calls, plain_function
