@@ -419,3 +419,30 @@ def test_calibrate_keeps_a_layer_that_overflows_float16_float32_before_the_loop(
     [forward] = [types for name, types in found.items()
                  if name.startswith("__inference_pipe_call")]
     assert sorted(forward) == sorted([tf.float32.as_datatype_enum, HALF]), found
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_model_whose_name_is_no_root_scope_runs_in_the_users_scope(flavour):
+    """The rewritten call enters the model's name scope in a graph of its own, where
+    TensorFlow takes only a root scope name; Keras takes "_pipe" inside the user's
+    ``tf.name_scope``. Such a name runs without the scope, as float32 does."""
+    k = tf_keras if flavour == "tf_keras" else keras3
+    k.utils.set_random_seed(0)
+    inputs = k.Input((8,))
+    model = k.Model(inputs, k.layers.Dense(1, name="head")(inputs), name="_pipe")
+    model.compile(optimizer=k.optimizers.SGD(0.05), loss="mse")
+    tfamp.enable(model, verbose=False)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape, tf.name_scope("outer"):
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        apply(flavour, model.optimizer, grads, model.trainable_variables)
+        return loss
+
+    x, y = data()
+    losses = [float(step(x, y)) for _ in range(3)]
+    assert losses[-1] < losses[0], losses
+    found = matmul_types(step.get_concrete_function(x, y))
+    assert [HALF] in found.values(), found  # (the call ran rewritten)

@@ -25,8 +25,10 @@ GradientTape.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
+import re
 import types
 import warnings
 import weakref
@@ -114,7 +116,7 @@ class ModelLoop:
                 model = model_ref()
                 # In the model's name scope, as Keras's own steps call it: a keep_fp32
                 # pattern (the fallback's, the report's) names a layer alike in both.
-                with tf.name_scope(model.name):
+                with _name_scope(model.name):
                     return class_call(model, *args, **kwargs)
 
             call.__name__ = f"{_safe_name(self.model_ref().name)}_call"
@@ -280,6 +282,17 @@ def unscaled_message(model) -> str:
             f"output_gradients=w, differentiate tf.reduce_sum(target * w), the same "
             f"gradients), which tfamp scales; or use dtype='bfloat16' (no loss scaling "
             f"needed).")
+
+
+def _name_scope(name: str):
+    """``tf.name_scope(name)``, or none where `name` is no valid root scope (TensorFlow's
+    rule; a name Keras takes as a nested scope, "_model", in the user's own scope)."""
+    if _ROOT_SCOPE.fullmatch(name):
+        return tf.name_scope(name)
+    return contextlib.nullcontext()
+
+
+_ROOT_SCOPE = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\\/>-]*")
 
 
 def _safe_name(name: str) -> str:
