@@ -183,10 +183,18 @@ class StartScale:
             times = {1: "once", 2: "twice"}.get(self.extra_room, f"{self.extra_room} times")
             cost = (f"{100 * self.room_underflow:.2g}% more of them" if self.room_underflow > 0
                     else "no more of them")
-            checked += f"; halved {times} more for room, which puts {cost} below it"
+            why = "for room"
+            if self.extra_room > EXTRA_ROOM_BITS:  # (then on down towards USUAL_START)
+                why = (f"for room ({EXTRA_ROOM_BITS} to grow, "
+                       f"{self.extra_room - EXTRA_ROOM_BITS} towards the usual start "
+                       f"2^{int(math.log2(USUAL_START))})")
+            checked += f"; halved {times} more {why}, which puts {cost} below it"
         source = "float32 gradients" if not self.checked else "gradients"
+        # max_abs: of the backward values the scale must fit (16-bit ones), where the
+        # weight gradients may be float32 and larger.
         return (f"tfamp: start loss scale 2^{exponent} ({self.scale:g}) from the first "
-                f"batch's {source} (max |g| {self.max_abs:.3g} in {self.where}; "
+                f"batch's {source} (the scale must fit max |g| {self.max_abs:.3g}, in "
+                f"{self.where}; "
                 f"weight gradients max {self.weight_max:.3g}, "
                 f"{100 * self.underflow_share:.2g}% of their values below float16's "
                 f"smallest at this scale{checked}); probe cost {self.seconds:.2f} s (on "
