@@ -5,6 +5,7 @@ These need tfamp *installed* (the start-up hook lives in site-packages), as
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -400,6 +401,60 @@ def test_a_custom_loop_layer_that_overflows_float16_moves_to_float32(tmp_path, f
     name = "step" if feed == "mirrored" else "train"  # (the function that trains)
     assert f"custom loop step '{name}'" in line and "gave inf in float16" in line, line
     assert f"TFAMP_KEEP_FP32='{pattern}'" in line, line
+
+
+STYLE_LOSS_LOOP = textwrap.dedent("""
+    import json
+    import numpy as np
+    import tensorflow as tf
+    # keras.io's neural style transfer, reduced: a Gram-matrix loss of conv features
+    # (past 65504 in float16), the optimizer on the image variable, which the traced
+    # step takes as an argument and whose gradients are applied eagerly.
+    tf.keras.utils.set_random_seed(0)
+    conv = tf.keras.layers.Conv2D(16, 3, padding="same", activation="relu")
+    rng = np.random.default_rng(0)
+    reference = tf.constant(rng.uniform(0, 255, (1, 32, 32, 3)).astype("float32"))
+    image = tf.Variable(rng.uniform(0, 255, (1, 32, 32, 3)).astype("float32"))
+
+    def gram(x):
+        features = tf.reshape(x, (-1, x.shape[-1]))
+        return tf.matmul(features, features, transpose_a=True)
+
+    @tf.function
+    def compute_loss_and_grads(image, reference):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(gram(conv(image)) - gram(conv(reference)))) * 1e-12
+        return loss, tape.gradient(loss, image)
+
+    optimizer = tf.keras.optimizers.SGD(1.0)
+    start = image.numpy().copy()
+    losses = []
+    for _ in range(10):
+        loss, grads = compute_loss_and_grads(image, reference)
+        optimizer.apply_gradients([(grads, image)])
+        losses.append(float(loss))
+    print(json.dumps({"losses": losses, "moved": float(np.abs(image.numpy() - start).max())}))
+""")
+
+
+def test_a_step_taking_a_variable_and_overflowing_outside_any_layer_falls_back(tmp_path):
+    """Found on keras.io's neural style transfer: its step takes the image variable as an
+    argument, and its Gram matrices ('MatMul', 'MatMul_1', in no layer scope) overflow
+    float16. The watch saw every step skipped but said "its arguments are not all arrays
+    or tensors" and stopped: the loss was NaN for ever and the image never moved. With a
+    tensor argument it found 'MatMul' and stopped at 'MatMul_1' ("still computes in
+    float16 though keep_fp32 has '^MatMul$'"). Now both move, and the loop trains."""
+    script = tmp_path / "style.py"
+    script.write_text(STYLE_LOSS_LOOP)
+    want = last_json(run([str(script)], tmp_path))
+    result = run([str(script)], tmp_path, TFAMP_ENABLE="1")
+    got = last_json(result)
+    [line] = [s for s in result.stderr.splitlines() if "tfamp: float32 fallback on" in s]
+    assert "custom loop step 'compute_loss_and_grads'" in line, line
+    assert "MatMul_1" in line, line
+    assert all(math.isfinite(v) for v in got["losses"][-4:]), (got, result.stderr[-3000:])
+    assert got["moved"] > 0, got
+    np.testing.assert_allclose(got["losses"][-1], want["losses"][-1], rtol=0.01)
 
 
 @pytest.mark.parametrize("feed", ["batches", "mirrored", "norm", "fixed"])

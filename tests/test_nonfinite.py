@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from unittest import mock
 
@@ -252,3 +253,34 @@ def test_instrumented_graph_checks_every_float_output_in_order():
     assert by_name["Exp"].input[0].startswith("tfamp_nonfinite_check/")
     # the input GraphDef is not modified
     assert not any(n.op == "CheckNumericsV2" for n in graph_def.node)
+
+
+def test_ops_in_no_layer_scope_move_one_by_one_by_their_names():
+    """A style-transfer loss: two Gram matrices of an image variable the step takes as an
+    argument, in no layer's scope ('MatMul', 'MatMul_1'), both past 65504 in float16.
+    The keep_fp32 pattern for an op in no scope named its type ('^MatMul$'), which keeps
+    only the node literally named so: the second then "still computes in float16" and
+    nothing moved. It names the node and its gradient now. The variable argument is
+    bound to its handle where the locator runs the step (it raised before)."""
+    from tfamp.keras import fallback, overflow_locator
+
+    image = tf.Variable(np.full((4, 8), 300.0, np.float32))
+    reference = tf.constant(np.full((4, 8), 200.0, np.float32))
+
+    def step(image, reference):
+        with tf.GradientTape() as tape:
+            gram = tf.matmul(image, image, transpose_a=True)
+            target = tf.matmul(reference, reference, transpose_a=True)
+            loss = tf.reduce_sum(tf.square(gram - target)) * 1e-12
+        return tape.gradient(loss, image)
+
+    with overflow_locator.step_locator(step, (image, reference), {}) as locate:
+        decision = fallback.decide_with(locate, AmpConfig())
+    assert decision.kind == fallback.MOVED, decision
+    assert {"MatMul", "MatMul_1"} <= {f.node for f in decision.findings}, decision.findings
+    assert {nonfinite.top_scope_keep_pattern("MatMul"),
+            nonfinite.top_scope_keep_pattern("MatMul_1")} <= set(decision.patterns)
+    pattern = re.compile(nonfinite.top_scope_keep_pattern("MatMul"))
+    assert pattern.search("MatMul") and pattern.search("gradient_tape/MatMul_grad/MatMul")
+    assert not pattern.search("MatMul_1") and not pattern.search("dense/MatMul")
+    np.testing.assert_array_equal(image.numpy(), 300.0)

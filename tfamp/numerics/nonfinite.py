@@ -197,7 +197,7 @@ def locate_nonfinite(concrete, args, config: AmpConfig | None = None, *,
         phase="backward" if is_gradient(scope_source) else "forward", layer=layer,
         dtype=dtype_name(dtype), ran_16bit=dtype in _SIXTEEN_BIT, inserted_cast=inserted,
         feeds=feeds, inputs=inputs, loss_scale=float(loss_scale),
-        **_fixes(layer, op, config, scope_pattern))
+        **_fixes(layer, op, config, scope_pattern, _REPLICA_PREFIX.sub("", scope_source)))
 
 
 # ------------------------------------------------------------------ helpers
@@ -368,6 +368,16 @@ def _layer_scope(name: str, forward_ops=None) -> str:
     return name.rsplit("/", 1)[0] if "/" in name else ""
 
 
+def top_scope_keep_pattern(node: str) -> str:
+    """The keep_fp32 pattern for a node in no name scope: the node and its gradient's ops.
+
+    Example:
+      >>> top_scope_keep_pattern("MatMul_1")
+      '^(gradient_tape/)?MatMul_1(_grad)?(/|$)'
+    """
+    return f"^(gradient_tape/)?{re.escape(node)}(_grad)?(/|$)"
+
+
 def scope_keep_pattern(scope: str) -> str:
     """The keep_fp32 pattern for one name scope as it is (the scope, escaped, then "/")."""
     return f"{re.escape(scope)}/"
@@ -380,9 +390,11 @@ def shell_quoted(value: str) -> str:
 
 
 def _fixes(layer: str, op: str, config: AmpConfig,
-           scope_pattern: Callable[[str], str] | None = None) -> dict[str, str]:
+           scope_pattern: Callable[[str], str] | None = None, node: str = "") -> dict[str, str]:
     if not layer:
-        pattern = f"^{re.escape(op)}$"
+        # An op in no name scope: that node, and its gradient's ops (the node's name,
+        # not its type: a second Gram matrix's 'MatMul_1' is not 'MatMul').
+        pattern = top_scope_keep_pattern(node or op)
     else:
         pattern = (scope_pattern or scope_keep_pattern)(layer)
     keep = [*config.keep_fp32, pattern]

@@ -49,8 +49,9 @@ def run_imported(concrete, graph_def: graph_pb2.GraphDef, fetches: list[str],
 
     def run(*values):
         graph = tf.compat.v1.get_default_graph()
-        input_map = {ph.name: value
-                     for ph, value in zip(arguments, values, strict=True)}
+        # (a variable passed as an argument: the trace took its resource handle)
+        input_map = {ph.name: graph.capture(value.handle) if isinstance(value, tf.Variable)
+                     else value for ph, value in zip(arguments, values, strict=True)}
         for name, external in captures:
             input_map[name] = graph.capture(external)
         if inner is None:

@@ -596,7 +596,8 @@ def _locatable(args, kwargs) -> bool:
 
     # The trace's inputs must be exactly these leaves (a distributed batch's are its
     # replicas' tensors; a Python value would be a constant of the trace).
-    return all(isinstance(leaf, (np.ndarray, tf.Tensor))
+    # (A variable argument is bound to its handle where the locator runs the step.)
+    return all(isinstance(leaf, (np.ndarray, tf.Tensor, tf.Variable))
                for leaf in tf.nest.flatten((args, kwargs), expand_composites=True))
 
 
