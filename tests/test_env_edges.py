@@ -547,3 +547,32 @@ def test_a_custom_loops_watch_reads_rarely_and_looks_soon_after_skips_begin():
     watch = _LoopWatch()
     watch.record(fallback.FallbackDecision(fallback.NOT_FOUND))
     assert watch.look_after == 2 * LOOK_AFTER
+
+
+def test_a_custom_loops_exit_line_at_the_floor_names_a_forward_overflow(caplog):
+    """keras.io's neural style transfer, before its fallback worked: 20 of 20 steps
+    skipped, the scale at its floor, and the exit line blamed "float16 gradients" and
+    offered TFAMP_INITIAL_SCALE, which cannot help a forward pass past 65504. At the
+    floor it now says what most likely overflows and how to keep it float32."""
+    import types
+
+    import tensorflow as tf
+
+    from tfamp.runtime.startup import _LoopWatch, _tell_custom_loop_skips
+
+    def active(scale: float):
+        state = types.SimpleNamespace(skipped_steps=tf.constant(20),
+                                      current_loss_scale=tf.constant(scale), min_scale=1.0)
+        return types.SimpleNamespace(scale_state=state, loop_watch=_LoopWatch(),
+                                     settings=types.SimpleNamespace(loss_scale="dynamic"))
+
+    with caplog.at_level("INFO", logger="tfamp"):
+        _tell_custom_loop_skips(active(1.0))
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "ends at its floor, 1," in record.message
+    assert "TFAMP_KEEP_FP32=" in record.message and "TFAMP_INITIAL_SCALE" not in record.message
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tfamp"):
+        _tell_custom_loop_skips(active(1024.0))
+    [record] = caplog.records
+    assert record.levelname == "INFO" and "TFAMP_INITIAL_SCALE=<number>" in record.message

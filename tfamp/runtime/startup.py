@@ -1032,6 +1032,17 @@ def _tell_custom_loop_skips(active: _Activation) -> None:
                  "TFAMP_KEEP_FP32=%s keeps them float32 from the start.",
                  kind, skipped, "" if skipped == 1 else "s", ", ".join(moved), scale, keep)
         return
+    if kind == "dynamic" and scale <= state.min_scale:
+        # (the fallback did not move it: its own line said why)
+        log.warning("tfamp: your training loop's dynamic loss scale skipped %d step%s "
+                    "(those updates were not applied) and ends at its floor, %g, where a "
+                    "step overflows whatever the scale: most likely an op computing in "
+                    "float16 overflows (values past 65504; a NaN loss says so). "
+                    "TFAMP_KEEP_FP32=<layer scope or op name> keeps it float32 (the "
+                    "float32 fallback's line, or the start-scale line, names it where "
+                    "found), or run with TFAMP_DTYPE=bfloat16.",
+                    skipped, "" if skipped == 1 else "s", scale)
+        return
     log.info("tfamp: your training loop's %s loss scale skipped %d step%s "
              "(float16 gradients overflowed: those updates were not applied) and ends "
              "at %g; %s.", kind, skipped, "" if skipped == 1 else "s", scale,
