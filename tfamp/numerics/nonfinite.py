@@ -369,13 +369,21 @@ def _layer_scope(name: str, forward_ops=None) -> str:
 
 
 def top_scope_keep_pattern(node: str) -> str:
-    """The keep_fp32 pattern for a node in no name scope: the node and its gradient's ops.
+    """The keep_fp32 pattern for a node in no name scope: every call of its op there
+    (the name with or without TensorFlow's ``_<n>`` suffix, as ``call_scopes`` names a
+    layer's every call) and their gradients' ops. A style loss's Gram matrices are one
+    function called once per feature map: 'MatMul', 'MatMul_1', ... move together.
 
     Example:
       >>> top_scope_keep_pattern("MatMul_1")
-      '^(gradient_tape/)?MatMul_1(_grad)?(/|$)'
+      '^(gradient_tape/)?MatMul(_\\d+)?(_grad)?(/|$)'
     """
-    return f"^(gradient_tape/)?{re.escape(node)}(_grad)?(/|$)"
+    base = _CALL_SUFFIX.fullmatch(node)
+    name = base.group(1) if base is not None else node
+    return rf"^(gradient_tape/)?{re.escape(name)}(_\d+)?(_grad)?(/|$)"
+
+
+_CALL_SUFFIX = re.compile(r"(.+?)_\d+")
 
 
 def scope_keep_pattern(scope: str) -> str:
