@@ -5,7 +5,6 @@ These need tfamp *installed* (the start-up hook lives in site-packages), as
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -443,8 +442,8 @@ def test_a_step_taking_a_variable_and_overflowing_outside_any_layer_falls_back(t
     float16. The watch saw every step skipped but said "its arguments are not all arrays
     or tensors" and stopped: the loss was NaN for ever and the image never moved. With a
     tensor argument it found 'MatMul' and stopped at 'MatMul_1' ("still computes in
-    float16 though keep_fp32 has '^MatMul$'"). Now every call of it moves, and the
-    loop trains."""
+    float16 though keep_fp32 has '^MatMul$'"). Now every call of it moves before the
+    first step, and the loop trains as float32 does."""
     script = tmp_path / "style.py"
     script.write_text(STYLE_LOSS_LOOP)
     want = last_json(run([str(script)], tmp_path))
@@ -453,9 +452,10 @@ def test_a_step_taking_a_variable_and_overflowing_outside_any_layer_falls_back(t
     [line] = [s for s in result.stderr.splitlines() if "tfamp: float32 fallback on" in s]
     assert "custom loop step 'compute_loss_and_grads'" in line, line
     assert r"'^(gradient_tape/)?MatMul(_\d+)?(_grad)?(/|$)'" in line, line
-    assert all(math.isfinite(v) for v in got["losses"][-4:]), (got, result.stderr[-3000:])
-    assert got["moved"] > 0, got
-    np.testing.assert_allclose(got["losses"][-1], want["losses"][-1], rtol=0.01)
+    # Before the first step: the start scale's check runs on the step as it is traced,
+    # the variable bound to its handle, so no step is skipped.
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=0.01)
+    assert got["moved"] > 0.5 * want["moved"], (got, want)
 
 
 @pytest.mark.parametrize("feed", ["batches", "mirrored", "norm", "fixed"])

@@ -620,7 +620,7 @@ def _probe_locally(step, args, kwargs, extra_state, op_lists, strategy,
     tapes seed with a scale of the probe's own (1 in the float32 run)."""
     recorders = []
     checkable = (check_config is not None and not replicas.is_distributed(strategy)
-                 and all(isinstance(leaf, (np.ndarray, tf.Tensor))
+                 and all(isinstance(leaf, (np.ndarray, tf.Tensor, tf.Variable))
                          for leaf in tf.nest.flatten((args, kwargs))))
     seed_scale = _SeedScale() if checkable else None
 
@@ -833,6 +833,9 @@ def _cut_runner(concrete, graph_def, backward, weights, batch, strategy):
     kept = {node.name for node in cut.node}
     captures = [(internal.name, external) for external, internal in graph.captures
                 if internal.op.name in kept]
+    # (a variable the step takes as an argument: its handle, as a capture's)
+    captures += [(name, variable.handle) for name, variable in
+                 _variable_arguments(concrete, batch) if name.split(":")[0] in kept]
     held_backward = sum(1 for k in present if k < len(backward))
 
     def run(scale, *values):
@@ -975,7 +978,8 @@ def _batch_sources(concrete, graph_def, batch, strategy) -> list[tuple[str, np.n
     conditional: not cut here, the probe traces the step instead.)"""
     graph = concrete.graph
     # (a None, train_on_batch's missing sample weights, is no tensor of the step)
-    flat = [np.asarray(value) for value in tf.nest.flatten(batch) if value is not None]
+    flat = [np.asarray(value) for value in tf.nest.flatten(batch)
+            if value is not None and not isinstance(value, tf.Variable)]
     local = len(strategy.extended.worker_devices) if replicas.is_distributed(strategy) else 1
     # The step's own arguments come first among its inputs (captures follow).
     count = len(tf.nest.flatten(concrete.structured_input_signature, expand_composites=True))
@@ -995,6 +999,21 @@ def _batch_sources(concrete, graph_def, batch, strategy) -> list[tuple[str, np.n
             raise ValueError("the iterator's elements do not match fit's first batch")
     return [(f"{node.name}:{i}", replicas.host_rows(strategy, leaf, r))
             for r, node in enumerate(nexts) for i, leaf in enumerate(flat)]
+
+
+def _variable_arguments(concrete, batch) -> list[tuple[str, object]]:
+    """(resource input name, variable) for each variable the step takes as an
+    argument (a style transfer's image), in order; ValueError where the trace's
+    resource arguments do not pair with them."""
+    variables = [v for v in tf.nest.flatten(batch) if isinstance(v, tf.Variable)]
+    if not variables:
+        return []
+    count = len(tf.nest.flatten(concrete.structured_input_signature, expand_composites=True))
+    handles = [t for t in concrete.graph.inputs[:count] if t.dtype == tf.resource]
+    if len(handles) != len(variables):
+        raise ValueError(f"the step takes {len(handles)} variable arguments, the batch has "
+                         f"{len(variables)}")
+    return [(t.name, v) for t, v in zip(handles, variables, strict=True)]
 
 
 def assigned_variables(concrete) -> list:
