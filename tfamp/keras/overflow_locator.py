@@ -159,8 +159,9 @@ def step_locator(step, args: tuple, kwargs: dict, *, scope_pattern=None):
     (``step_scope.probe_mode``): every tape's float loss differentiated unscaled,
     every optimizer update skipped; the variables the trace still writes (a
     BatchNorm's statistics, a metric, a random generator's state) are restored
-    after each answer. Its arguments' leaves must be arrays or tensors (a
-    distributed batch's are its replicas' tensors; the step then calls
+    after each answer. Its arguments' leaves must be arrays, tensors or variables
+    (a variable is bound to its handle; a distributed batch's are its replicas'
+    tensors; the step then calls
     ``strategy.run`` itself, and every replica's copy is checked). `scope_pattern`:
     a layer scope's keep_fp32 pattern (``call_scopes.pattern_for``; default: the
     scope itself).

@@ -383,6 +383,7 @@ def top_scope_keep_pattern(node: str) -> str:
     return rf"^(gradient_tape/)?{re.escape(name)}(_\d+)?(_grad)?(/|$)"
 
 
+# (``call_scopes``' rule for a layer's calls; that module is a layer above this one)
 _CALL_SUFFIX = re.compile(r"(.+?)_\d+")
 
 
@@ -400,8 +401,8 @@ def shell_quoted(value: str) -> str:
 def _fixes(layer: str, op: str, config: AmpConfig,
            scope_pattern: Callable[[str], str] | None = None, node: str = "") -> dict[str, str]:
     if not layer:
-        # An op in no name scope: that node, and its gradient's ops (the node's name,
-        # not its type: a second Gram matrix's 'MatMul_1' is not 'MatMul').
+        # An op in no name scope: its every call there and their gradients, by the
+        # node's name, not its type (``top_scope_keep_pattern``).
         pattern = top_scope_keep_pattern(node or op)
     else:
         pattern = (scope_pattern or scope_keep_pattern)(layer)
