@@ -364,14 +364,14 @@ def test_a_loop_whose_steps_are_skipped_hears_it_at_exit(flavour, caplog):
     assert "calibrate_loss_scale(step, x_batch, y_batch, model=model)" in caplog.text
 
 
-def overflowing_model(k):
+def overflowing_model(k, name="pipe"):
     """A frozen Dense whose float16 outputs pass 65504 (16 inputs near 1 times 1e4),
     scaled down after: float32 trains, the float16 forward pass is inf at any scale."""
     k.utils.set_random_seed(0)
     inputs = k.Input((16,))
     frozen = k.layers.Dense(32, name="frozen", trainable=False)
     hidden = k.layers.Lambda(lambda t: t * 1e-5, name="shrink")(frozen(inputs))
-    model = k.Model(inputs, k.layers.Dense(1, name="head")(hidden), name="pipe")
+    model = k.Model(inputs, k.layers.Dense(1, name="head")(hidden), name=name)
     frozen.set_weights([np.full((16, 32), 1e4, np.float32), np.zeros(32, np.float32)])
     model.compile(optimizer=k.optimizers.SGD(0.01), loss="mse")
     return model
@@ -446,3 +446,47 @@ def test_a_model_whose_name_is_no_root_scope_runs_in_the_users_scope(flavour):
     assert losses[-1] < losses[0], losses
     found = matmul_types(step.get_concrete_function(x, y))
     assert [HALF] in found.values(), found  # (the call ran rewritten)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_calibrate_moves_only_the_models_own_layers(flavour, caplog):
+    """Two enabled models in one step, named "sequential" and "sequential_1" (Keras's
+    own names for a GAN's generator and discriminator), the second overflowing. The
+    scope pattern for "sequential" also matches tf_keras's "sequential_1", so the first
+    model's check sees the overflow: nothing of the second model's moves into the first's
+    config (one line says whose layer it is); calibrating the second moves it there,
+    and the loop trains with no step skipped."""
+    k = tf_keras if flavour == "tf_keras" else keras3
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.0, size=(32, 16)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    k.utils.set_random_seed(0)
+    first = k.Sequential([k.Input((16,)), k.layers.Dense(1, name="plain_head")],
+                         name="sequential")
+    first.compile(optimizer=k.optimizers.SGD(0.01), loss="mse")
+    second = overflowing_model(k, name="sequential_1")
+    tfamp.enable(first, verbose=False)
+    tfamp.enable(second, verbose=False)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape(persistent=True) as tape:
+            first_loss = tf.reduce_mean((first(x, training=True) - y) ** 2)
+            second_loss = tf.reduce_mean((second(x, training=True) - y) ** 2)
+        for model, loss in ((first, first_loss), (second, second_loss)):
+            grads = tape.gradient(loss, model.trainable_variables)
+            apply(flavour, model.optimizer, grads, model.trainable_variables)
+        return first_loss + second_loss
+
+    with caplog.at_level("INFO", logger="tfamp"):
+        tfamp.calibrate_loss_scale(step, x, y, model=first)
+        tfamp.calibrate_loss_scale(step, x, y, model=second)
+    assert first._tfamp_state.config.keep_fp32 == (), caplog.text
+    lines = [m for m in caplog.messages if "model 'sequential':" in m]
+    if flavour == "tf_keras":  # (Keras 3 scopes the second model "sequential_1_2" here)
+        assert "which is not one of this model's: nothing moved" in lines[0], lines
+    assert any("frozen" in p for p in second._tfamp_state.config.keep_fp32), caplog.text
+    losses = [float(step(x, y)) for _ in range(3)]
+    assert np.isfinite(losses).all(), losses
+    for model in (first, second):
+        assert int(model._tfamp_state.scale_owner().skipped_steps.numpy()) == 0
