@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfamp
 from tests import patterns
@@ -779,3 +780,19 @@ def test_probe_leaves_the_random_layers_draws_alone(flavour):
     _, fixed_delta = _random_flip_fit(keras, initial_scale=probed.scale)
     cosine, ratio = patterns.compare(fixed_delta, delta)
     assert cosine > 0.9999 and abs(ratio - 1) < 1e-3, (cosine, ratio)
+
+
+def test_the_probes_largest_values_read_nan_as_inf_and_empty_as_zero():
+    """The probe's summary of each recorded tensor (four graph ops each, built for
+    thousands of backward tensors): max |t| in float32, inf where t holds a NaN or an
+    inf, 0 for an empty tensor, exact for 16-bit types."""
+    values = [np.array([1.0, -3.0, 2.0], np.float32), np.array([1.0, np.nan], np.float32),
+              np.array([], np.float32), np.array([np.inf, 1.0], np.float16),
+              np.array([-np.inf], np.float32), np.array([[65504.0, -2.0]], np.float16),
+              np.array([[-7.5]], tf.bfloat16.as_numpy_dtype), np.float32(-5.0),
+              np.array([np.nan, 2.0], np.float16)]
+    got = tf.function(lambda: start_scale._largest_of_each(
+        [tf.constant(v) for v in values]))().numpy()
+    np.testing.assert_array_equal(got, [3.0, np.inf, 0.0, np.inf, np.inf, 65504.0, 7.5, 5.0,
+                                        np.inf])
+    assert got.dtype == np.float32

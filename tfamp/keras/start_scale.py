@@ -394,13 +394,37 @@ class Recorder:
         return _summaries([t for _, t in backward], [t for _, t in weights], scale)
 
 
-def _largest(t) -> tf.Tensor:
-    """max |t| as a float32 scalar: inf where t holds a NaN (whether a reduction
-    passes NaN on is the kernel's choice), 0 for an empty t."""
-    magnitude = tf.abs(tf.cast(t, tf.float32))
-    magnitude = tf.where(tf.math.is_nan(magnitude), tf.constant(np.inf, tf.float32),
-                         magnitude)
-    return tf.maximum(tf.reduce_max(magnitude), 0.0)
+def _largest_of_each(tensors) -> tf.Tensor:
+    """max |t| of each tensor as a float32 vector: inf where t holds a NaN (whether a
+    reduction passes NaN on is the kernel's choice), 0 for an empty t.
+
+    Four ops per tensor, as the probe builds them for thousands of backward tensors
+    (keras.io's CycleGAN: 6,208, twice; ten ops each took 37 of the probe's 95 s):
+    max |t| in t's own type (exact: casting is monotonic), plus the sum of t * 0,
+    which is 0 where t is finite and NaN where it holds an inf or a NaN; the NaN
+    becomes inf and an empty t's -inf becomes 0 once, on the stacked vector.
+    """
+    axes, zeros, found = {}, {}, []
+    for t in tensors:
+        rank = t.shape.rank
+        if rank is None:
+            axis = tf.range(tf.rank(t))
+        else:
+            axis = axes.get(rank)
+            if axis is None:
+                axis = axes[rank] = tf.constant(list(range(rank)), tf.int32)
+        zero = zeros.get(t.dtype)
+        if zero is None:
+            zero = zeros[t.dtype] = tf.constant(0, t.dtype)
+        largest = tf.raw_ops.AddV2(
+            x=tf.raw_ops.Max(input=tf.raw_ops.Abs(x=t), axis=axis),
+            y=tf.raw_ops.Sum(input=tf.raw_ops.Mul(x=t, y=zero), axis=axis))
+        if t.dtype != tf.float32:
+            largest = tf.cast(largest, tf.float32)
+        found.append(largest)
+    stacked = tf.stack(found)
+    return tf.where(tf.math.is_nan(stacked), tf.constant(np.inf, tf.float32),
+                    tf.maximum(stacked, 0.0))
 
 
 def _summaries(backward, weights, scale=None):
@@ -411,7 +435,7 @@ def _summaries(backward, weights, scale=None):
     def largest(tensors):
         if not tensors:
             return tf.zeros([0])
-        return tf.stack([_largest(t) for t in tensors])
+        return _largest_of_each(tensors)
 
     maxes, weight_maxes = largest(backward), largest(weights)
     if weights:
