@@ -16,7 +16,7 @@ step and makes the loop print NaN), the enabled model's layers are moved as
 ``fit``'s float32 fallback moves them (``fallback.decide_with`` on the step at
 loss scale 1, ``lifecycle.apply_fallback``), before the user's step is traced:
 a step already traced keeps the call it traced (tfamp cannot retrace a plain
-``tf.function``). Only the model's own layers move (``_in_model``: a scope pattern
+``tf.function``). Only the model's own layers move (``call_scopes.in_model``: a scope pattern
 for "sequential" also matches another model's "sequential_1"); a step of several
 enabled models is calibrated once per model. Under ``TFAMP_ENABLE`` the start-up hook
 does the moving
@@ -27,7 +27,6 @@ one device's batch.
 from __future__ import annotations
 
 import logging
-import re
 
 import tensorflow as tf
 
@@ -145,7 +144,7 @@ def keep_overflowing_layers_fp32(step, args, kwargs, model, lifecycle) -> bool:
                     " or use dtype='bfloat16'.", who, type(err).__name__, err)
         return False
     if decision.kind == fallback.MOVED:
-        others = [f.layer for f in decision.findings if not _in_model(f.layer, model)]
+        others = [f.layer for f in decision.findings if not call_scopes.in_model(f.layer, model)]
         if others:  # (a scope pattern can match another model: "sequential_1")
             log.warning("tfamp: %s: its float16 step overflows at every loss scale in "
                         "layer %r, which is not one of this model's: nothing moved. Call "
@@ -161,18 +160,6 @@ def keep_overflowing_layers_fp32(step, args, kwargs, model, lifecycle) -> bool:
     else:
         log.warning("%s", fallback.stopped_message(who, decision))
     return False
-
-
-def _in_model(scope: str, model) -> bool:
-    """Is the layer scope `scope` (a trace's: "pipe_1/block/dense_2/einsum") inside
-    `model`? Below the model's own scope, a component, with or without TensorFlow's
-    call suffix, must name one of its layers (Keras names layers uniquely in a
-    session, where a scope pattern for "sequential" also matches "sequential_1")."""
-    names = call_scopes.layer_names(model) - {model.name}
-    parts = scope.strip("/").split("/")[1:]
-    if not parts:
-        return True  # (an op in the model's own scope)
-    return any(part in names or re.sub(r"_\d+$", "", part) in names for part in parts)
 
 
 def _custom_loop_owner(model, lifecycle):

@@ -63,3 +63,19 @@ def outside_pattern(model) -> str:
       True
     """
     return rf"^(?!(gradient_tape/)?{re.escape(model.name)}(_\d+)?/)"
+
+
+def in_model(scope: str, model) -> bool:
+    """Is the layer scope `scope` (a trace's: "pipe_1/block/dense_2/einsum") inside
+    `model`? Below the model's own scope, a component, with or without TensorFlow's
+    ``_<n>`` call suffix, must name one of its layers (Keras names layers uniquely in
+    a session, where a pattern for "sequential" also matches "sequential_1")."""
+    names = layer_names(model) - {model.name}
+    parts = scope.strip("/").split("/")[1:]
+    if not parts:
+        return True  # (an op in the model's own scope)
+    for part in parts:
+        base = _CALL_SUFFIX.fullmatch(part)
+        if part in names or base is not None and base.group(1) in names:
+            return True
+    return False
